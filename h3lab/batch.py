@@ -1,0 +1,163 @@
+"""`PackedBatch`: one packed MiniMax-H3 request as 2-D rows, plus its upstream gradient.
+
+Dimension legend: S packed rows, D hidden_size, T distinct timesteps, E time_embed_dim.
+
+H3 packs text, video and audio rows into one sequence; every row carries its AdaLN table row
+(`adaln_indices = timestep_index * 3 + modality`), its (t, h, w) rotary position and a logical
+key. The key, not the physical position, names a row: weight gradients reduce rows in ascending
+key order, so any permutation or sharding of the rows gives the same bytes. Rows whose first key
+is negative are padding: dropped from every reduction, never an attention key, zero in `out`/`dx`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from h3lab.config import NUM_MODALITIES, H3Config
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class PackedBatch:
+    """One packed sequence. Validated on construction; raises `ValueError` naming the bad field."""
+
+    hidden_states: Tensor  # [S, D], bf16 (canonical) or fp32 (parity studies)
+    temb: Tensor  # [T, E] float32, as the model's time embedder gives it
+    adaln_indices: Tensor  # [S] int64 in [0, 3T)
+    position_ids: Tensor  # [S, 3] int64 (t, h, w)
+    logical_keys: Tensor  # [S, 2] int64; first key < 0 marks padding
+    grad_out: Tensor  # [S, D], dtype of hidden_states
+
+    def __post_init__(self) -> None:
+        h, g = self.hidden_states, self.grad_out
+        _expect(h.ndim == 2, "hidden_states", f"must be 2-D [S, hidden], got shape {list(h.shape)}")
+        _expect(h.dtype in ACTIVATION_DTYPES, "hidden_states",
+                f"dtype {h.dtype} not allowed; allowed: {list(ACTIVATION_DTYPES)}")
+        S, D = h.shape
+        _expect(S >= 1, "hidden_states", "needs at least one row")
+        _expect(self.temb.ndim == 2 and self.temb.shape[0] >= 1, "temb",
+                f"must be [timesteps, time_embed_dim], got shape {list(self.temb.shape)}")
+        _expect(self.temb.dtype == torch.float32, "temb",
+                f"must be float32 (the time embedder's dtype), got {self.temb.dtype}")
+        _expect(tuple(g.shape) == (S, D), "grad_out", f"shape {list(g.shape)} != hidden_states {[S, D]}")
+        _expect(g.dtype == h.dtype, "grad_out", f"dtype {g.dtype} != hidden_states dtype {h.dtype}")
+        for name, want in (("adaln_indices", (S,)), ("position_ids", (S, 3)), ("logical_keys", (S, 2))):
+            t = getattr(self, name)
+            _expect(tuple(t.shape) == want, name, f"shape {list(t.shape)}, expected {list(want)}")
+            _expect(t.dtype == torch.int64, name, f"dtype {t.dtype}, expected torch.int64")
+        devices = {t.device for t in (h, g, self.temb, self.adaln_indices, self.position_ids, self.logical_keys)}
+        _expect(len(devices) == 1, "PackedBatch", f"tensors on several devices {sorted(map(str, devices))}")
+        rows = 3 * self.temb.shape[0]
+        lo, hi = int(self.adaln_indices.min()), int(self.adaln_indices.max())
+        _expect(lo >= 0 and hi < rows, "adaln_indices",
+                f"values span [{lo}, {hi}]; allowed: [0, {rows - 1}] (3 modalities x {rows // 3} timesteps)")
+        keys = self.logical_keys[self.active]
+        if keys.shape[0] != torch.unique(keys, dim=0).shape[0]:
+            _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
+            dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
+            raise ValueError(f"logical_keys: duplicate active key {dup}; active keys must be unique")
+        _expect(bool(self.active.any()), "logical_keys", "every row is padding; need one active row")
+
+    @property
+    def num_rows(self) -> int:
+        return self.hidden_states.shape[0]
+
+    @property
+    def num_timesteps(self) -> int:
+        return self.temb.shape[0]
+
+    @property
+    def active(self) -> Tensor:
+        """[S] bool: rows that are not padding."""
+        return self.logical_keys[:, 0] >= 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden_states.device
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(**{k: getattr(self, k).to(device) for k in FIELDS})
+
+    def rows(self, index: Tensor | slice) -> PackedBatch:
+        """The batch restricted to some rows (per-row tensors sliced together; `temb` kept)."""
+        return PackedBatch(temb=self.temb, **{k: getattr(self, k)[index] for k in ROW_FIELDS})
+
+
+ROW_FIELDS = ("hidden_states", "adaln_indices", "position_ids", "logical_keys", "grad_out")
+FIELDS = ("hidden_states", "temb", "adaln_indices", "position_ids", "logical_keys", "grad_out")
+
+
+def _expect(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def packed_batch(
+    config: H3Config,
+    rows: int = 264,
+    *,
+    seed: int,
+    padding: int = 0,
+    num_timesteps: int = 3,
+    dtype: torch.dtype = torch.bfloat16,
+) -> PackedBatch:
+    """A realistic packed request of `rows` active rows plus `padding` padding rows.
+
+    The packing follows H3's: a text prefix, then video latent frames, each followed by the audio
+    rows of its time span, so modalities interleave. Text and the first (conditioning) frame sit
+    at timestep 0 (clean), the target video at timestep 1, audio at timestep 2 (with 2 timesteps,
+    audio shares timestep 1). Logical keys are (request 0, token index in packed order); padding
+    rows carry random contents, key (-1, j) and are appended at the end.
+    """
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
+    if not isinstance(padding, int) or padding < 0:
+        raise ValueError(f"padding must be a non-negative int, got {padding!r}")
+    if not isinstance(num_timesteps, int) or num_timesteps < 2:
+        raise ValueError(f"num_timesteps must be an int >= 2, got {num_timesteps!r}")
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"dtype {dtype} not allowed; allowed: {list(ACTIVATION_DTYPES)}")
+    gen = torch.Generator().manual_seed(seed)
+    modality, timestep, pos = _pack_layout(rows, num_timesteps)
+    S, D = rows + padding, config.hidden_size
+    keys = torch.stack([torch.zeros(rows, dtype=torch.int64), torch.arange(rows)], dim=1)
+    if padding:
+        modality = torch.cat([modality, torch.randint(0, NUM_MODALITIES, (padding,), generator=gen)])
+        timestep = torch.cat([timestep, torch.randint(0, num_timesteps, (padding,), generator=gen)])
+        pos = torch.cat([pos, torch.randint(0, 64, (padding, 3), generator=gen)])
+        pad_keys = torch.stack([torch.full((padding,), -1), torch.arange(padding)], dim=1)
+        keys = torch.cat([keys, pad_keys])
+    return PackedBatch(
+        hidden_states=torch.randn(S, D, generator=gen).to(dtype),
+        temb=torch.randn(num_timesteps, config.time_embed_dim, generator=gen),
+        adaln_indices=timestep * NUM_MODALITIES + modality,
+        position_ids=pos,
+        logical_keys=keys,
+        grad_out=torch.randn(S, D, generator=gen).to(dtype),
+    )
+
+
+def _pack_layout(rows: int, num_timesteps: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(modality [S], timestep index [S], (t, h, w) positions [S, 3]) of an H3-style packing."""
+    num_text = max(1, rows // 8)
+    grid_h, grid_w, audio_per_frame = 4, 6, 3  # 24 video rows then 3 audio rows per latent frame
+    modality, timestep, pos = [], [], []
+    for i in range(num_text):
+        modality.append(MODALITY_TEXT), timestep.append(0), pos.append((i, 0, 0))
+    frame = 0
+    while len(modality) < rows:
+        for h in range(grid_h):
+            for w in range(grid_w):
+                modality.append(MODALITY_VIDEO), timestep.append(0 if frame == 0 else 1)
+                pos.append((frame, h, w))
+        for a in range(audio_per_frame):
+            modality.append(MODALITY_AUDIO), timestep.append(min(2, num_timesteps - 1))
+            pos.append((frame, 0, a))
+        frame += 1
+    to = lambda xs: torch.tensor(xs[:rows], dtype=torch.int64)  # noqa: E731
+    return to(modality), to(timestep), to(pos)
