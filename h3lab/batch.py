@@ -36,14 +36,23 @@ class PackedBatch:
     def __post_init__(self) -> None:
         h, g = self.hidden_states, self.grad_out
         _expect(h.ndim == 2, "hidden_states", f"must be 2-D [S, hidden], got shape {list(h.shape)}")
-        _expect(h.dtype in ACTIVATION_DTYPES, "hidden_states",
-                f"dtype {h.dtype} not allowed; allowed: {list(ACTIVATION_DTYPES)}")
+        _expect(
+            h.dtype in ACTIVATION_DTYPES,
+            "hidden_states",
+            f"dtype {h.dtype} not allowed; allowed: {list(ACTIVATION_DTYPES)}",
+        )
         S, D = h.shape
         _expect(S >= 1, "hidden_states", "needs at least one row")
-        _expect(self.temb.ndim == 2 and self.temb.shape[0] >= 1, "temb",
-                f"must be [timesteps, time_embed_dim], got shape {list(self.temb.shape)}")
-        _expect(self.temb.dtype == torch.float32, "temb",
-                f"must be float32 (the time embedder's dtype), got {self.temb.dtype}")
+        _expect(
+            self.temb.ndim == 2 and self.temb.shape[0] >= 1,
+            "temb",
+            f"must be [timesteps, time_embed_dim], got shape {list(self.temb.shape)}",
+        )
+        _expect(
+            self.temb.dtype == torch.float32,
+            "temb",
+            f"must be float32 (the time embedder's dtype), got {self.temb.dtype}",
+        )
         _expect(tuple(g.shape) == (S, D), "grad_out", f"shape {list(g.shape)} != hidden_states {[S, D]}")
         _expect(g.dtype == h.dtype, "grad_out", f"dtype {g.dtype} != hidden_states dtype {h.dtype}")
         for name, want in (("adaln_indices", (S,)), ("position_ids", (S, 3)), ("logical_keys", (S, 2))):
@@ -54,8 +63,11 @@ class PackedBatch:
         _expect(len(devices) == 1, "PackedBatch", f"tensors on several devices {sorted(map(str, devices))}")
         rows = 3 * self.temb.shape[0]
         lo, hi = int(self.adaln_indices.min()), int(self.adaln_indices.max())
-        _expect(lo >= 0 and hi < rows, "adaln_indices",
-                f"values span [{lo}, {hi}]; allowed: [0, {rows - 1}] (3 modalities x {rows // 3} timesteps)")
+        _expect(
+            lo >= 0 and hi < rows,
+            "adaln_indices",
+            f"values span [{lo}, {hi}]; allowed: [0, {rows - 1}] (3 modalities x {rows // 3} timesteps)",
+        )
         keys = self.logical_keys[self.active]
         if keys.shape[0] != torch.unique(keys, dim=0).shape[0]:
             _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)

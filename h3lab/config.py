@@ -186,8 +186,13 @@ NAMED_CONFIGS = ("tiny", "real")
 
 def block_param_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
     """Parameter names (inside `transformer_blocks.{i}.`) and shapes of one block, diffusers order."""
-    D, A, F, E, Dh = (config.hidden_size, config.inner_dim, config.ffn_dim, config.time_embed_dim,
-                      config.attention_head_dim)
+    D, A, F, E, Dh = (
+        config.hidden_size,
+        config.inner_dim,
+        config.ffn_dim,
+        config.time_embed_dim,
+        config.attention_head_dim,
+    )
     return {
         "norm1.weight": (D,),
         "attn.to_q.weight": (A, D),
@@ -232,15 +237,17 @@ def model_param_shapes(config: H3Config, num_blocks: int | None = None) -> dict[
     for i in range(n):
         for k, v in block_param_shapes(config).items():
             shapes[f"transformer_blocks.{i}.{k}"] = v
-    shapes.update({
-        "norm_out.norm.weight": (D,),
-        "norm_out.linear.weight": (2 * D, E),
-        "norm_out.linear.bias": (2 * D,),
-        "proj_out.weight": (config.video_patch_dim, D),
-        "proj_out.bias": (config.video_patch_dim,),
-        "audio_proj_out.weight": (config.audio_in_channels, D),
-        "audio_proj_out.bias": (config.audio_in_channels,),
-    })
+    shapes.update(
+        {
+            "norm_out.norm.weight": (D,),
+            "norm_out.linear.weight": (2 * D, E),
+            "norm_out.linear.bias": (2 * D,),
+            "proj_out.weight": (config.video_patch_dim, D),
+            "proj_out.bias": (config.video_patch_dim,),
+            "audio_proj_out.weight": (config.audio_in_channels, D),
+            "audio_proj_out.bias": (config.audio_in_channels,),
+        }
+    )
     return shapes
 
 

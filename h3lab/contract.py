@@ -1,0 +1,106 @@
+"""The determinism contract `h3-parallel-v1`, as code.
+
+1. Eight canonical reduction units. Unit j is heads [j*H/8, (j+1)*H/8) of to_q, to_k, to_v and
+   the matching input columns of to_out.0; SwiGLU columns [j*F/8, (j+1)*F/8) of the hidden and
+   gate halves of ff.net.0 and the matching input columns of ff.net.2; AdaLN output columns
+   [j*18D/8, (j+1)*18D/8) of adaln_proj.linear.
+2. A reduction that crosses units (row-parallel forward, dX of column-parallel projections, the
+   q/k-norm weight gradients, d temb) is: FP32 partial per unit, then the fixed balanced tree
+   ((u0+u1)+(u2+u3))+((u4+u5)+(u6+u7)), then one rounding. TP 2/4/8 ranks hold contiguous units
+   and compute exactly the subtree of their units; the collective finishes the upper levels.
+3. Inside a unit, and everywhere else, a reduction is a left-to-right FP32 chain in a documented
+   order (GEMMs: k ascending; dX of fused weights: q,k,v / hidden,gate; rows: ascending
+   `logical_keys`, padding dropped) or a balanced pairwise tree over a row-local vector
+   (norm sums of squares, softmax denominators). No reduction order depends on the number of
+   rows, on which rows share a call, on the layout or on the physical order of rows.
+4. Every op computes in FP32 from its stored inputs and rounds once to its output dtype.
+5. Strict mode fails closed: TF32 and reduced-precision reductions off; unsupported dtypes,
+   shapes and devices raise `ValueError` instead of falling back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from h3lab.config import NUM_UNITS
+from h3lab.ops.fixed import unit_tree
+
+CONTRACT_ID = "h3-parallel-v1"
+TREE_SHAPE = "((u0+u1)+(u2+u3))+((u4+u5)+(u6+u7))"
+SUPPORTED_DEVICES = ("cpu", "cuda")
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+
+__all__ = [
+    "ACTIVATION_DTYPES",
+    "CONTRACT_ID",
+    "NUM_UNITS",
+    "SUPPORTED_DEVICES",
+    "TREE_SHAPE",
+    "check_device",
+    "describe",
+    "strict_mode",
+    "unit_tree",
+    "units_of_rank",
+]
+
+
+def units_of_rank(tp_rank: int, tp_size: int) -> range:
+    """The canonical units tensor-parallel rank `tp_rank` of `tp_size` holds (contiguous)."""
+    if tp_size not in (1, 2, 4, 8):
+        raise ValueError(f"tp size {tp_size} not allowed; allowed: 1, 2, 4, 8 (subtrees of the 8-unit tree)")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp rank {tp_rank} out of range [0, {tp_size})")
+    per = NUM_UNITS // tp_size
+    return range(tp_rank * per, (tp_rank + 1) * per)
+
+
+def check_device(device: torch.device) -> None:
+    if device.type not in SUPPORTED_DEVICES:
+        raise ValueError(f"device {device} not supported in strict mode; allowed: {list(SUPPORTED_DEVICES)}")
+
+
+def _tf32_state() -> dict[str, object]:
+    return {
+        "torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+    }
+
+
+@contextlib.contextmanager
+def strict_mode() -> Iterator[None]:
+    """Fail closed on TF32; switch reduced-precision reductions off for the duration (restored after).
+
+    Raises:
+        ValueError: TF32 is switched on. h3lab refuses to override a user's explicit TF32 choice
+            silently: switch it off (`torch.backends.cuda.matmul.allow_tf32 = False`,
+            `torch.set_float32_matmul_precision("highest")`).
+    """
+    state = _tf32_state()
+    if state["torch.backends.cuda.matmul.allow_tf32"] or state["torch.get_float32_matmul_precision()"] != "highest":
+        raise ValueError(f"strict mode forbids TF32, found {state}; allowed: allow_tf32=False, precision 'highest'")
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = False
+        matmul.allow_fp16_reduced_precision_reduction = False
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+def describe() -> dict[str, object]:
+    """The contract as data, recorded in every run's results."""
+    return {
+        "contract": CONTRACT_ID,
+        "num_units": NUM_UNITS,
+        "tree": TREE_SHAPE,
+        "partials": "float32",
+        "rounding": "one round-to-nearest-even per op output",
+        "gemm_order": "k ascending, one FP32 chain per unit",
+        "row_order": "ascending logical_keys, padding (first key < 0) dropped",
+        "fused_dx_order": {"attn": "q,k,v", "ff.net.0": "hidden,gate"},
+        "strict": {"tf32": False, "reduced_precision_reduction": False, "fallback": None},
+    }

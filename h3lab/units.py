@@ -1,0 +1,89 @@
+"""Canonical units of one block's weights: views, never copies, of the diffusers tensors.
+
+Unit u (of 8): heads [u*H/8, (u+1)*H/8) of to_q/to_k/to_v (rows) and to_out.0 (input columns);
+SwiGLU columns [u*F/8, (u+1)*F/8) of ff.net.0's hidden and gate halves (rows) and ff.net.2
+(input columns); AdaLN output columns [u*18D/8, (u+1)*18D/8) of adaln_proj.linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from h3lab.config import NUM_UNITS, H3Config
+from h3lab.weights import BlockWeights
+
+UNIT_SHARDED = (
+    "attn.to_q.weight",
+    "attn.to_k.weight",
+    "attn.to_v.weight",
+    "attn.to_out.0.weight",
+    "ff.net.0.proj.weight",
+    "ff.net.2.weight",
+    "adaln_proj.linear.weight",
+    "adaln_proj.linear.bias",
+)
+REPLICATED = ("norm1.weight", "norm2.weight", "attn.norm_q.weight", "attn.norm_k.weight")
+
+
+@dataclass(frozen=True, eq=False)
+class UnitWeights:
+    """The slices of a block that a rank holding `units` reads (all 8 in one process)."""
+
+    config: H3Config
+    units: range
+    replicated: dict[str, Tensor]  # norm1, norm2, norm_q, norm_k: every rank reads all
+    q: dict[int, Tensor]  # [A/8, D] per unit
+    k: dict[int, Tensor]
+    v: dict[int, Tensor]
+    out: dict[int, Tensor]  # [D, A/8]
+    hidden: dict[int, Tensor]  # [F/8, D]
+    gate: dict[int, Tensor]
+    down: dict[int, Tensor]  # [D, F/8]
+    adaln_w: dict[int, Tensor]  # [18D/8, E]
+    adaln_b: dict[int, Tensor]  # [18D/8]
+
+
+def unit_weights(weights: BlockWeights, units: range = range(NUM_UNITS)) -> UnitWeights:
+    """Views of `weights` for the canonical units `units` (applied from outside; tensors untouched)."""
+    if not units or units.start < 0 or units.stop > NUM_UNITS or units.step != 1:
+        raise ValueError(f"units {units} must be a contiguous sub-range of range({NUM_UNITS})")
+    c = weights.config
+    A8, F8, G8 = c.inner_dim // NUM_UNITS, c.ffn_dim // NUM_UNITS, c.adaln_dim // NUM_UNITS
+    w, F = weights, c.ffn_dim
+    rows = lambda t, n, u, off=0: t[off + u * n : off + (u + 1) * n]  # noqa: E731
+    cols = lambda t, n, u: t[:, u * n : (u + 1) * n]  # noqa: E731
+    return UnitWeights(
+        config=c,
+        units=units,
+        replicated={k: w[k] for k in REPLICATED},
+        q={u: rows(w["attn.to_q.weight"], A8, u) for u in units},
+        k={u: rows(w["attn.to_k.weight"], A8, u) for u in units},
+        v={u: rows(w["attn.to_v.weight"], A8, u) for u in units},
+        out={u: cols(w["attn.to_out.0.weight"], A8, u) for u in units},
+        hidden={u: rows(w["ff.net.0.proj.weight"], F8, u) for u in units},
+        gate={u: rows(w["ff.net.0.proj.weight"], F8, u, F) for u in units},
+        down={u: cols(w["ff.net.2.weight"], F8, u) for u in units},
+        adaln_w={u: rows(w["adaln_proj.linear.weight"], G8, u) for u in units},
+        adaln_b={u: rows(w["adaln_proj.linear.bias"], G8, u) for u in units},
+    )
+
+
+def assemble_unit_grads(grads: dict[str, dict[int, Tensor]], units: range) -> dict[str, Tensor]:
+    """Per-unit weight gradients -> diffusers-shaped tensors covering `units` (the full tensor for all 8).
+
+    ff.net.0.proj.weight stacks the hidden rows of `units`, then their gate rows.
+    """
+    cat0 = lambda name: torch.cat([grads[name][u] for u in units], dim=0)  # noqa: E731
+    return {
+        "attn.to_q.weight": cat0("attn.to_q.weight"),
+        "attn.to_k.weight": cat0("attn.to_k.weight"),
+        "attn.to_v.weight": cat0("attn.to_v.weight"),
+        "attn.to_out.0.weight": torch.cat([grads["attn.to_out.0.weight"][u] for u in units], dim=1),
+        "ff.net.0.proj.weight": torch.cat([cat0("ff.hidden"), cat0("ff.gate")], dim=0),
+        "ff.net.2.weight": torch.cat([grads["ff.net.2.weight"][u] for u in units], dim=1),
+        "adaln_proj.linear.weight": cat0("adaln_proj.linear.weight"),
+        "adaln_proj.linear.bias": cat0("adaln_proj.linear.bias"),
+    }
