@@ -19,6 +19,7 @@ from torch import Tensor
 from h3lab.config import NUM_MODALITIES, H3Config
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+SUPPORTED_DEVICES = ("cpu", "cuda")
 MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2
 
 
@@ -61,6 +62,11 @@ class PackedBatch:
             _expect(t.dtype == torch.int64, name, f"dtype {t.dtype}, expected torch.int64")
         devices = {t.device for t in (h, g, self.temb, self.adaln_indices, self.position_ids, self.logical_keys)}
         _expect(len(devices) == 1, "PackedBatch", f"tensors on several devices {sorted(map(str, devices))}")
+        _expect(
+            h.device.type in SUPPORTED_DEVICES,
+            "PackedBatch",
+            f"device {h.device} not supported; allowed: {list(SUPPORTED_DEVICES)}",
+        )
         rows = 3 * self.temb.shape[0]
         lo, hi = int(self.adaln_indices.min()), int(self.adaln_indices.max())
         _expect(

@@ -25,13 +25,12 @@ from collections.abc import Iterator
 
 import torch
 
+from h3lab.batch import ACTIVATION_DTYPES, SUPPORTED_DEVICES
 from h3lab.config import NUM_UNITS
 from h3lab.ops.fixed import unit_tree
 
 CONTRACT_ID = "h3-parallel-v1"
 TREE_SHAPE = "((u0+u1)+(u2+u3))+((u4+u5)+(u6+u7))"
-SUPPORTED_DEVICES = ("cpu", "cuda")
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 
 __all__ = [
     "ACTIVATION_DTYPES",

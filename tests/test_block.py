@@ -1,0 +1,171 @@
+"""The canonical block's invariances, byte for byte, and its fail-closed checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from h3lab import H3Config, PackedBatch, canonical_block, packed_batch, synthetic_block
+from h3lab.batch import ROW_FIELDS
+from h3lab.contract import strict_mode
+from h3lab.ops.fixed import chain_mm, unit_tree
+from h3lab.units import unit_weights
+from tests.conftest import assert_bitwise
+
+
+def _assert_same_result(a, b, rows_a=slice(None), rows_b=slice(None)):
+    assert_bitwise(a.out[rows_a], b.out[rows_b], "out")
+    assert_bitwise(a.dx[rows_a], b.dx[rows_b], "dx")
+    assert_bitwise(a.dtemb, b.dtemb, "dtemb")
+    assert a.dw.keys() == b.dw.keys()
+    for name in a.dw:
+        assert_bitwise(a.dw[name], b.dw[name], f"dw {name}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_weights, tiny_batch):
+    return canonical_block(tiny_weights, tiny_batch)
+
+
+def test_two_runs_give_identical_bytes_and_seeds_matter(tiny, tiny_weights, tiny_batch, reference):
+    _assert_same_result(canonical_block(tiny_weights, tiny_batch), reference)
+    other = canonical_block(tiny_weights, packed_batch(tiny, 264, seed=13))
+    assert not torch.equal(other.out, reference.out)
+    assert not torch.equal(other.dw["attn.to_q.weight"], reference.dw["attn.to_q.weight"])
+    other_w = canonical_block(synthetic_block(tiny, 0, seed=99), tiny_batch)
+    assert not torch.equal(other_w.dx, reference.dx)
+
+
+def _insert_padding(batch: PackedBatch, num: int, seed: int, poison: bool) -> tuple[PackedBatch, torch.Tensor]:
+    """`batch` with `num` padding rows of arbitrary contents at random positions; returns active rows' index."""
+    g = torch.Generator().manual_seed(seed)
+    S, D = batch.hidden_states.shape
+    pad = {
+        "hidden_states": torch.randn(num, D, generator=g).to(batch.hidden_states.dtype) * 50,
+        "adaln_indices": torch.randint(0, 3 * batch.num_timesteps, (num,), generator=g),
+        "position_ids": torch.randint(0, 1000, (num, 3), generator=g),
+        "logical_keys": torch.stack([-torch.randint(1, 9, (num,), generator=g), torch.arange(num)], 1),
+        "grad_out": torch.randn(num, D, generator=g).to(batch.grad_out.dtype) * 50,
+    }
+    if poison:  # NaN and inf in padding must not reach an active row
+        pad["hidden_states"][0, :5] = float("nan")
+        pad["grad_out"][-1, :5] = float("inf")
+    perm = torch.randperm(S + num, generator=g)
+    fields = {k: torch.cat([getattr(batch, k), pad[k]])[perm] for k in ROW_FIELDS}
+    where_active = torch.argsort(perm)[:S]  # new position of each original row
+    return PackedBatch(temb=batch.temb, **fields), where_active
+
+
+@pytest.mark.parametrize(("num", "poison"), [(1, False), (37, True)])
+def test_padding_rows_change_nothing(tiny_weights, tiny_batch, reference, num, poison):
+    padded, where = _insert_padding(tiny_batch, num, seed=num, poison=poison)
+    result = canonical_block(tiny_weights, padded)
+    _assert_same_result(result, reference, rows_a=where)
+    pad_rows = ~padded.active
+    assert (result.out[pad_rows] == 0).all() and (result.dx[pad_rows] == 0).all()
+
+
+def test_row_order_changes_nothing_but_the_order(tiny_weights, tiny_batch, reference):
+    perm = torch.randperm(tiny_batch.num_rows, generator=torch.Generator().manual_seed(5))
+    permuted = tiny_batch.rows(perm)
+    _assert_same_result(canonical_block(tiny_weights, permuted), reference, rows_b=perm)
+
+
+def test_bf16_and_fp32_both_run_and_differ_by_rounding_only(tiny_weights, tiny_batch, reference):
+    fp32 = canonical_block(tiny_weights.to(dtype=torch.float32), _to(tiny_batch, torch.float32))
+    rel = (fp32.out.double() - reference.out.double()).norm() / fp32.out.double().norm()
+    assert rel < 2e-2  # bf16 storage (eps 2^-8) over a dozen roundings, not a bug-sized difference
+
+
+def _to(batch: PackedBatch, dtype: torch.dtype) -> PackedBatch:
+    return dataclasses.replace(batch, hidden_states=batch.hidden_states.to(dtype), grad_out=batch.grad_out.to(dtype))
+
+
+# ---- every GEMM of the block: sub-batches, column slices and TP groupings --------------------
+
+
+def _gemm_operands(config: H3Config, weights, seed: int):
+    """(name, x [R, K] bf16, W^T [K, N]) for the block's six projection weights at their real roles."""
+    uw = unit_weights(weights)
+    g = torch.Generator().manual_seed(seed)
+    x = lambda k: torch.randn(264, k, generator=g).bfloat16()  # noqa: E731
+    D, A, F = config.hidden_size, config.inner_dim, config.ffn_dim
+    return [
+        ("to_q", x(D), weights["attn.to_q.weight"].t()),
+        ("ff.net.0", x(D), weights["ff.net.0.proj.weight"].t()),
+        ("to_out", x(A), weights["attn.to_out.0.weight"].t()),
+        ("ff.net.2", x(F), weights["ff.net.2.weight"].t()),
+        ("dx to_q", x(A), weights["attn.to_q.weight"]),
+        ("adaln", x(config.time_embed_dim)[:6], uw.adaln_w[3].t()),
+    ]
+
+
+def test_every_gemm_is_row_and_column_invariant(tiny, tiny_weights):
+    for name, x, w in _gemm_operands(tiny, tiny_weights, seed=3):
+        full = chain_mm(x, w)
+        for rows in (slice(0, 1), slice(5, 22), slice(x.shape[0] - 3, None)):
+            assert_bitwise(chain_mm(x[rows], w), full[rows], f"{name} rows {rows}")
+        for cols in (slice(0, 7), slice(w.shape[1] // 2, None)):
+            assert_bitwise(chain_mm(x, w[:, cols]), full[:, cols], f"{name} cols {cols}")
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_unit_partials_grouped_by_tp_give_the_tp1_bytes(tiny, tiny_weights, tp):
+    uw = unit_weights(tiny_weights)
+    g = torch.Generator().manual_seed(tp)
+    attn = torch.randn(264, tiny.inner_dim, generator=g).bfloat16()
+    A8 = tiny.inner_dim // 8
+    partials = [chain_mm(attn[:, u * A8 : (u + 1) * A8], uw.out[u].t()) for u in range(8)]  # to_out, row-parallel
+    dq = torch.randn(264, tiny.inner_dim, generator=g).bfloat16()
+    dx_partials = [  # dX of q,k,v (column-parallel): one chain per unit over its q, k, v blocks in order
+        chain_mm(dq[:, s], uw.v[u], chain_mm(dq[:, s], uw.k[u], chain_mm(dq[:, s], uw.q[u])))
+        for u in range(8)
+        for s in [slice(u * A8, (u + 1) * A8)]
+    ]
+    per = 8 // tp
+    for parts, what in ((partials, "to_out"), (dx_partials, "qkv dx")):
+        roots = [unit_tree(parts[r * per : (r + 1) * per]) for r in range(tp)]
+        assert_bitwise(unit_tree(roots), unit_tree(parts), f"{what} TP{tp}")
+
+
+# ---- fail closed ---------------------------------------------------------------------------
+
+
+def test_tf32_in_strict_mode_raises(tiny_weights, tiny_batch):
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with pytest.raises(ValueError, match="strict mode forbids TF32"):
+            canonical_block(tiny_weights, tiny_batch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    prec = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with pytest.raises(ValueError, match="strict mode forbids TF32"), strict_mode():
+            pass
+    finally:
+        torch.set_float32_matmul_precision(prec)
+
+
+def test_strict_mode_restores_reduced_precision_flags():
+    m = torch.backends.cuda.matmul
+    before = m.allow_bf16_reduced_precision_reduction
+    with strict_mode():
+        assert m.allow_bf16_reduced_precision_reduction is False
+    assert m.allow_bf16_reduced_precision_reduction == before
+
+
+def test_mismatched_shapes_and_devices_raise(tiny, tiny_weights, tiny_batch):
+    wrong = packed_batch(H3Config.tiny().replace(hidden_size=96, time_embed_dim=96), 16, seed=1)
+    with pytest.raises(ValueError, match="hidden_size is 192"):
+        canonical_block(tiny_weights, wrong)
+    with pytest.raises(ValueError, match="allowed: \\['cpu', 'cuda'\\]"):
+        canonical_block(tiny_weights, tiny_batch.to("meta"))
+
+
+def test_heads_not_divisible_by_8_raise():
+    with pytest.raises(ValueError, match="num_attention_heads=12 is not divisible by the 8"):
+        H3Config.tiny().replace(num_attention_heads=12)
