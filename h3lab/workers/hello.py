@@ -1,0 +1,33 @@
+"""A minimal worker: joins the process group, all-gathers its rank, reports listening sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(got, torch.tensor([float(rank)]))
+    pids = [os.getpid(), os.getppid()]
+    listening = sorted({
+        f"{c.laddr.ip}:{c.laddr.port}"
+        for pid in pids for c in psutil.Process(pid).net_connections("tcp") if c.status == "LISTEN"
+    })  # fmt: skip
+    record = {"rank": rank, "world": world, "gathered": [float(g) for g in got], "listening": listening}
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
