@@ -59,18 +59,29 @@ def pair_sum(x: Tensor, dim: int = -1) -> Tensor:
     return x[..., 0]
 
 
+def balanced_tree(parts: Sequence[Tensor]) -> Tensor:
+    """Sum `parts` (in order) by recursive halving, left half = the first ceil(n/2), lower half first.
+
+    For a power of two this is the level-by-level pairwise tree; for 3 parts (p0+p1)+p2, for 5
+    ((p0+p1)+p2)+(p3+p4). Deterministic collectives use it over ranks in group order.
+    """
+    if not parts:
+        raise ValueError("balanced_tree needs at least one part")
+    if len(parts) == 1:
+        return parts[0]
+    mid = (len(parts) + 1) // 2
+    return balanced_tree(parts[:mid]) + balanced_tree(parts[mid:])
+
+
 def unit_tree(partials: Sequence[Tensor]) -> Tensor:
     """The contract's balanced tree over 2^k partials, lower subtree first.
 
     For 8 units: ((u0+u1)+(u2+u3))+((u4+u5)+(u6+u7)). A rank holding units [j, j+n) computes its
     subtree with this same function; the collective applies it again over the ranks' roots.
     """
-    level = list(partials)
-    if not level or len(level) & (len(level) - 1):
-        raise ValueError(f"unit_tree needs a power-of-two number of partials, got {len(level)}")
-    while len(level) > 1:
-        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
-    return level[0]
+    if not partials or len(partials) & (len(partials) - 1):
+        raise ValueError(f"unit_tree needs a power-of-two number of partials, got {len(partials)}")
+    return balanced_tree(partials)
 
 
 # Columns per step of the chain on CPU: a [264, 2048] fp32 accumulator (2.1 MB) stays in L2;
