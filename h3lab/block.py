@@ -11,19 +11,21 @@ drive it through a `BlockComm` and a `UnitWeights` slice, `canonical_block` with
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend, get_backend
 from h3lab.batch import PackedBatch
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
 from h3lab.ops import attention as att
 from h3lab.ops.ffn import gated_residual, silu, silu_bwd, swiglu_bwd, swiglu_fwd
-from h3lab.ops.fixed import chain_mm, chain_sum, round_to, unit_tree
+from h3lab.ops.fixed import chain_sum, round_to, unit_tree
 from h3lab.ops.norm import qk_norm_rope_bwd, qk_norm_rope_fwd, rms_modulate_bwd, rms_modulate_fwd, rope_tables
-from h3lab.ops.rows import key_order, row_mm, row_sum, segment_sum
+from h3lab.ops.rows import key_order
 from h3lab.result import BlockResult
 from h3lab.units import UnitWeights, assemble_unit_grads, unit_weights
 from h3lab.weights import BlockWeights
@@ -38,14 +40,17 @@ class BlockStep:
     dw_units: dict[str, dict[int, Tensor]]  # unit-sharded parameters, per unit
     dw_replicated: dict[str, Tensor]  # norm1, norm2, norm_q, norm_k (every rank holds all)
     dtemb: Tensor  # [T, E] float32
+    timings: dict[str, float]  # forward_s, backward_s (this rank, collectives included)
 
 
-def canonical_block(weights: BlockWeights, batch: PackedBatch) -> BlockResult:
+def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str | None = None) -> BlockResult:
     """Forward, dX, every dW and d temb of one H3 block under the h3-parallel-v1 contract.
 
     Args:
         weights: one block's tensors (`h3lab.load_block` or `h3lab.weights.synthetic_block`).
         batch: one packed request with its upstream gradient (`h3lab.packed_batch`).
+        backend: "torch" (default, CPU and GPU), "triton" (GPU) or "baseline" (library kernels,
+            not layout-invariant: the reference point of the baseline mode); see h3lab.backend.
 
     Returns:
         `BlockResult`: out and dx in the activation dtype, dw in each parameter's dtype, keyed by
@@ -54,7 +59,7 @@ def canonical_block(weights: BlockWeights, batch: PackedBatch) -> BlockResult:
     Raises:
         ValueError: shapes that do not match the config, an unsupported device or dtype, TF32 on.
     """
-    step = block_step(unit_weights(weights), batch, LocalComm())
+    step = block_step(unit_weights(weights), batch, LocalComm(), backend=backend)
     dw = assemble_unit_grads(step.dw_units, LocalComm.units) | step.dw_replicated
     names = list(weights.tensors)  # diffusers order
     return BlockResult(out=step.out, dx=step.dx, dw={k: dw[k] for k in names}, dtemb=step.dtemb)
@@ -74,15 +79,17 @@ def _check(uw: UnitWeights, b: PackedBatch) -> None:
         raise ValueError(f"weights on {sorted(map(str, devices))} but the batch on {b.device}; move one of them")
 
 
-def block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
+def block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, *, backend: str | None = None) -> BlockStep:
     """The block on this rank's rows and units; `comm` supplies the layout's data movement."""
     _check(uw, b)
+    be = get_backend(backend, b.device)
     with strict_mode(), torch.no_grad():
-        return _block_step(uw, b, comm)
+        return _block_step(uw, b, comm, be)
 
 
-def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
+def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -> BlockStep:
     c, units = uw.config, comm.units
+    clock = _Clock(b.device)
     act, w_dt = b.hidden_states.dtype, uw.q[units[0]].dtype
 
     def R(t: Tensor) -> Tensor:  # the one rounding at an op's output
@@ -105,7 +112,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
 
     # ---- F1 AdaLN table: silu(temb) in FP32, one cast to the projection dtype (diffusers) ----
     st = round_to(silu(b.temb), w_dt)
-    parts = [round_to(chain_mm(st, uw.adaln_w[u].t()) + uw.adaln_b[u].to(torch.float32), w_dt) for u in units]
+    parts = [round_to(be.mm(st, uw.adaln_w[u].t()) + uw.adaln_b[u].to(torch.float32), w_dt) for u in units]
     table = comm.gather_units(torch.cat(parts, dim=1), "adaln.table", dim=1).view(3 * T, 6, D)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table[idx].unbind(1)  # each [R_local, D]
 
@@ -114,31 +121,32 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
     m1_tp = comm.gather_tp_rows(m1, "sp.gather.m1")
     cos, sin = rope_tables(pos_tp, c.rope_freq_dim, c.rope_theta)
     heads = lambda t: t.view(t.shape[0], H8, Dh)  # noqa: E731
-    q_u = {u: R(chain_mm(m1_tp, uw.q[u].t())) for u in units}
-    k_u = {u: R(chain_mm(m1_tp, uw.k[u].t())) for u in units}
-    v_u = {u: R(chain_mm(m1_tp, uw.v[u].t())) for u in units}
+    q_u = {u: R(be.mm(m1_tp, uw.q[u].t())) for u in units}
+    k_u = {u: R(be.mm(m1_tp, uw.k[u].t())) for u in units}
+    v_u = {u: R(be.mm(m1_tp, uw.v[u].t())) for u in units}
     wq, wk = rep["attn.norm_q.weight"], rep["attn.norm_k.weight"]
     qr = torch.cat([R(qk_norm_rope_fwd(heads(q_u[u]), wq, cos, sin, qk_eps)) for u in units], dim=1)
     kr = torch.cat([R(qk_norm_rope_fwd(heads(k_u[u]), wk, cos, sin, qk_eps)) for u in units], dim=1)
     v = torch.cat([heads(v_u[u]) for u in units], dim=1)  # [R_tp, H_local, Dh]
     k_c = seq(kr, "cp.gather.k")[order]  # keys in canonical order, padding dropped
     v_c = seq(v, "cp.gather.v")[order]
-    o32, rowmax, denom = att.attention_fwd(qr, k_c, v_c, scale)
+    o32, rowmax, denom = be.attention_fwd(qr, k_c, v_c, scale)
     attn = R(o32)
     attn_u = {u: attn[:, i * H8 : (i + 1) * H8].reshape(attn.shape[0], -1) for i, u in enumerate(units)}
 
     # ---- F6-F11 to_out, residual, norm2, SwiGLU, ff.net.2, residual --------------------------
-    root = unit_tree([chain_mm(attn_u[u], uw.out[u].t()) for u in units])
+    root = be.unit_reduce([[(attn_u[u], uw.out[u].t())] for u in units])
     o_proj = R(comm.reduce_units(root, "attn.to_out.0", scatter_rows=True))
     x1 = R(gated_residual(x, gate_msa, o_proj))
     m2 = R(rms_modulate_fwd(x1, rep["norm2.weight"], scale_mlp, shift_mlp, eps))
     m2_tp = comm.gather_tp_rows(m2, "sp.gather.m2")
-    h_u = {u: R(chain_mm(m2_tp, uw.hidden[u].t())) for u in units}
-    g_u = {u: R(chain_mm(m2_tp, uw.gate[u].t())) for u in units}
+    h_u = {u: R(be.mm(m2_tp, uw.hidden[u].t())) for u in units}
+    g_u = {u: R(be.mm(m2_tp, uw.gate[u].t())) for u in units}
     a_u = {u: R(swiglu_fwd(h_u[u], g_u[u])) for u in units}
-    root = unit_tree([chain_mm(a_u[u], uw.down[u].t()) for u in units])
+    root = be.unit_reduce([[(a_u[u], uw.down[u].t())] for u in units])
     y = R(comm.reduce_units(root, "ff.net.2", scatter_rows=True))
     out = R(gated_residual(x1, gate_mlp, y))
+    forward_s = clock.lap()
 
     # ---- B11-B9 backward through ff: padding rows carry no gradient --------------------------
     g = torch.where(active, b.grad_out.to(torch.float32), 0.0)
@@ -162,14 +170,14 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
     }
     dx_parts = []
     for u in units:
-        da = R(chain_mm(dy_tp, uw.down[u]))
-        dw["ff.net.2.weight"][u] = round_to(row_mm(dy_seq, seq(a_u[u], "cp.gather.a"), order), w_dt)
+        da = R(be.mm(dy_tp, uw.down[u]))
+        dw["ff.net.2.weight"][u] = round_to(be.row_mm(dy_seq, seq(a_u[u], "cp.gather.a"), order), w_dt)
         dh32, dg32 = swiglu_bwd(da, h_u[u], g_u[u])
         dh, dg = R(dh32), R(dg32)
-        dx_parts.append(chain_mm(dg, uw.gate[u], chain_mm(dh, uw.hidden[u])))  # hidden, then gate
-        dw["ff.hidden"][u] = round_to(row_mm(seq(dh, "cp.gather.dh"), m2_seq, order), w_dt)
-        dw["ff.gate"][u] = round_to(row_mm(seq(dg, "cp.gather.dg"), m2_seq, order), w_dt)
-    dm2 = R(comm.reduce_units(unit_tree(dx_parts), "ff.net.0.dx", scatter_rows=True))
+        dx_parts.append([(dh, uw.hidden[u]), (dg, uw.gate[u])])  # hidden, then gate
+        dw["ff.hidden"][u] = round_to(be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order), w_dt)
+        dw["ff.gate"][u] = round_to(be.row_mm(seq(dg, "cp.gather.dg"), m2_seq, order), w_dt)
+    dm2 = R(comm.reduce_units(be.unit_reduce(dx_parts), "ff.net.0.dx", scatter_rows=True))
 
     # ---- B8-B6 norm2, residual 1, to_out --------------------------------------------------
     dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = rms_modulate_bwd(dm2, x1, rep["norm2.weight"], scale_mlp, eps)
@@ -180,17 +188,17 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
     do_seq = seq(do_tp, "cp.gather.do")
     dattn_u = {}
     for u in units:
-        dattn_u[u] = R(chain_mm(do_tp, uw.out[u]))
-        dw["attn.to_out.0.weight"][u] = round_to(row_mm(do_seq, seq(attn_u[u], "cp.gather.attn"), order), w_dt)
+        dattn_u[u] = R(be.mm(do_tp, uw.out[u]))
+        dw["attn.to_out.0.weight"][u] = round_to(be.row_mm(do_seq, seq(attn_u[u], "cp.gather.attn"), order), w_dt)
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
     dO = torch.cat([heads(dattn_u[u]) for u in units], dim=1)
     delta = att.attention_delta(dO, o32)
-    dq = att.attention_bwd_q(qr, dO, rowmax, denom, delta, k_c, v_c, scale)
+    dq = be.attention_bwd_q(qr, dO, rowmax, denom, delta, k_c, v_c, scale)
     gather_q = lambda t, site: seq(t.transpose(0, 1), site)[order].transpose(0, 1)  # [H, R] stats  # noqa: E731
     q_c, dO_c = seq(qr, "cp.gather.q")[order], seq(dO, "cp.gather.dO")[order]
     stats_c = [gather_q(t, f"cp.gather.{n}") for t, n in ((rowmax, "rowmax"), (denom, "denom"), (delta, "delta"))]
-    dk, dv = att.attention_bwd_kv(q_c, dO_c, *stats_c, kr, v, scale)
+    dk, dv = be.attention_bwd_kv(q_c, dO_c, *stats_c, kr, v, scale)
 
     # ---- B4-B3 RoPE + q/k norm, then q,k,v dX and dW -----------------------------------------
     m1_seq = seq(m1_tp, "cp.gather.m1")
@@ -202,10 +210,10 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
         dwq_rows.append(dwq_u), dwk_rows.append(dwk_u)
         flat = lambda t: t.reshape(t.shape[0], -1)  # noqa: E731
         dq_u, dk_u, dv_u = R(flat(dq32)), R(flat(dk32)), R(flat(dv[:, hs]))
-        dx_parts.append(chain_mm(dv_u, uw.v[u], chain_mm(dk_u, uw.k[u], chain_mm(dq_u, uw.q[u]))))  # q, k, v
+        dx_parts.append([(dq_u, uw.q[u]), (dk_u, uw.k[u]), (dv_u, uw.v[u])])  # q, k, v
         for name, d in (("attn.to_q.weight", dq_u), ("attn.to_k.weight", dk_u), ("attn.to_v.weight", dv_u)):
-            dw[name][u] = round_to(row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order), w_dt)
-    dm1 = R(comm.reduce_units(unit_tree(dx_parts), "attn.qkv.dx", scatter_rows=True))
+            dw[name][u] = round_to(be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order), w_dt)
+    dm1 = R(comm.reduce_units(be.unit_reduce(dx_parts), "attn.qkv.dx", scatter_rows=True))
 
     # ---- B2 norm1, dx ------------------------------------------------------------------------
     dxn1, dw_norm1, d_scale_msa, d_shift_msa = rms_modulate_bwd(dm1, x, rep["norm1.weight"], scale_msa, eps)
@@ -215,24 +223,43 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm) -> BlockStep:
     # ---- cross-row weight gradients: rows of the whole sequence in key order ------------------
     p_dt = lambda name: rep[name].dtype  # noqa: E731
     dw_rep = {
-        "norm1.weight": round_to(row_sum(seq_local(dw_norm1, "cp.gather.dnorm1"), order), p_dt("norm1.weight")),
-        "norm2.weight": round_to(row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), p_dt("norm2.weight")),
+        "norm1.weight": round_to(be.row_sum(seq_local(dw_norm1, "cp.gather.dnorm1"), order), p_dt("norm1.weight")),
+        "norm2.weight": round_to(be.row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), p_dt("norm2.weight")),
     }
     for name, rows in (("attn.norm_q.weight", dwq_rows), ("attn.norm_k.weight", dwk_rows)):
-        per_head = row_sum(seq(torch.cat(rows, dim=1), f"cp.gather.{name}"), order)  # [H_local, Dh]
+        per_head = be.row_sum(seq(torch.cat(rows, dim=1), f"cp.gather.{name}"), order)  # [H_local, Dh]
         per_unit = [chain_sum(per_head[i * H8 : (i + 1) * H8]) for i in range(len(units))]  # heads ascending
         dw_rep[name] = round_to(comm.reduce_units(unit_tree(per_unit), name), p_dt(name))
 
     # ---- B1 AdaLN table rows (segmented, key order), then its projection ---------------------
     d_rows = torch.stack([d_shift_msa, d_scale_msa, d_gate_msa, d_shift_mlp, d_scale_mlp, d_gate_mlp], dim=1)
-    d_table = segment_sum(seq_local(d_rows, "cp.gather.dtable"), idx_seq, 3 * T, order).reshape(T, -1)
+    d_table = be.segment_sum(seq_local(d_rows, "cp.gather.dtable"), idx_seq, 3 * T, order).reshape(T, -1)
     G8 = c.adaln_dim // 8
     dst_parts = []
     for u in units:
         cols = d_table[:, u * G8 : (u + 1) * G8]  # [T, 18D/8]
-        dw["adaln_proj.linear.weight"][u] = round_to(chain_mm(cols.t(), st), w_dt)  # timesteps ascending
+        dw["adaln_proj.linear.weight"][u] = round_to(be.mm(cols.t(), st), w_dt)  # timesteps ascending
         dw["adaln_proj.linear.bias"][u] = round_to(chain_sum(cols), w_dt)
-        dst_parts.append(chain_mm(cols, uw.adaln_w[u]))
-    dtemb = silu_bwd(comm.reduce_units(unit_tree(dst_parts), "adaln.dtemb"), b.temb)
+        dst_parts.append([(cols, uw.adaln_w[u])])
+    dtemb = silu_bwd(comm.reduce_units(be.unit_reduce(dst_parts), "adaln.dtemb"), b.temb)
 
-    return BlockStep(out=zero_pad(out), dx=dx, dw_units=dw, dw_replicated=dw_rep, dtemb=dtemb)
+    timings = {"forward_s": forward_s, "backward_s": clock.lap()}
+    return BlockStep(out=zero_pad(out), dx=dx, dw_units=dw, dw_replicated=dw_rep, dtemb=dtemb, timings=timings)
+
+
+class _Clock:
+    """Wall-clock laps; synchronises CUDA first so a lap covers the kernels it launched."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._now()
+        lap, self.t = now - self.t, now
+        return lap
