@@ -79,7 +79,6 @@ class PackedBatch:
             _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
             dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
             raise ValueError(f"logical_keys: duplicate active key {dup}; active keys must be unique")
-        _expect(bool(self.active.any()), "logical_keys", "every row is padding; need one active row")
 
     @property
     def num_rows(self) -> int:

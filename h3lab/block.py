@@ -107,6 +107,8 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     idx_seq = comm.gather_seq_rows(comm.gather_tp_rows(idx, "meta.adaln"), "meta.adaln")
     pos_tp = comm.gather_tp_rows(b.position_ids, "meta.pos")
     order = key_order(keys_seq)  # canonical order of every cross-row reduction
+    if order.numel() == 0:  # a rank's shard may be all padding, the sequence may not
+        raise ValueError("logical_keys: every row of the sequence is padding; need at least one active row")
     seq = lambda t, site: comm.gather_seq_rows(t, site)  # noqa: E731
     seq_local = lambda t, site: seq(comm.gather_tp_rows(t, site), site)  # noqa: E731
 

@@ -87,3 +87,22 @@ def assemble_unit_grads(grads: dict[str, dict[int, Tensor]], units: range) -> di
         "adaln_proj.linear.weight": cat0("adaln_proj.linear.weight"),
         "adaln_proj.linear.bias": cat0("adaln_proj.linear.bias"),
     }
+
+
+# block_step's per-unit gradient names -> the UnitWeights field holding the same slice
+UNIT_GRAD_FIELDS = {
+    "attn.to_q.weight": "q",
+    "attn.to_k.weight": "k",
+    "attn.to_v.weight": "v",
+    "attn.to_out.0.weight": "out",
+    "ff.hidden": "hidden",
+    "ff.gate": "gate",
+    "ff.net.2.weight": "down",
+    "adaln_proj.linear.weight": "adaln_w",
+    "adaln_proj.linear.bias": "adaln_b",
+}
+
+
+def unit_slice(full: UnitWeights, grad_name: str, unit: int) -> Tensor:
+    """The slice of a full per-parameter tensor set (e.g. canonical dW as UnitWeights) for one unit."""
+    return getattr(full, UNIT_GRAD_FIELDS[grad_name])[unit]

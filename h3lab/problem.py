@@ -1,0 +1,95 @@
+"""`Problem`: the block, the batch and the arithmetic a run compares across layouts, as data.
+
+The runner and every worker rebuild the same weights and batch from this record (weights from a
+checkpoint or the deterministic synthetic generator, the batch from `packed_batch`), so nothing
+but a small JSON travels to the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from h3lab.batch import PackedBatch, packed_batch
+from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.layouts import Layout
+from h3lab.weights import BlockWeights, synthetic_block
+
+MODES = ("deterministic", "baseline")
+DEVICES = ("cpu", "cuda")
+KERNEL_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    synthetic: str | None = "tiny"  # a named config with synthetic weights, or None with `checkpoint`
+    checkpoint: str | None = None  # a diffusers checkpoint folder
+    block: int = 0
+    weights_seed: int = 0
+    rows: int = 264
+    padding: int = 0
+    seed: int = 0
+    device: str = "cpu"
+    backend: str = "torch"  # kernels of the deterministic mode
+    mode: str = "deterministic"
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.synthetic is None) == (self.checkpoint is None):
+            raise ValueError("give exactly one of a synthetic config (tiny, real) or a checkpoint folder")
+        if self.synthetic is not None and self.synthetic not in NAMED_CONFIGS:
+            raise ValueError(f"unknown synthetic config {self.synthetic!r}; allowed: {list(NAMED_CONFIGS)}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; allowed: {list(MODES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; allowed: {list(DEVICES)}")
+        if self.backend not in KERNEL_BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; allowed: {list(KERNEL_BACKENDS)}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch sees no CUDA device; allowed here: ['cpu']")
+        for name in ("rows", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.padding < 0 or self.block < 0:
+            raise ValueError(f"padding={self.padding}, block={self.block}: both must be >= 0")
+
+    @property
+    def block_backend(self) -> str:
+        """The kernels block_step runs: the baseline mode always runs library kernels."""
+        return "baseline" if self.mode == "baseline" else self.backend
+
+    def config(self) -> H3Config:
+        if self.synthetic is not None:
+            return H3Config.named(self.synthetic)
+        return H3Config.from_json(self.checkpoint)  # type: ignore[arg-type]
+
+    def weights(self, device: torch.device | str = "cpu") -> BlockWeights:
+        if self.synthetic is not None:
+            w = synthetic_block(self.config(), self.block, seed=self.weights_seed)
+        else:
+            from h3lab.checkpoint import load_block
+
+            w = load_block(self.checkpoint, self.block)
+        return w.to(device)
+
+    def batch(self, device: torch.device | str = "cpu") -> PackedBatch:
+        return packed_batch(self.config(), self.rows, seed=self.seed, padding=self.padding).to(device)
+
+    def rank_device(self, local_rank: int) -> torch.device:
+        if self.device == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+    def one_gpu_per_rank(self, layout: Layout) -> bool:
+        """NCCL needs distinct GPUs; with fewer GPUs than local ranks, bytes travel over gloo (CPU)."""
+        return torch.cuda.device_count() >= layout.local
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Problem:
+        return cls(**raw)
