@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -33,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from h3lab import commands  # noqa: F401  (registers the subcommands)
 
     args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so `finally` blocks kill launched workers and runs are marked interrupted
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return int(args.handler(args) or 0)
     except ValueError as err:  # a caller error: one clear line, no traceback

@@ -76,12 +76,21 @@ def torchrun_command(
     launcher = ["-m", "h3lab.workers.agent", "--local-addr=127.0.0.1"] if local else ["-m", "torch.distributed.run"]
     conf = [] if is_host is None else ["--rdzv-conf", f"is_host={str(is_host).lower()}"]
     return [
-        sys.executable, *launcher,
-        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", *conf,
-        "--max-restarts=0", "--monitor-interval=0.1",
-        "-m", module, *args,
-    ]  # fmt: skip
+        sys.executable,
+        *launcher,
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        *conf,
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def launch(
@@ -129,13 +138,21 @@ def launch(
     try:
         for nr in node_ranks:
             cmd = torchrun_command(
-                module, args, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=nr,
-                rdzv_endpoint=endpoint, rdzv_id=token, local=local, is_host=(nr == 0) if local else None,
-            )  # fmt: skip
+                module,
+                args,
+                nproc_per_node=nproc_per_node,
+                nnodes=nnodes,
+                node_rank=nr,
+                rdzv_endpoint=endpoint,
+                rdzv_id=token,
+                local=local,
+                is_host=(nr == 0) if local else None,
+            )
             log = log_dir / f"agent{nr}.log"
             with open(log, "wb") as fh:
-                procs.append(subprocess.Popen(cmd, env=full_env, stdout=fh, stderr=subprocess.STDOUT,
-                                              start_new_session=True))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(cmd, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                )
             commands.append(cmd)
             logs.append(log)
         timed_out, codes = _wait(procs, start + timeout_s)

@@ -19,10 +19,14 @@ def main(argv: list[str]) -> int:
     got = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(got, torch.tensor([float(rank)]))
     pids = [os.getpid(), os.getppid()]
-    listening = sorted({
-        f"{c.laddr.ip}:{c.laddr.port}"
-        for pid in pids for c in psutil.Process(pid).net_connections("tcp") if c.status == "LISTEN"
-    })  # fmt: skip
+    listening = sorted(
+        {
+            f"{c.laddr.ip}:{c.laddr.port}"
+            for pid in pids
+            for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == "LISTEN"
+        }
+    )
     record = {"rank": rank, "world": world, "gathered": [float(g) for g in got], "listening": listening}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

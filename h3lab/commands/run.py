@@ -1,0 +1,72 @@
+"""`h3lab run`: launch layouts through torchrun and compare every rank with the canonical block."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from h3lab.cli import command
+from h3lab.layouts import ALL_LAYOUTS, parse_layouts
+from h3lab.problem import Problem
+from h3lab.runner import RunRequest, run
+
+
+@command("run", "run layouts on N processes and compare every byte with the canonical block")
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--layout", nargs="+", required=True, metavar="L", help=f"{', '.join(ALL_LAYOUTS)} or all")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--synthetic", choices=["tiny", "real"], help="synthetic weights of a named config")
+    src.add_argument("--checkpoint", type=Path, help="a diffusers checkpoint folder")
+    p.add_argument("--block", type=int, default=0, help="block index (default 0)")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
+    p.add_argument("--rows", type=int, default=264)
+    p.add_argument("--padding", type=int, default=0, help="padding rows inside the batch")
+    p.add_argument("--seed", type=int, default=0, help="seed of the packed batch")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backend", choices=["torch", "triton"], default="torch")
+    p.add_argument("--mode", choices=["deterministic", "baseline"], default="deterministic")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default runs/run-<time>)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
+    p.add_argument("--algorithm", choices=["auto", "gather_tree", "scatter_tree"], default="auto")
+    p.add_argument("--agents", choices=["one", "per-node"], default="one",
+                   help="per-node: one torchrun agent per layout node on 127.0.0.1")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, help="block steps per rank (timing)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (several machines)")
+
+    def handle(a: argparse.Namespace) -> int:
+        problem = Problem(
+            synthetic=a.synthetic, checkpoint=str(a.checkpoint) if a.checkpoint else None, block=a.block,
+            weights_seed=a.weights_seed, rows=a.rows, padding=a.padding, seed=a.seed, device=a.device,
+            backend=a.backend, mode=a.mode, repeats=a.repeats,
+        )  # fmt: skip
+        out = a.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+        req = RunRequest(
+            layouts=tuple(parse_layouts(a.layout)), problem=problem, out=out, timeout_s=a.timeout,
+            algorithm=a.algorithm, agents=a.agents, nnodes=a.nnodes, node_rank=a.node_rank,
+            rdzv_endpoint=a.rdzv_endpoint,
+        )  # fmt: skip
+        summary = run(req)
+        print(format_summary(summary))
+        print(f"run directory: {out}")
+        return 0 if summary["status"] == "passed" else 1
+
+    return handle
+
+
+def format_summary(summary: dict) -> str:
+    """One line per layout: verdict, tensors equal, slowest rank's forward/backward, collective time."""
+    lines = [f"{'layout':<14} {'status':<9} {'equal':>7}  {'fwd s':>7} {'bwd s':>7} {'coll s':>7}"]
+    for name, rec in summary["layouts"].items():
+        tensors = rec.get("tensors", {})
+        equal = f"{sum(t['bitwise_equal'] for t in tensors.values())}/{len(tensors)}" if tensors else "-"
+        fwd, bwd, coll = (_slowest(rec.get("ranks", []), k) for k in ("forward_s", "backward_s", "collective_s"))
+        lines.append(f"{name:<14} {rec['status']:<9} {equal:>7}  {fwd:7.3f} {bwd:7.3f} {coll:7.3f}")
+    lines.append(f"overall: {summary['status']}")
+    return "\n".join(lines)
+
+
+def _slowest(ranks: list[dict], key: str) -> float:
+    return max((r["timings"][key] for r in ranks), default=float("nan"))

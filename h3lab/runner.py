@@ -1,0 +1,280 @@
+"""The layout runner: canonical block once, each layout on N processes, every byte compared.
+
+Run directory (nothing in it claims completion until `summary.json` says so; it is rewritten
+atomically with status "running" first and "passed" / "failed" last):
+  request.json                      what was asked, the exact command
+  canonical.safetensors             out, dx, dtemb, dw.<parameter> of the single-process block
+  layouts/<slug>/                   spec.json, per-rank logs, status, json and safetensors
+  layouts/<slug>.safetensors        the layout's reassembled out, dx, dtemb and dw.<parameter>
+  summary.json                      verdicts per layout and tensor, decisions, timings, failures
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from h3lab.block import canonical_block
+from h3lab.contract import describe, units_of_rank
+from h3lab.launch import LaunchResult, launch
+from h3lab.layouts import Layout
+from h3lab.metrics import compare, sha256_tensor
+from h3lab.problem import Problem
+from h3lab.seqshard import SeqShard
+from h3lab.units import UNIT_GRAD_FIELDS, assemble_unit_grads
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRequest:
+    layouts: tuple[Layout, ...]
+    problem: Problem
+    out: Path
+    timeout_s: float = 600.0
+    algorithm: str = "auto"
+    agents: str = "one"  # "one" torchrun agent per layout, or "per-node": one per layout node on 127.0.0.1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+
+    def __post_init__(self) -> None:
+        if not self.layouts:
+            raise ValueError("no layouts to run")
+        if self.agents not in ("one", "per-node"):
+            raise ValueError(f"agents={self.agents!r}; allowed: 'one', 'per-node'")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout {self.timeout_s} s must be positive")
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (HOST:PORT of node 0)")
+        config = self.problem.config()
+        for layout in self.layouts:
+            layout.check(config)
+            if self.nnodes > 1 and layout.nodes != self.nnodes:
+                raise ValueError(f"layout {layout.name} has {layout.nodes} nodes but the job has nnodes={self.nnodes}")
+
+
+def slug(layout: Layout) -> str:
+    """A file-safe name: tp8:2x4 -> tp8_2x4, tp4xcp2+sp -> tp4xcp2_sp."""
+    return layout.name.replace(":", "_").replace("+", "_")
+
+
+def _atomic_json(path: Path, record: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    tmp.replace(path)
+
+
+def prepare_run_dir(out: Path) -> None:
+    """Create `out`; refuse one that holds anything (nothing is ever overwritten)."""
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"run directory {str(out)!r} exists and is not empty; choose a new --out")
+    (out / "layouts").mkdir(parents=True, exist_ok=True)
+
+
+def run(req: RunRequest) -> dict:
+    """Run every layout of `req`; returns the summary (also written to `req.out/summary.json`)."""
+    prepare_run_dir(req.out)
+    started = time.time()
+    request = {
+        "layouts": [lay.name for lay in req.layouts],
+        "problem": req.problem.to_dict(),
+        "timeout_s": req.timeout_s,
+        "algorithm": req.algorithm,
+        "agents": req.agents,
+        "nnodes": req.nnodes,
+        "node_rank": req.node_rank,
+        "rdzv_endpoint": req.rdzv_endpoint,
+        "command": shlex.join(req.command),
+        "cwd": os.getcwd(),
+    }
+    _atomic_json(req.out / "request.json", request)
+    summary: dict = {
+        "status": "running",
+        "started": started,
+        "request": request,
+        "contract": describe(),
+        "environment": _environment(),
+        "layouts": {},
+    }
+    _atomic_json(req.out / "summary.json", summary)
+    leader = req.node_rank == 0
+    if leader:
+        summary["canonical"] = _canonical(req)
+    bar = tqdm(req.layouts, desc="layouts", unit="layout", disable=None, file=sys.stderr)
+    try:
+        for layout in bar:
+            bar.set_postfix_str(layout.name)
+            record = _run_layout(req, layout, leader)
+            summary["layouts"][layout.name] = record
+            _atomic_json(req.out / "summary.json", summary)
+            if record["status"] != "passed":
+                tqdm.write(_failure_line(layout, record), file=sys.stderr)
+    except BaseException as err:  # Ctrl-C, SIGTERM (raised as SystemExit by the CLI), a bug: never "passed"
+        summary |= {"status": "interrupted", "error": f"{type(err).__name__}: {err}", "finished": time.time()}
+        _atomic_json(req.out / "summary.json", summary)
+        raise
+    summary["status"] = "passed" if all(r["status"] == "passed" for r in summary["layouts"].values()) else "failed"
+    summary["finished"] = time.time()
+    summary["elapsed_s"] = summary["finished"] - started
+    _atomic_json(req.out / "summary.json", summary)
+    return summary
+
+
+def _canonical(req: RunRequest) -> dict:
+    p = req.problem
+    device = torch.device("cuda" if p.device == "cuda" else "cpu")
+    t = time.perf_counter()
+    result = canonical_block(p.weights(device), p.batch(device), backend=p.block_backend)
+    elapsed = time.perf_counter() - t
+    tensors = {k: v.contiguous().cpu() for k, v in result.tensors().items()}
+    save_file(tensors, str(req.out / "canonical.safetensors"))
+    return {"time_s": elapsed, "backend": p.block_backend, "sha256": {k: sha256_tensor(v) for k, v in tensors.items()}}
+
+
+def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
+    d = req.out / "layouts" / slug(layout)
+    d.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "layout": layout.name,
+        "problem": req.problem.to_dict(),
+        "algorithm": req.algorithm,
+        "layout_dir": str(d.resolve()),
+        "canonical": str((req.out / "canonical.safetensors").resolve()),
+    }
+    _atomic_json(d / "spec.json", spec)
+    per_node = req.agents == "per-node" and req.rdzv_endpoint is None
+    res = launch(
+        "h3lab.workers.block",
+        [str((d / "spec.json").resolve())],
+        nproc_per_node=layout.local if (per_node or req.nnodes > 1) else layout.world,
+        log_dir=d,
+        timeout_s=req.timeout_s,
+        agents=layout.nodes if per_node else 1,
+        nnodes=req.nnodes,
+        node_rank=req.node_rank,
+        rdzv_endpoint=req.rdzv_endpoint,
+    )
+    record: dict = {"world": layout.world, "launch": _launch_record(res)}
+    if not res.ok:
+        record |= {"status": "failed", "failure": diagnose(d, layout.world, res)}
+        return record
+    if not leader:
+        return record | {"status": "passed", "note": "ranks of this node finished; node 0 assembles"}
+    ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(layout.world)]
+    full, consistent = _assemble(d, layout, SeqShard(layout, req.problem.batch().num_rows))
+    canon = load_file(str(req.out / "canonical.safetensors"))
+    save_file(full, str(req.out / "layouts" / f"{slug(layout)}.safetensors"))
+    tensors = {k: compare(full[k], canon[k], name=k).to_dict() for k in canon}
+    ok = all(t["bitwise_equal"] for t in tensors.values()) and all(r["all_equal"] for r in ranks) and consistent
+    return record | {
+        "status": "passed" if ok else "mismatch",
+        "ranks_all_equal": all(r["all_equal"] for r in ranks),
+        "replicas_consistent": consistent,
+        "tensors": tensors,
+        "ranks": [
+            {k: r[k] for k in ("rank", "coords", "units", "local_rows", "device", "transport", "timings")}
+            for r in ranks
+        ],
+        "decisions": ranks[0]["decisions"],
+    }
+
+
+def _assemble(d: Path, layout: Layout, shard: SeqShard) -> tuple[dict[str, torch.Tensor], bool]:
+    """The full out, dx, dtemb and dW from the ranks' shards; checks that replicas agree byte for byte."""
+    parts = [load_file(str(d / f"rank{r}.safetensors")) for r in range(layout.world)]
+    consistent = True
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> None:
+        nonlocal consistent
+        consistent &= compare(a, b).bitwise_equal
+
+    for r in range(layout.world):  # ranks holding the same rows or units must hold the same bytes
+        owner = shard.owner_ranks()[[shard.local_rows(o) for o in shard.owner_ranks()].index(shard.local_rows(r))]
+        for k in ("out", "dx"):
+            same(parts[r][k], parts[owner][k])
+        for k, v in parts[r].items():
+            if k not in ("out", "dx") and "@u" not in k:
+                same(v, parts[0][k])
+            elif "@u" in k:
+                same(v, parts[layout.coords(r)[1]][k])
+    full = {k: torch.cat([parts[o][k] for o in shard.owner_ranks()])[: shard.num_rows] for k in ("out", "dx")}
+    full["dtemb"] = parts[0]["dtemb"]
+    per_unit: dict[str, dict[int, torch.Tensor]] = {name: {} for name in UNIT_GRAD_FIELDS}
+    for t in range(layout.tp):
+        for u in units_of_rank(t, layout.tp):
+            for name in UNIT_GRAD_FIELDS:
+                per_unit[name][u] = parts[t][f"dw.{name}@u{u}"]
+    full |= {f"dw.{k}": v for k, v in assemble_unit_grads(per_unit, range(8)).items()}
+    full |= {k: v for k, v in parts[0].items() if k.startswith("dw.") and "@u" not in k}
+    return full, consistent
+
+
+def _launch_record(res: LaunchResult) -> dict:
+    return {
+        "returncode": res.returncode,
+        "timed_out": res.timed_out,
+        "elapsed_s": res.elapsed_s,
+        "commands": [shlex.join(c) for c in res.commands],
+        "agent_logs": [str(p) for p in res.agent_logs],
+        "killed_leftovers": res.killed_leftovers,
+    }
+
+
+def diagnose(d: Path, world: int, res: LaunchResult) -> dict:
+    """Name the rank that failed first and why, from the ranks' status files."""
+    status = {}
+    for r in range(world):
+        p = d / f"rank{r}.status.json"
+        status[r] = json.loads(p.read_text()) if p.exists() else {"state": "never started"}
+    errors = sorted((s["time"], r) for r, s in status.items() if s["state"] == "error")
+    running = [r for r, s in status.items() if s["state"] in ("running", "never started")]
+    if res.timed_out:
+        if running:  # the straggler made the fewest collective calls; the others wait for it
+            r = min(running, key=lambda r: status[r].get("calls", -1))
+            calls = status[r].get("calls", 0)
+            reason = f"hung: still running after {res.elapsed_s:.0f} s, stuck after {calls} collective calls"
+        else:
+            r, reason = 0, "timed out"
+    elif errors:
+        r = errors[0][1]
+        reason = f"raised {status[r]['error']}"
+    elif running:
+        r = running[0]
+        reason = "killed: the process died without reporting (a signal such as SIGKILL, or a crash)"
+    else:
+        r, reason = 0, f"torchrun exited with {res.returncode}"
+    return {
+        "rank": r,
+        "reason": reason,
+        "log": str(d / f"rank{r}.log"),
+        "states": {r: s["state"] for r, s in status.items()},
+    }
+
+
+def _failure_line(layout: Layout, record: dict) -> str:
+    if record["status"] == "mismatch":
+        bad = [k for k, t in record.get("tensors", {}).items() if not t["bitwise_equal"]]
+        return f"{layout.name}: MISMATCH in {', '.join(bad) or 'rank shards'}"
+    f = record["failure"]
+    return f"{layout.name}: FAILED on rank {f['rank']}: {f['reason']} (log: {f['log']})"
+
+
+def _environment() -> dict:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cuda": torch.version.cuda,
+        "gpu": gpu,
+    }
