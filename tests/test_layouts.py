@@ -42,12 +42,14 @@ def test_ranks_are_node_major_with_tp_innermost():
     assert lay.tp_group(1) == [4, 5, 6, 7] and lay.cp_group(2) == [2, 6]
     assert [lay.coords(r) for r in (0, 5, 7)] == [(0, 0), (1, 1), (1, 3)]
     lay = Layout.parse("tp8:2x4")
-    assert lay.local == 4 and lay.tp_group(0) == list(range(8)) and [r // lay.local for r in range(8)] == [0] * 4 + [1] * 4
+    assert (
+        lay.local == 4 and lay.tp_group(0) == list(range(8)) and [r // lay.local for r in range(8)] == [0] * 4 + [1] * 4
+    )
     with pytest.raises(ValueError, match=r"rank 8 out of range \[0, 8\)"):
         lay.coords(8)
 
 
-@pytest.mark.parametrize("name", ALL_LAYOUTS + ("cp2", "tp2+sp", "tp2xcp4+sp"))
+@pytest.mark.parametrize("name", (*ALL_LAYOUTS, "cp2", "tp2+sp", "tp2xcp4+sp"))
 @pytest.mark.parametrize("rows", [264, 263, 5])
 def test_seqshard_covers_every_row_once_and_slices_fields_together(name, rows):
     lay = Layout.parse(name)
