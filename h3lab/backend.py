@@ -1,15 +1,19 @@
-"""The one backend seam: which kernels compute the block's reductions.
+"""The one backend seam: which kernels compute the block.
 
-- `torch`: the canonical arithmetic in plain torch ops (h3lab.ops), on CPU and GPU.
-- `triton`: the same contract as GPU kernels (h3lab.kernels; CUDA only).
-- `baseline`: what people run today — library GEMMs (BLAS / cuBLAS), whatever order they pick,
+- `torch`: the canonical arithmetic in plain torch ops (h3lab.ops), on CPU and GPU. Built only
+  from correctly rounded IEEE operations, so it gives the same bits on any device.
+- `triton`: the same contract as GPU kernels (h3lab.kernels; CUDA only). Its reduction orders are
+  fixed too, but tensor-core sums differ from the torch chains, so its bits are its own (pinned
+  per node type in kernels/), equal across every layout on one GPU type.
+- `baseline`: what people run today — library GEMMs (BLAS / cuBLAS) in whatever order they pick,
   one GEMM per rank over its local K instead of unit partials, physical row order for weight
   gradients. It exists so reports can show where bits diverge; it is never a fallback.
 
 `get_backend` is the only place a backend is chosen; an explicit choice that cannot be honoured
-raises, nothing falls back silently.
+raises, nothing falls back silently. Every method computes in FP32 and rounds once to `out_dtype`
+where it has one; without one it returns FP32.
 
-Dimension legend: M rows, K reduced, N columns, R rows of a cross-row reduction, G segments.
+Dimension legend: M rows, K reduced, N columns, R rows, H heads, Dh head_dim, G segments.
 """
 
 from __future__ import annotations
@@ -21,44 +25,56 @@ import torch
 from torch import Tensor
 
 from h3lab.ops import attention as att
-from h3lab.ops import rows
-from h3lab.ops.fixed import chain_mm, unit_tree
+from h3lab.ops import ffn, norm, rows
+from h3lab.ops.fixed import chain_mm, round_to, unit_tree
 
 BACKENDS = ("torch", "triton", "baseline")
 Pieces = Sequence[tuple[Tensor, Tensor]]  # one unit's chained GEMM operands (a_MK, b_KN), in order
+F32 = torch.float32
 
 
 class Backend(Protocol):
     name: str
 
-    def mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
-        """a @ b, FP32 [M, N]; a row's bits may not depend on M nor a column's on N."""
-        ...
-
-    def unit_reduce(self, units: Sequence[Pieces]) -> Tensor:
-        """Per unit one chain over its pieces, then the subtree over the units: FP32 [M, N]."""
-        ...
-
-    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor: ...
-
+    # GEMMs: a row's bits never depend on M, a column's never on N
+    def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor: ...
+    def unit_reduce(self, units: Sequence[Pieces]) -> Tensor: ...  # per unit one chain, then the subtree
+    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor: ...  # sum_r a[r]^T b[r], key order
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor: ...
-
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
+    def round(self, x: Tensor, dtype: torch.dtype) -> Tensor: ...
 
-    def attention_fwd(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]: ...
+    # row-local ops
+    def rms_modulate_fwd(self, x: Tensor, w: Tensor, scale: Tensor, shift: Tensor, eps: float,
+                         out_dtype: torch.dtype) -> Tensor: ...  # fmt: skip
+    def rms_modulate_bwd(self, dm: Tensor, x: Tensor, w: Tensor, scale: Tensor,
+                         eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...  # fmt: skip
+    def qk_norm_rope_fwd(self, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                         out_dtype: torch.dtype) -> Tensor: ...  # fmt: skip
+    def qk_norm_rope_bwd(self, dout_RHD: Tensor, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                         out_dtype: torch.dtype) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+    def swiglu_fwd(self, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> Tensor: ...
+    def swiglu_bwd(self, da: Tensor, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]: ...
+    def gated_residual(self, x: Tensor, gate: Tensor, y: Tensor, out_dtype: torch.dtype) -> Tensor: ...
 
-    def attention_bwd_q(self, *args: Tensor | float) -> Tensor: ...
-
-    def attention_bwd_kv(self, *args: Tensor | float) -> tuple[Tensor, Tensor]: ...
+    # attention over keys in canonical order; `stats` are per-(head, query) [H, Q] tensors that
+    # replay the probabilities exactly (context parallelism gathers them with the queries)
+    def attention_fwd(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                      out_dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]: ...  # fmt: skip
+    def attention_delta(self, do: Tensor, o_ref: Tensor) -> Tensor: ...
+    def attention_bwd_q(self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor,
+                        v: Tensor, scale: float) -> Tensor: ...  # fmt: skip
+    def attention_bwd_kv(self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor,
+                         v: Tensor, scale: float) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
 
 class TorchBackend:
-    """The canonical arithmetic (h3-parallel-v1) in torch ops; CPU and CUDA."""
+    """The canonical arithmetic (h3-parallel-v1) in torch ops; CPU and CUDA, the same bits on both."""
 
     name = "torch"
 
-    def mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
-        return chain_mm(a_MK, b_KN)
+    def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
+        return round_to(chain_mm(a_MK, b_KN), out_dtype)
 
     def unit_reduce(self, units: Sequence[Pieces]) -> Tensor:
         partials = []
@@ -72,18 +88,50 @@ class TorchBackend:
     row_mm = staticmethod(rows.row_mm)
     row_sum = staticmethod(rows.row_sum)
     segment_sum = staticmethod(rows.segment_sum)
-    attention_fwd = staticmethod(att.attention_fwd)
-    attention_bwd_q = staticmethod(att.attention_bwd_q)
-    attention_bwd_kv = staticmethod(att.attention_bwd_kv)
+    round = staticmethod(round_to)
+
+    def rms_modulate_fwd(self, x, w, scale, shift, eps, out_dtype):
+        return round_to(norm.rms_modulate_fwd(x, w, scale, shift, eps), out_dtype)
+
+    rms_modulate_bwd = staticmethod(norm.rms_modulate_bwd)
+
+    def qk_norm_rope_fwd(self, q_RHD, w, cos, sin, eps, out_dtype):
+        return round_to(norm.qk_norm_rope_fwd(q_RHD, w, cos, sin, eps), out_dtype)
+
+    def qk_norm_rope_bwd(self, dout_RHD, q_RHD, w, cos, sin, eps, out_dtype):
+        dq, dw_rows = norm.qk_norm_rope_bwd(dout_RHD, q_RHD, w, cos, sin, eps)
+        return round_to(dq, out_dtype), dw_rows
+
+    def swiglu_fwd(self, h, g, out_dtype):
+        return round_to(ffn.swiglu_fwd(h, g), out_dtype)
+
+    def swiglu_bwd(self, da, h, g, out_dtype):
+        dh, dg = ffn.swiglu_bwd(da, h, g)
+        return round_to(dh, out_dtype), round_to(dg, out_dtype)
+
+    def gated_residual(self, x, gate, y, out_dtype):
+        return round_to(ffn.gated_residual(x, gate, y), out_dtype)
+
+    def attention_fwd(self, q, k, v, scale, out_dtype):
+        o32, rowmax, denom = att.attention_fwd(q, k, v, scale)
+        return round_to(o32, out_dtype), o32, (rowmax, denom)
+
+    attention_delta = staticmethod(att.attention_delta)
+
+    def attention_bwd_q(self, q, do, stats, delta, k, v, scale):
+        return att.attention_bwd_q(q, do, *stats, delta, k, v, scale)
+
+    def attention_bwd_kv(self, q, do, stats, delta, k, v, scale):
+        return att.attention_bwd_kv(q, do, *stats, delta, k, v, scale)
 
 
-class BaselineBackend:
-    """Library kernels in the same block structure: torch.mm, torch.sum, index_add_, softmax."""
+class BaselineBackend(TorchBackend):
+    """Library kernels where people use them: torch.mm, sums, index_add_, softmax; row-local ops shared."""
 
     name = "baseline"
 
-    def mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
-        return torch.mm(a_MK, b_KN.to(a_MK.dtype)).to(torch.float32)
+    def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
+        return torch.mm(a_MK, b_KN.to(a_MK.dtype)).to(out_dtype)
 
     def unit_reduce(self, units: Sequence[Pieces]) -> Tensor:
         # one GEMM over everything this rank holds, as a plain row-parallel Linear shard does
@@ -93,35 +141,41 @@ class BaselineBackend:
 
     def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor:
         active = order.sort().values  # physical order, padding dropped
-        return torch.mm(a_RN[active].t(), b_RK[active].to(a_RN.dtype)).to(torch.float32)
+        return torch.mm(a_RN[active].t(), b_RK[active].to(a_RN.dtype)).to(F32)
 
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor:
-        return x_R[order.sort().values].to(torch.float32).sum(0)
+        return x_R[order.sort().values].to(F32).sum(0)
 
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor:
         active = order.sort().values
-        out = x_R.new_zeros((num_segments, *x_R.shape[1:]), dtype=torch.float32)
-        return out.index_add_(0, segment_R[active], x_R[active].to(torch.float32))
+        out = x_R.new_zeros((num_segments, *x_R.shape[1:]), dtype=F32)
+        return out.index_add_(0, segment_R[active], x_R[active].to(F32))
 
-    def attention_fwd(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    def round(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        return x.to(dtype)
+
+    def attention_fwd(self, q, k, v, scale, out_dtype):
         s = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).float() * scale
         rowmax = s.amax(-1)
-        p = torch.softmax(s, dim=-1)
-        o = torch.matmul(p, v.transpose(0, 1).float())
-        return o.transpose(0, 1), rowmax, torch.exp(s - rowmax.unsqueeze(-1)).sum(-1)
+        o = torch.matmul(torch.softmax(s, dim=-1), v.transpose(0, 1).float()).transpose(0, 1)
+        return o.to(out_dtype), o, (rowmax, torch.exp(s - rowmax.unsqueeze(-1)).sum(-1))
 
-    def _probs_ds(self, q, do, rowmax, denom, delta, k, v, scale):
+    def attention_delta(self, do: Tensor, o_ref: Tensor) -> Tensor:
+        return (do.float() * o_ref.float()).sum(-1).transpose(0, 1)
+
+    def _ds(self, q, do, stats, delta, k, v, scale):
+        rowmax, denom = stats
         s = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).float() * scale
         p = torch.exp(s - rowmax.unsqueeze(-1)) / denom.unsqueeze(-1)
         dp = torch.matmul(do.transpose(0, 1).float(), v.permute(1, 2, 0).float())
         return p * (dp - delta.unsqueeze(-1)), p
 
-    def attention_bwd_q(self, q, do, rowmax, denom, delta, k, v, scale) -> Tensor:
-        ds, _ = self._probs_ds(q, do, rowmax, denom, delta, k, v, scale)
+    def attention_bwd_q(self, q, do, stats, delta, k, v, scale):
+        ds, _ = self._ds(q, do, stats, delta, k, v, scale)
         return (torch.matmul(ds, k.transpose(0, 1).float()) * scale).transpose(0, 1)
 
-    def attention_bwd_kv(self, q, do, rowmax, denom, delta, k, v, scale) -> tuple[Tensor, Tensor]:
-        ds, p = self._probs_ds(q, do, rowmax, denom, delta, k, v, scale)
+    def attention_bwd_kv(self, q, do, stats, delta, k, v, scale):
+        ds, p = self._ds(q, do, stats, delta, k, v, scale)
         dk = torch.matmul(ds.transpose(1, 2), q.transpose(0, 1).float()) * scale
         dv = torch.matmul(p.transpose(1, 2), do.transpose(0, 1).float())
         return dk.transpose(0, 1), dv.transpose(0, 1)
@@ -139,6 +193,6 @@ def get_backend(name: str | None, device: torch.device | str = "cpu") -> Backend
         return BaselineBackend()
     if device.type != "cuda":
         raise ValueError(f"backend 'triton' needs a CUDA device, got {device}; allowed on {device.type}: torch")
-    from h3lab.kernels import triton_backend
+    from h3lab.kernels.backend import TritonBackend  # CUDA-only import
 
-    return triton_backend.TritonBackend(device)
+    return TritonBackend(device)

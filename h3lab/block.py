@@ -21,10 +21,9 @@ from h3lab.backend import Backend, get_backend
 from h3lab.batch import PackedBatch
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
-from h3lab.ops import attention as att
-from h3lab.ops.ffn import gated_residual, silu, silu_bwd, swiglu_bwd, swiglu_fwd
+from h3lab.ops.ffn import silu, silu_bwd
 from h3lab.ops.fixed import chain_sum, round_to, unit_tree
-from h3lab.ops.norm import qk_norm_rope_bwd, qk_norm_rope_fwd, rms_modulate_bwd, rms_modulate_fwd, rope_tables
+from h3lab.ops.norm import rope_tables
 from h3lab.ops.rows import key_order
 from h3lab.result import BlockResult
 from h3lab.units import UnitWeights, assemble_unit_grads, unit_weights
@@ -91,14 +90,12 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     c, units = uw.config, comm.units
     clock = _Clock(b.device)
     act, w_dt = b.hidden_states.dtype, uw.q[units[0]].dtype
-
-    def R(t: Tensor) -> Tensor:  # the one rounding at an op's output
-        return round_to(t, act)
-
     eps, qk_eps = c.norm_eps, c.qk_norm_eps
     T, D, Dh, H8 = b.num_timesteps, c.hidden_size, c.attention_head_dim, c.heads_per_unit
+    A8, F8, G8 = c.inner_dim // 8, c.ffn_dim // 8, c.adaln_dim // 8
     scale = 1.0 / Dh**0.5
-    rep = {k: v for k, v in uw.replicated.items()}
+    rep, loc = uw.replicated, uw.local
+    cols = lambda t, u, n: t[:, (u - units.start) * n : (u - units.start + 1) * n]  # noqa: E731  unit u's columns
 
     # ---- row metadata in the three row spaces ----------------------------------------------
     x, idx, keys = b.hidden_states, b.adaln_indices, b.logical_keys
@@ -114,137 +111,122 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
 
     # ---- F1 AdaLN table: silu(temb) in FP32, one cast to the projection dtype (diffusers) ----
     st = round_to(silu(b.temb), w_dt)
-    parts = [round_to(be.mm(st, uw.adaln_w[u].t()) + uw.adaln_b[u].to(torch.float32), w_dt) for u in units]
-    table = comm.gather_units(torch.cat(parts, dim=1), "adaln.table", dim=1).view(3 * T, 6, D)
+    table_local = round_to(be.mm(st, loc["adaln_w"].t()) + loc["adaln_b"].to(torch.float32), w_dt)
+    table = comm.gather_units(table_local, "adaln.table", dim=1).view(3 * T, 6, D)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table[idx].unbind(1)  # each [R_local, D]
 
-    # ---- F2-F5 norm1, q/k/v, q/k norm + RoPE, attention ------------------------------------
-    m1 = R(rms_modulate_fwd(x, rep["norm1.weight"], scale_msa, shift_msa, eps))
+    # ---- F2-F5 norm1, q/k/v (this rank's units in one GEMM each), q/k norm + RoPE, attention --
+    m1 = be.rms_modulate_fwd(x, rep["norm1.weight"], scale_msa, shift_msa, eps, act)
     m1_tp = comm.gather_tp_rows(m1, "sp.gather.m1")
+    R_tp = m1_tp.shape[0]
+    heads = lambda t: t.view(R_tp, -1, Dh)  # noqa: E731
     cos, sin = rope_tables(pos_tp, c.rope_freq_dim, c.rope_theta)
-    heads = lambda t: t.view(t.shape[0], H8, Dh)  # noqa: E731
-    q_u = {u: R(be.mm(m1_tp, uw.q[u].t())) for u in units}
-    k_u = {u: R(be.mm(m1_tp, uw.k[u].t())) for u in units}
-    v_u = {u: R(be.mm(m1_tp, uw.v[u].t())) for u in units}
+    q = be.mm(m1_tp, loc["q"].t(), act)  # [R_tp, A_local]
+    k = be.mm(m1_tp, loc["k"].t(), act)
+    v = heads(be.mm(m1_tp, loc["v"].t(), act))
     wq, wk = rep["attn.norm_q.weight"], rep["attn.norm_k.weight"]
-    qr = torch.cat([R(qk_norm_rope_fwd(heads(q_u[u]), wq, cos, sin, qk_eps)) for u in units], dim=1)
-    kr = torch.cat([R(qk_norm_rope_fwd(heads(k_u[u]), wk, cos, sin, qk_eps)) for u in units], dim=1)
-    v = torch.cat([heads(v_u[u]) for u in units], dim=1)  # [R_tp, H_local, Dh]
+    qr = be.qk_norm_rope_fwd(heads(q), wq, cos, sin, qk_eps, act)  # [R_tp, H_local, Dh]
+    kr = be.qk_norm_rope_fwd(heads(k), wk, cos, sin, qk_eps, act)
     k_c = seq(kr, "cp.gather.k")[order]  # keys in canonical order, padding dropped
     v_c = seq(v, "cp.gather.v")[order]
-    o32, rowmax, denom = be.attention_fwd(qr, k_c, v_c, scale)
-    attn = R(o32)
-    attn_u = {u: attn[:, i * H8 : (i + 1) * H8].reshape(attn.shape[0], -1) for i, u in enumerate(units)}
+    attn3, o_ref, stats = be.attention_fwd(qr, k_c, v_c, scale, act)
+    attn = attn3.reshape(R_tp, -1)  # [R_tp, A_local]
 
     # ---- F6-F11 to_out, residual, norm2, SwiGLU, ff.net.2, residual --------------------------
-    root = be.unit_reduce([[(attn_u[u], uw.out[u].t())] for u in units])
-    o_proj = R(comm.reduce_units(root, "attn.to_out.0", scatter_rows=True))
-    x1 = R(gated_residual(x, gate_msa, o_proj))
-    m2 = R(rms_modulate_fwd(x1, rep["norm2.weight"], scale_mlp, shift_mlp, eps))
+    root = be.unit_reduce([[(cols(attn, u, A8), uw.out[u].t())] for u in units])
+    o_proj = be.round(comm.reduce_units(root, "attn.to_out.0", scatter_rows=True), act)
+    x1 = be.gated_residual(x, gate_msa, o_proj, act)
+    m2 = be.rms_modulate_fwd(x1, rep["norm2.weight"], scale_mlp, shift_mlp, eps, act)
     m2_tp = comm.gather_tp_rows(m2, "sp.gather.m2")
-    h_u = {u: R(be.mm(m2_tp, uw.hidden[u].t())) for u in units}
-    g_u = {u: R(be.mm(m2_tp, uw.gate[u].t())) for u in units}
-    a_u = {u: R(swiglu_fwd(h_u[u], g_u[u])) for u in units}
-    root = be.unit_reduce([[(a_u[u], uw.down[u].t())] for u in units])
-    y = R(comm.reduce_units(root, "ff.net.2", scatter_rows=True))
-    out = R(gated_residual(x1, gate_mlp, y))
+    h = be.mm(m2_tp, loc["hidden"].t(), act)  # [R_tp, F_local]
+    g = be.mm(m2_tp, loc["gate"].t(), act)
+    a = be.swiglu_fwd(h, g, act)
+    root = be.unit_reduce([[(cols(a, u, F8), uw.down[u].t())] for u in units])
+    y = be.round(comm.reduce_units(root, "ff.net.2", scatter_rows=True), act)
+    out = be.gated_residual(x1, gate_mlp, y, act)
     forward_s = clock.lap()
 
     # ---- B11-B9 backward through ff: padding rows carry no gradient --------------------------
-    g = torch.where(active, b.grad_out.to(torch.float32), 0.0)
-    d_gate_mlp = g * y.to(torch.float32)
-    dy = R(g * gate_mlp.to(torch.float32))
+    g_out = torch.where(active, b.grad_out.to(torch.float32), 0.0)
+    d_gate_mlp = g_out * y.to(torch.float32)
+    dy = be.round(g_out * gate_mlp.to(torch.float32), act)
     dy_tp = comm.gather_tp_rows(dy, "sp.gather.dy")
     dy_seq, m2_seq = seq(dy_tp, "cp.gather.dy"), seq(m2_tp, "cp.gather.m2")
-    dw: dict[str, dict[int, Tensor]] = {
-        k: {}
-        for k in (
-            "attn.to_q.weight",
-            "attn.to_k.weight",
-            "attn.to_v.weight",
-            "attn.to_out.0.weight",
-            "ff.hidden",
-            "ff.gate",
-            "ff.net.2.weight",
-            "adaln_proj.linear.weight",
-            "adaln_proj.linear.bias",
-        )
+    da = be.mm(dy_tp, loc["down"], act)  # [R_tp, F_local]
+    dh, dg = be.swiglu_bwd(da, h, g, act)
+    dm2_parts = [[(cols(dh, u, F8), uw.hidden[u]), (cols(dg, u, F8), uw.gate[u])] for u in units]  # hidden, gate
+    dm2 = be.round(comm.reduce_units(be.unit_reduce(dm2_parts), "ff.net.0.dx", scatter_rows=True), act)
+    dw_local = {
+        "ff.net.2.weight": be.row_mm(dy_seq, seq(a, "cp.gather.a"), order),  # [D, F_local]
+        "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order),  # [F_local, D]
+        "ff.gate": be.row_mm(seq(dg, "cp.gather.dg"), m2_seq, order),
     }
-    dx_parts = []
-    for u in units:
-        da = R(be.mm(dy_tp, uw.down[u]))
-        dw["ff.net.2.weight"][u] = round_to(be.row_mm(dy_seq, seq(a_u[u], "cp.gather.a"), order), w_dt)
-        dh32, dg32 = swiglu_bwd(da, h_u[u], g_u[u])
-        dh, dg = R(dh32), R(dg32)
-        dx_parts.append([(dh, uw.hidden[u]), (dg, uw.gate[u])])  # hidden, then gate
-        dw["ff.hidden"][u] = round_to(be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order), w_dt)
-        dw["ff.gate"][u] = round_to(be.row_mm(seq(dg, "cp.gather.dg"), m2_seq, order), w_dt)
-    dm2 = R(comm.reduce_units(be.unit_reduce(dx_parts), "ff.net.0.dx", scatter_rows=True))
 
     # ---- B8-B6 norm2, residual 1, to_out --------------------------------------------------
-    dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = rms_modulate_bwd(dm2, x1, rep["norm2.weight"], scale_mlp, eps)
-    dx1 = g + dxn2
+    dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = be.rms_modulate_bwd(dm2, x1, rep["norm2.weight"], scale_mlp, eps)
+    dx1 = g_out + dxn2
     d_gate_msa = dx1 * o_proj.to(torch.float32)
-    do = R(dx1 * gate_msa.to(torch.float32))
+    do = be.round(dx1 * gate_msa.to(torch.float32), act)
     do_tp = comm.gather_tp_rows(do, "sp.gather.do")
-    do_seq = seq(do_tp, "cp.gather.do")
-    dattn_u = {}
-    for u in units:
-        dattn_u[u] = R(be.mm(do_tp, uw.out[u]))
-        dw["attn.to_out.0.weight"][u] = round_to(be.row_mm(do_seq, seq(attn_u[u], "cp.gather.attn"), order), w_dt)
+    dattn = be.mm(do_tp, loc["out"], act)  # [R_tp, A_local]
+    dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order)
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
-    dO = torch.cat([heads(dattn_u[u]) for u in units], dim=1)
-    delta = att.attention_delta(dO, o32)
-    dq = be.attention_bwd_q(qr, dO, rowmax, denom, delta, k_c, v_c, scale)
-    gather_q = lambda t, site: seq(t.transpose(0, 1), site)[order].transpose(0, 1)  # [H, R] stats  # noqa: E731
+    dO = heads(dattn)
+    delta = be.attention_delta(dO, o_ref)  # [H_local, R_tp]
+    dq = be.attention_bwd_q(qr, dO, stats, delta, k_c, v_c, scale)
+    gather_q = lambda t, site: seq(t.transpose(0, 1), site)[order].transpose(0, 1)  # noqa: E731  [H, R] stats
     q_c, dO_c = seq(qr, "cp.gather.q")[order], seq(dO, "cp.gather.dO")[order]
-    stats_c = [gather_q(t, f"cp.gather.{n}") for t, n in ((rowmax, "rowmax"), (denom, "denom"), (delta, "delta"))]
-    dk, dv = be.attention_bwd_kv(q_c, dO_c, *stats_c, kr, v, scale)
+    stats_c = [gather_q(t, f"cp.gather.stats{i}") for i, t in enumerate(stats)]
+    dk, dv = be.attention_bwd_kv(q_c, dO_c, stats_c, gather_q(delta, "cp.gather.delta"), kr, v, scale)
 
-    # ---- B4-B3 RoPE + q/k norm, then q,k,v dX and dW -----------------------------------------
+    # ---- B4-B3 RoPE + q/k norm, then q,k,v dX (unit tree) and dW -----------------------------
+    dq, dwq_rows = be.qk_norm_rope_bwd(dq, heads(q), wq, cos, sin, qk_eps, act)
+    dk, dwk_rows = be.qk_norm_rope_bwd(dk, heads(k), wk, cos, sin, qk_eps, act)
+    dq, dk, dv = dq.reshape(R_tp, -1), dk.reshape(R_tp, -1), be.round(dv, act).reshape(R_tp, -1)
+    dm1_parts = [[(cols(dq, u, A8), uw.q[u]), (cols(dk, u, A8), uw.k[u]), (cols(dv, u, A8), uw.v[u])] for u in units]
+    dm1 = be.round(comm.reduce_units(be.unit_reduce(dm1_parts), "attn.qkv.dx", scatter_rows=True), act)
     m1_seq = seq(m1_tp, "cp.gather.m1")
-    dx_parts, dwq_rows, dwk_rows = [], [], []
-    for i, u in enumerate(units):
-        hs = slice(i * H8, (i + 1) * H8)
-        dq32, dwq_u = qk_norm_rope_bwd(dq[:, hs], heads(q_u[u]), wq, cos, sin, qk_eps)
-        dk32, dwk_u = qk_norm_rope_bwd(dk[:, hs], heads(k_u[u]), wk, cos, sin, qk_eps)
-        dwq_rows.append(dwq_u), dwk_rows.append(dwk_u)
-        flat = lambda t: t.reshape(t.shape[0], -1)  # noqa: E731
-        dq_u, dk_u, dv_u = R(flat(dq32)), R(flat(dk32)), R(flat(dv[:, hs]))
-        dx_parts.append([(dq_u, uw.q[u]), (dk_u, uw.k[u]), (dv_u, uw.v[u])])  # q, k, v
-        for name, d in (("attn.to_q.weight", dq_u), ("attn.to_k.weight", dk_u), ("attn.to_v.weight", dv_u)):
-            dw[name][u] = round_to(be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order), w_dt)
-    dm1 = R(comm.reduce_units(be.unit_reduce(dx_parts), "attn.qkv.dx", scatter_rows=True))
+    for name, d in (("attn.to_q.weight", dq), ("attn.to_k.weight", dk), ("attn.to_v.weight", dv)):
+        dw_local[name] = be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order)  # [A_local, D]
 
     # ---- B2 norm1, dx ------------------------------------------------------------------------
-    dxn1, dw_norm1, d_scale_msa, d_shift_msa = rms_modulate_bwd(dm1, x, rep["norm1.weight"], scale_msa, eps)
-    zero_pad = lambda t: torch.where(active, t, torch.zeros((), dtype=t.dtype))  # noqa: E731
-    dx = zero_pad(R(dx1 + dxn1))
+    dxn1, dw_norm1, d_scale_msa, d_shift_msa = be.rms_modulate_bwd(dm1, x, rep["norm1.weight"], scale_msa, eps)
+    zero_pad = lambda t: torch.where(active, t, torch.zeros((), dtype=t.dtype, device=t.device))  # noqa: E731
+    dx = zero_pad(be.round(dx1 + dxn1, act))
 
-    # ---- cross-row weight gradients: rows of the whole sequence in key order ------------------
+    # ---- cross-row gradients of replicated weights: rows of the whole sequence in key order --
     p_dt = lambda name: rep[name].dtype  # noqa: E731
     dw_rep = {
         "norm1.weight": round_to(be.row_sum(seq_local(dw_norm1, "cp.gather.dnorm1"), order), p_dt("norm1.weight")),
         "norm2.weight": round_to(be.row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), p_dt("norm2.weight")),
     }
     for name, rows in (("attn.norm_q.weight", dwq_rows), ("attn.norm_k.weight", dwk_rows)):
-        per_head = be.row_sum(seq(torch.cat(rows, dim=1), f"cp.gather.{name}"), order)  # [H_local, Dh]
+        per_head = be.row_sum(seq(rows, f"cp.gather.{name}"), order)  # [H_local, Dh]
         per_unit = [chain_sum(per_head[i * H8 : (i + 1) * H8]) for i in range(len(units))]  # heads ascending
         dw_rep[name] = round_to(comm.reduce_units(unit_tree(per_unit), name), p_dt(name))
 
     # ---- B1 AdaLN table rows (segmented, key order), then its projection ---------------------
     d_rows = torch.stack([d_shift_msa, d_scale_msa, d_gate_msa, d_shift_mlp, d_scale_mlp, d_gate_mlp], dim=1)
     d_table = be.segment_sum(seq_local(d_rows, "cp.gather.dtable"), idx_seq, 3 * T, order).reshape(T, -1)
-    G8 = c.adaln_dim // 8
-    dst_parts = []
-    for u in units:
-        cols = d_table[:, u * G8 : (u + 1) * G8]  # [T, 18D/8]
-        dw["adaln_proj.linear.weight"][u] = round_to(be.mm(cols.t(), st), w_dt)  # timesteps ascending
-        dw["adaln_proj.linear.bias"][u] = round_to(chain_sum(cols), w_dt)
-        dst_parts.append([(cols, uw.adaln_w[u])])
-    dtemb = silu_bwd(comm.reduce_units(be.unit_reduce(dst_parts), "adaln.dtemb"), b.temb)
+    d_cols = d_table[:, units.start * G8 : units.stop * G8]  # [T, 18D/8 * local units]
+    dw_local["adaln_proj.linear.weight"] = be.mm(d_cols.t(), st)  # timesteps ascending
+    dw_local["adaln_proj.linear.bias"] = chain_sum(d_cols)
+    dst = be.unit_reduce([[(cols(d_cols, u, G8), uw.adaln_w[u])] for u in units])
+    dtemb = silu_bwd(comm.reduce_units(dst, "adaln.dtemb"), b.temb)
 
+    # ---- per-unit views of this rank's weight gradients, rounded once to the weights' dtype ---
+    widths = {"attn.to_q.weight": A8, "attn.to_k.weight": A8, "attn.to_v.weight": A8, "ff.hidden": F8,
+              "ff.gate": F8, "adaln_proj.linear.weight": G8, "adaln_proj.linear.bias": G8}  # fmt: skip
+    dw: dict[str, dict[int, Tensor]] = {}
+    for name, t in dw_local.items():
+        t = round_to(t, w_dt)
+        if name in widths:  # unit-major rows
+            n = widths[name]
+            dw[name] = {u: t[(u - units.start) * n : (u - units.start + 1) * n] for u in units}
+        else:  # unit-major columns: to_out.0, ff.net.2
+            n = A8 if name.startswith("attn") else F8
+            dw[name] = {u: cols(t, u, n) for u in units}
     timings = {"forward_s": forward_s, "backward_s": clock.lap()}
     return BlockStep(out=zero_pad(out), dx=dx, dw_units=dw, dw_replicated=dw_rep, dtemb=dtemb, timings=timings)
 

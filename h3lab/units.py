@@ -44,6 +44,7 @@ class UnitWeights:
     down: dict[int, Tensor]  # [D, F/8]
     adaln_w: dict[int, Tensor]  # [18D/8, E]
     adaln_b: dict[int, Tensor]  # [18D/8]
+    local: dict[str, Tensor]  # the same fields over all of `units` at once (contiguous ranges: views)
 
 
 def unit_weights(weights: BlockWeights, units: range = range(NUM_UNITS)) -> UnitWeights:
@@ -68,6 +69,17 @@ def unit_weights(weights: BlockWeights, units: range = range(NUM_UNITS)) -> Unit
         down={u: cols(w["ff.net.2.weight"], F8, u) for u in units},
         adaln_w={u: rows(w["adaln_proj.linear.weight"], G8, u) for u in units},
         adaln_b={u: rows(w["adaln_proj.linear.bias"], G8, u) for u in units},
+        local={
+            "q": w["attn.to_q.weight"][units.start * A8 : units.stop * A8],
+            "k": w["attn.to_k.weight"][units.start * A8 : units.stop * A8],
+            "v": w["attn.to_v.weight"][units.start * A8 : units.stop * A8],
+            "out": w["attn.to_out.0.weight"][:, units.start * A8 : units.stop * A8],
+            "hidden": w["ff.net.0.proj.weight"][units.start * F8 : units.stop * F8],
+            "gate": w["ff.net.0.proj.weight"][F + units.start * F8 : F + units.stop * F8],
+            "down": w["ff.net.2.weight"][:, units.start * F8 : units.stop * F8],
+            "adaln_w": w["adaln_proj.linear.weight"][units.start * G8 : units.stop * G8],
+            "adaln_b": w["adaln_proj.linear.bias"][units.start * G8 : units.stop * G8],
+        },
     )
 
 
