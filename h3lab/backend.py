@@ -29,7 +29,10 @@ from h3lab.ops import ffn, norm, rows
 from h3lab.ops.fixed import chain_mm, round_to, unit_tree
 
 BACKENDS = ("torch", "triton", "baseline")
-Pieces = Sequence[tuple[Tensor, Tensor]]  # one unit's chained GEMM operands (a_MK, b_KN), in order
+# Operands of a unit-tree GEMM: pieces (a [M, U*Kp], b [U*Kp, N]); unit i is column block i of
+# every piece's a and row block i of its b. Each unit is one chain over its blocks, pieces in order
+# (q,k,v / hidden,gate), then the balanced tree over the U units.
+Pieces = Sequence[tuple[Tensor, Tensor]]
 F32 = torch.float32
 
 
@@ -38,7 +41,7 @@ class Backend(Protocol):
 
     # GEMMs: a row's bits never depend on M, a column's never on N
     def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor: ...
-    def unit_reduce(self, units: Sequence[Pieces]) -> Tensor: ...  # per unit one chain, then the subtree
+    def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor: ...  # FP32 [M, N]: chains, then the tree
     def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor: ...  # sum_r a[r]^T b[r], key order
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor: ...
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
@@ -76,12 +79,13 @@ class TorchBackend:
     def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
         return round_to(chain_mm(a_MK, b_KN), out_dtype)
 
-    def unit_reduce(self, units: Sequence[Pieces]) -> Tensor:
+    def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
         partials = []
-        for pieces in units:
+        for i in range(num_units):
             acc = None
             for a, b in pieces:
-                acc = chain_mm(a, b, acc)
+                kp = a.shape[1] // num_units
+                acc = chain_mm(a[:, i * kp : (i + 1) * kp], b[i * kp : (i + 1) * kp], acc)
             partials.append(acc)
         return unit_tree(partials)
 
@@ -133,10 +137,10 @@ class BaselineBackend(TorchBackend):
     def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
         return torch.mm(a_MK, b_KN.to(a_MK.dtype)).to(out_dtype)
 
-    def unit_reduce(self, units: Sequence[Pieces]) -> Tensor:
+    def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
         # one GEMM over everything this rank holds, as a plain row-parallel Linear shard does
-        a = torch.cat([a for pieces in units for a, _ in pieces], dim=1)
-        b = torch.cat([b for pieces in units for _, b in pieces], dim=0)
+        a = torch.cat([a for a, _ in pieces], dim=1)
+        b = torch.cat([b for _, b in pieces], dim=0)
         return self.mm(a, b)
 
     def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor:

@@ -133,7 +133,8 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     attn = attn3.reshape(R_tp, -1)  # [R_tp, A_local]
 
     # ---- F6-F11 to_out, residual, norm2, SwiGLU, ff.net.2, residual --------------------------
-    root = be.unit_reduce([[(cols(attn, u, A8), uw.out[u].t())] for u in units])
+    U = len(units)
+    root = be.unit_reduce([(attn, loc["out"].t())], U)
     o_proj = be.round(comm.reduce_units(root, "attn.to_out.0", scatter_rows=True), act)
     x1 = be.gated_residual(x, gate_msa, o_proj, act)
     m2 = be.rms_modulate_fwd(x1, rep["norm2.weight"], scale_mlp, shift_mlp, eps, act)
@@ -141,7 +142,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     h = be.mm(m2_tp, loc["hidden"].t(), act)  # [R_tp, F_local]
     g = be.mm(m2_tp, loc["gate"].t(), act)
     a = be.swiglu_fwd(h, g, act)
-    root = be.unit_reduce([[(cols(a, u, F8), uw.down[u].t())] for u in units])
+    root = be.unit_reduce([(a, loc["down"].t())], U)
     y = be.round(comm.reduce_units(root, "ff.net.2", scatter_rows=True), act)
     out = be.gated_residual(x1, gate_mlp, y, act)
     forward_s = clock.lap()
@@ -154,8 +155,8 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     dy_seq, m2_seq = seq(dy_tp, "cp.gather.dy"), seq(m2_tp, "cp.gather.m2")
     da = be.mm(dy_tp, loc["down"], act)  # [R_tp, F_local]
     dh, dg = be.swiglu_bwd(da, h, g, act)
-    dm2_parts = [[(cols(dh, u, F8), uw.hidden[u]), (cols(dg, u, F8), uw.gate[u])] for u in units]  # hidden, gate
-    dm2 = be.round(comm.reduce_units(be.unit_reduce(dm2_parts), "ff.net.0.dx", scatter_rows=True), act)
+    root = be.unit_reduce([(dh, loc["hidden"]), (dg, loc["gate"])], U)  # hidden, then gate
+    dm2 = be.round(comm.reduce_units(root, "ff.net.0.dx", scatter_rows=True), act)
     dw_local = {
         "ff.net.2.weight": be.row_mm(dy_seq, seq(a, "cp.gather.a"), order),  # [D, F_local]
         "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order),  # [F_local, D]
@@ -184,8 +185,8 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     dq, dwq_rows = be.qk_norm_rope_bwd(dq, heads(q), wq, cos, sin, qk_eps, act)
     dk, dwk_rows = be.qk_norm_rope_bwd(dk, heads(k), wk, cos, sin, qk_eps, act)
     dq, dk, dv = dq.reshape(R_tp, -1), dk.reshape(R_tp, -1), be.round(dv, act).reshape(R_tp, -1)
-    dm1_parts = [[(cols(dq, u, A8), uw.q[u]), (cols(dk, u, A8), uw.k[u]), (cols(dv, u, A8), uw.v[u])] for u in units]
-    dm1 = be.round(comm.reduce_units(be.unit_reduce(dm1_parts), "attn.qkv.dx", scatter_rows=True), act)
+    root = be.unit_reduce([(dq, loc["q"]), (dk, loc["k"]), (dv, loc["v"])], U)  # q, k, v
+    dm1 = be.round(comm.reduce_units(root, "attn.qkv.dx", scatter_rows=True), act)
     m1_seq = seq(m1_tp, "cp.gather.m1")
     for name, d in (("attn.to_q.weight", dq), ("attn.to_k.weight", dk), ("attn.to_v.weight", dv)):
         dw_local[name] = be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order)  # [A_local, D]
@@ -212,7 +213,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     d_cols = d_table[:, units.start * G8 : units.stop * G8]  # [T, 18D/8 * local units]
     dw_local["adaln_proj.linear.weight"] = be.mm(d_cols.t(), st)  # timesteps ascending
     dw_local["adaln_proj.linear.bias"] = chain_sum(d_cols)
-    dst = be.unit_reduce([[(cols(d_cols, u, G8), uw.adaln_w[u])] for u in units])
+    dst = be.unit_reduce([(d_cols, loc["adaln_w"])], U)
     dtemb = silu_bwd(comm.reduce_units(dst, "adaln.dtemb"), b.temb)
 
     # ---- per-unit views of this rank's weight gradients, rounded once to the weights' dtype ---
