@@ -47,6 +47,7 @@ class LaunchResult:
     elapsed_s: float
     commands: list[list[str]]
     agent_logs: list[Path]
+    token: str  # the value of H3LAB_RUN_TOKEN every process of this launch carried
     killed_leftovers: list[int] = field(default_factory=list)  # pids still alive at the end, killed
 
     @property
@@ -159,7 +160,7 @@ def launch(
     finally:
         leftovers = kill_token(token)
     rc = -1 if timed_out else next((c for c in codes if c != 0), 0)
-    return LaunchResult(rc, timed_out, time.monotonic() - start, commands, logs, leftovers)
+    return LaunchResult(rc, timed_out, time.monotonic() - start, commands, logs, token, leftovers)
 
 
 def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int]]:
@@ -175,17 +176,23 @@ def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[in
         time.sleep(0.05)
 
 
-def kill_token(token: str, grace_s: float = 3.0) -> list[int]:
-    """SIGTERM then SIGKILL every process whose environment carries `token`; returns their pids."""
+def processes_with_token(token: str) -> list[psutil.Process]:
+    """Every live process (but this one) whose environment carries `token`."""
     found = []
     for p in psutil.process_iter(["pid"]):
         if p.pid == os.getpid():
             continue
         try:
-            if p.environ().get(TOKEN_VAR) == token:
+            if p.environ().get(TOKEN_VAR) == token and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+    return found
+
+
+def kill_token(token: str, grace_s: float = 3.0) -> list[int]:
+    """SIGTERM then SIGKILL every process whose environment carries `token`; returns their pids."""
+    found = processes_with_token(token)
     for p in found:
         _signal(p, signal.SIGTERM)
     _, alive = psutil.wait_procs(found, timeout=grace_s)

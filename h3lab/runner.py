@@ -224,6 +224,7 @@ def _launch_record(res: LaunchResult) -> dict:
         "returncode": res.returncode,
         "timed_out": res.timed_out,
         "elapsed_s": res.elapsed_s,
+        "token": res.token,
         "commands": [shlex.join(c) for c in res.commands],
         "agent_logs": [str(p) for p in res.agent_logs],
         "killed_leftovers": res.killed_leftovers,
@@ -231,34 +232,39 @@ def _launch_record(res: LaunchResult) -> dict:
 
 
 def diagnose(d: Path, world: int, res: LaunchResult) -> dict:
-    """Name the rank that failed first and why, from the ranks' status files."""
-    status = {}
+    """Name the rank that failed first and why, from the ranks' status and heartbeat files.
+
+    Every failed rank gets an event time: when it raised, or, for a rank that died without a word
+    (SIGKILL, a crash, or a rank blocked in a collective that the agent had to kill), its last
+    heartbeat. The earliest event is the root cause; the others are collateral. On a timeout the
+    straggler is the rank with the fewest collective calls (the others wait for it inside one).
+    """
+    status, beat = {}, {}
     for r in range(world):
-        p = d / f"rank{r}.status.json"
+        p, hb = d / f"rank{r}.status.json", d / f"rank{r}.heartbeat"
         status[r] = json.loads(p.read_text()) if p.exists() else {"state": "never started"}
-    errors = sorted((s["time"], r) for r, s in status.items() if s["state"] == "error")
-    running = [r for r, s in status.items() if s["state"] in ("running", "never started")]
+        beat[r] = float(hb.read_text()) if hb.exists() else float("-inf")
+    states = {rank: s["state"] for rank, s in status.items()}
+    log = lambda r: str(d / f"rank{r}.log")  # noqa: E731
     if res.timed_out:
-        if running:  # the straggler made the fewest collective calls; the others wait for it
+        # the runner's kill after the timeout marks ranks "terminated"; their progress is what counts
+        running = [r for r, s in status.items() if s["state"] in ("running", "never started", "terminated")]
+        if running:
             r = min(running, key=lambda r: status[r].get("calls", -1))
-            calls = status[r].get("calls", 0)
-            reason = f"hung: still running after {res.elapsed_s:.0f} s, stuck after {calls} collective calls"
-        else:
-            r, reason = 0, "timed out"
-    elif errors:
-        r = errors[0][1]
-        reason = f"raised {status[r]['error']}"
-    elif running:
-        r = running[0]
-        reason = "killed: the process died without reporting (a signal such as SIGKILL, or a crash)"
-    else:
-        r, reason = 0, f"torchrun exited with {res.returncode}"
-    return {
-        "rank": r,
-        "reason": reason,
-        "log": str(d / f"rank{r}.log"),
-        "states": {r: s["state"] for r, s in status.items()},
-    }
+            calls, site = status[r].get("calls", 0), status[r].get("site", "")
+            reason = f"hung: still running after {res.elapsed_s:.0f} s, stuck after step {calls} ({site!r})"
+            return {"rank": r, "reason": reason, "log": log(r), "states": states}
+    events = []
+    for r, s in status.items():
+        if s["state"] == "error":
+            events.append((s["time"], r, f"raised {s['error']}"))
+        elif s["state"] in ("running", "never started"):
+            events.append((beat[r], r, "killed: the process died without reporting (a signal such as SIGKILL, "
+                                       "a crash, or the agent stopping a rank blocked in a collective)"))  # fmt: skip
+    if not events:
+        return {"rank": 0, "reason": f"torchrun exited with {res.returncode}", "log": log(0), "states": states}
+    _, r, reason = min(events)
+    return {"rank": r, "reason": reason, "log": log(r), "states": states}
 
 
 def _failure_line(layout: Layout, record: dict) -> str:

@@ -12,9 +12,14 @@ from torch import Tensor
 from h3lab.ops.fixed import cos_sin, pair_sum
 
 
+def _mean(x: Tensor) -> Tensor:
+    # sum by a balanced tree, then times 1/n rounded to fp32: CUDA turns a division by a Python
+    # scalar into this multiplication anyway, and CPU divides; an explicit multiply is the same on both
+    return pair_sum(x, -1) * (1.0 / x.shape[-1])
+
+
 def _rstd(x: Tensor, eps: float) -> Tensor:
-    # mean of squares by a balanced tree over the channel axis, then IEEE sqrt and divide
-    return 1.0 / torch.sqrt(pair_sum(x * x, -1) / x.shape[-1] + eps)
+    return 1.0 / torch.sqrt(_mean(x * x) + eps)  # IEEE sqrt and divide
 
 
 def rms_modulate_fwd(x_RD: Tensor, w_D: Tensor, scale_RD: Tensor, shift_RD: Tensor, eps: float) -> Tensor:
@@ -36,7 +41,7 @@ def rms_modulate_bwd(
     dscale = dm * (xhat * w)
     dn = dm * (1.0 + scale_RD.to(torch.float32))
     dxhat = dn * w
-    dx = rstd * (dxhat - xhat * (pair_sum(dxhat * xhat, -1) / x.shape[-1]).unsqueeze(-1))
+    dx = rstd * (dxhat - xhat * _mean(dxhat * xhat).unsqueeze(-1))
     return dx, dn * xhat, dscale, dm
 
 
@@ -85,5 +90,5 @@ def qk_norm_rope_bwd(
     cos, sin = cos_RC.unsqueeze(1), sin_RC.unsqueeze(1)
     dqn = torch.cat([dout[..., :C] * cos + _rotate_half_t(dout[..., :C] * sin), dout[..., C:]], dim=-1)
     dqhat = dqn * w_D.to(torch.float32)
-    dq = rstd * (dqhat - qhat * (pair_sum(dqhat * qhat, -1) / q.shape[-1]).unsqueeze(-1))
+    dq = rstd * (dqhat - qhat * _mean(dqhat * qhat).unsqueeze(-1))
     return dq, dqn * qhat

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -65,20 +66,41 @@ def _inject_fault(rank: int) -> None:
     raise ValueError(f"H3LAB_FAULT kind {kind!r}; allowed: raise, hang, kill")
 
 
+HEARTBEAT_S = 0.2
+
+
+def _start_heartbeat(path: Path) -> None:
+    """Write the time every 0.2 s from a thread; it keeps beating while the main thread waits in a
+    collective (torch releases the GIL there), so the rank whose beat stopped first died first."""
+
+    def beat() -> None:
+        while True:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(repr(time.time()))
+            tmp.replace(path)
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="h3lab-heartbeat").start()
+
+
 def run_rank(spec: dict) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out_dir = Path(spec["layout_dir"])
     status = out_dir / f"rank{rank}.status.json"
     _redirect_output(out_dir / f"rank{rank}.log")
 
-    def on_term(signum: int, _frame: object) -> None:  # the agent stops us because a peer failed
-        _write_json(status, {"state": "terminated", "signal": signum, "time": time.time()})
+    progress = Progress(status)
+
+    def on_term(signum: int, _frame: object) -> None:  # the agent or the runner stops us
+        record = {"state": "terminated", "signal": signum, "time": time.time(), "calls": progress.calls}
+        _write_json(status, record | {"site": progress.site})
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    _write_json(status, {"state": "running", "calls": 0, "pid": os.getpid(), "time": time.time()})
+    progress.tick("start")
+    _start_heartbeat(out_dir / f"rank{rank}.heartbeat")
     try:
-        record = _run(spec, rank, world, status)
+        record = _run(spec, rank, world, progress)
     except BaseException as err:
         _write_json(
             status,
@@ -95,7 +117,7 @@ def run_rank(spec: dict) -> int:
     return 0
 
 
-def _run(spec: dict, rank: int, world: int, status: Path) -> dict:
+def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
     layout = Layout.parse(spec["layout"])
     if layout.world != world:
         raise ValueError(f"layout {layout.name} needs {layout.world} ranks, torchrun started {world}")
@@ -103,7 +125,9 @@ def _run(spec: dict, rank: int, world: int, status: Path) -> dict:
     device = problem.rank_device(int(os.environ.get("LOCAL_RANK", 0)))
     transport = "nccl" if device.type == "cuda" and problem.one_gpu_per_rank(layout) else "gloo"
     dist.init_process_group(transport, device_id=device if transport == "nccl" else None)
+    progress.tick("process group up")  # phases count as progress, so a hang names its straggler
     _inject_fault(rank)
+    progress.tick("fault check")
     weights, batch = problem.weights(device), problem.batch(device)
     shard = SeqShard(layout, batch.num_rows)
     comm = build_comm(
@@ -113,7 +137,7 @@ def _run(spec: dict, rank: int, world: int, status: Path) -> dict:
         algorithm=spec.get("algorithm", "auto"),
         device=device,
         act_dtype=batch.hidden_states.dtype,
-        progress=Progress(status),
+        progress=progress,
     )
     local = shard.coshard(batch, rank)
     uw = unit_weights(weights, comm.units)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -16,6 +17,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    time.sleep(float(os.environ.get("H3LAB_HELLO_SLEEP", "0")))  # lets tests exercise the launcher's timeout
     got = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(got, torch.tensor([float(rank)]))
     pids = [os.getpid(), os.getppid()]

@@ -1,0 +1,40 @@
+"""The launch path: torchrun through h3lab's agent, loopback-only stores, no orphans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from h3lab.launch import launch, processes_with_token
+
+
+def _leftovers(token: str) -> list[int]:
+    """Processes of this launch still alive (other test sessions' launches carry other tokens)."""
+    return [p.pid for p in processes_with_token(token)]
+
+
+@pytest.mark.parametrize("agents", [1, 2])
+def test_every_store_listens_on_loopback_only(tmp_path, agents):
+    res = launch("h3lab.workers.hello", [str(tmp_path)], nproc_per_node=4 // agents, log_dir=tmp_path,
+                 timeout_s=120, agents=agents)  # fmt: skip
+    assert res.ok, (tmp_path / "agent0.log").read_text()[-2000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["gathered"] == [0.0, 1.0, 2.0, 3.0] for r in records)
+    listening = {addr for r in records for addr in r["listening"]}
+    assert listening, "expected the agents and gloo to listen somewhere"
+    assert all(addr.startswith("127.0.0.1:") for addr in listening), listening
+    assert len(res.commands) == agents and not _leftovers(res.token)
+
+
+def test_a_timeout_kills_every_process(tmp_path):
+    res = launch("h3lab.workers.hello", [str(tmp_path)], nproc_per_node=2, log_dir=tmp_path, timeout_s=15,
+                 env={"H3LAB_HELLO_SLEEP": "600"})  # fmt: skip
+    assert res.timed_out and not res.ok and res.killed_leftovers and not _leftovers(res.token)
+
+
+def test_a_failing_worker_fails_the_launch(tmp_path):
+    # the workers cannot write into a missing directory: torchrun reports the failure, nobody is left
+    res = launch("h3lab.workers.hello", [str(tmp_path / "missing")], nproc_per_node=2, log_dir=tmp_path,
+                 timeout_s=120)  # fmt: skip
+    assert not res.ok and not res.timed_out and res.returncode != 0 and not _leftovers(res.token)

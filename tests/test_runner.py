@@ -1,0 +1,137 @@
+"""Every layout on real processes (gloo on CPU), compared byte for byte with the canonical block."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from h3lab.layouts import ALL_LAYOUTS, parse_layouts
+from h3lab.metrics import bitwise_equal
+from h3lab.problem import Problem
+from h3lab.runner import RunRequest, run, slug
+from tests.test_launch import _leftovers
+
+
+def _workers_of(out: Path) -> list[int]:
+    """Live processes whose command line names this run directory (an interrupted run records no token)."""
+    alive = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any(str(out) in part for part in p.info["cmdline"] or []) and p.pid != os.getpid():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+    return alive
+
+
+def _run(tmp_path: Path, layouts, **problem) -> dict:
+    return run(RunRequest(layouts=tuple(parse_layouts(layouts)), problem=Problem(**problem), out=tmp_path / "run",
+                          timeout_s=240))  # fmt: skip
+
+
+def _assert_all_bitwise(summary: dict, out: Path, layouts) -> None:
+    assert summary["status"] == "passed", json.dumps({k: v.get("failure") for k, v in summary["layouts"].items()})
+    canon = load_file(str(out / "canonical.safetensors"))
+    assert set(canon) >= {"out", "dx", "dtemb", "dw.attn.to_q.weight", "dw.adaln_proj.linear.bias"}
+    for layout in parse_layouts(layouts):
+        rec = summary["layouts"][layout.name]
+        assert rec["ranks_all_equal"] and rec["replicas_consistent"]
+        assert all(t["bitwise_equal"] and t["num_differing"] == 0 for t in rec["tensors"].values())
+        full = load_file(str(out / "layouts" / f"{slug(layout)}.safetensors"))
+        assert full.keys() == canon.keys()
+        assert all(bitwise_equal(full[k], canon[k]) for k in canon)  # re-checked from the files
+        assert len(rec["ranks"]) == layout.world and all(r["timings"]["backward_s"] > 0 for r in rec["ranks"])
+
+
+def test_the_seven_layouts_are_bitwise_equal_to_the_canonical_block(tmp_path):
+    summary = _run(tmp_path, ["all"], rows=264, seed=3)
+    _assert_all_bitwise(summary, tmp_path / "run", ALL_LAYOUTS)
+    decisions = summary["layouts"]["tp8:2x4"]["decisions"]
+    assert any(d["algorithm"] == "hierarchical" and d["group"]["local_size"] == 4 for d in decisions)
+    assert all(d["bytes_received_total"] >= 0 for d in decisions)
+
+
+def test_an_odd_row_count_is_padded_and_still_bitwise(tmp_path):
+    # 263 active + 4 padding rows = 267: not divisible by the 2 CP or 8 SP shards, so SeqShard pads too
+    summary = _run(tmp_path, ["all"], rows=263, padding=4, seed=4)
+    _assert_all_bitwise(summary, tmp_path / "run", ALL_LAYOUTS)
+
+
+def test_tp8_2x4_runs_as_two_torchrun_agents(tmp_path):
+    req = RunRequest(layouts=tuple(parse_layouts("tp8:2x4")), problem=Problem(rows=100, seed=5),
+                     out=tmp_path / "run", timeout_s=240, agents="per-node")  # fmt: skip
+    summary = run(req)
+    _assert_all_bitwise(summary, tmp_path / "run", ["tp8:2x4"])
+    commands = summary["layouts"]["tp8:2x4"]["launch"]["commands"]
+    assert len(commands) == 2 and all("--nproc-per-node=4" in c for c in commands)
+    assert "--node-rank=0" in commands[0] and "--node-rank=1" in commands[1]
+
+
+def test_baseline_mode_diverges_where_expected(tmp_path):
+    summary = _run(tmp_path, ["tp2", "tp4xcp2+sp"], rows=264, seed=6, mode="baseline")
+    assert summary["status"] == "failed"
+    for name in ("tp2", "tp4xcp2+sp"):
+        rec = summary["layouts"][name]
+        assert rec["status"] == "mismatch"
+        out = rec["tensors"]["out"]  # to_out and ff.net.2 are row-parallel: all_reduce(SUM) reorders them
+        assert not out["bitwise_equal"] and out["max_ulp"] > 0 and out["num_differing"] > 0
+
+
+@pytest.mark.parametrize(("kind", "expect"), [("raise", "raised RuntimeError"), ("kill", "killed"), ("hang", "hung")])
+def test_a_failing_rank_is_named_and_nothing_is_left_behind(tmp_path, monkeypatch, kind, expect):
+    monkeypatch.setenv("H3LAB_FAULT", f"{kind}:3")
+    req = RunRequest(layouts=tuple(parse_layouts("tp4")), problem=Problem(rows=64, seed=7), out=tmp_path / "run",
+                     timeout_s=30 if kind == "hang" else 240)  # fmt: skip
+    summary = run(req)
+    rec = summary["layouts"]["tp4"]
+    assert summary["status"] == "failed" and rec["status"] == "failed"
+    assert rec["failure"]["rank"] == 3 and expect in rec["failure"]["reason"], rec["failure"]
+    assert rec["failure"]["log"].endswith("layouts/tp4/rank3.log")
+    assert rec["launch"]["timed_out"] == (kind == "hang")
+    assert not _leftovers(rec["launch"]["token"])
+    monkeypatch.delenv("H3LAB_FAULT")  # the next run is unaffected
+    again = run(RunRequest(layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=64, seed=7),
+                           out=tmp_path / "again", timeout_s=240))  # fmt: skip
+    assert again["status"] == "passed"
+
+
+def test_bad_requests_fail_before_any_process_starts(tmp_path):
+    with pytest.raises(ValueError, match="unknown layout 'tp3x'"):
+        parse_layouts("tp2 tp3x")
+    with pytest.raises(ValueError, match="rows=0 must be >= 1"):
+        Problem(rows=0)
+    with pytest.raises(ValueError, match="unknown synthetic config 'huge'; allowed: \\['tiny', 'real'\\]"):
+        Problem(synthetic="huge")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        run(RunRequest(layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=8), out=tmp_path / "busy"))
+    assert (tmp_path / "busy" / "x").read_text() == "keep me"
+    cli = subprocess.run([sys.executable, "-m", "h3lab", "run", "--layout", "tp3", "--synthetic", "tiny",
+                          "--out", str(tmp_path / "cli")], capture_output=True, text=True)  # fmt: skip
+    assert cli.returncode == 2 and "tp=3 not allowed; allowed: [1, 2, 4, 8]" in cli.stderr
+    assert not (tmp_path / "cli").exists()
+
+
+def test_an_interrupted_run_is_never_mistaken_for_a_complete_one(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "h3lab", "run", "--layout", "tp4", "tp8", "--synthetic", "tiny", "--rows", "64",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out / "layouts" / "tp4" / "rank0.status.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and "tp4" not in summary["layouts"]
+    assert not _workers_of(out)
