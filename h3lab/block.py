@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -35,11 +36,25 @@ class BlockStep:
     """What one rank computes: its local rows of out/dx, its unit slices of dW, replicated grads."""
 
     out: Tensor  # [R_local, D], padding rows zero
-    dx: Tensor  # [R_local, D], padding rows zero
-    dw_units: dict[str, dict[int, Tensor]]  # unit-sharded parameters, per unit
-    dw_replicated: dict[str, Tensor]  # norm1, norm2, norm_q, norm_k (every rank holds all)
-    dtemb: Tensor  # [T, E] float32
+    dx: Tensor | None  # [R_local, D], padding rows zero (None: forward only)
+    dw_units: dict[str, dict[int, Tensor]] | None  # unit-sharded parameters, per unit
+    dw_replicated: dict[str, Tensor] | None  # norm1, norm2, norm_q, norm_k (every rank holds all)
+    dtemb: Tensor | None  # [T, E] float32
     timings: dict[str, float]  # forward_s, backward_s (this rank, collectives included)
+
+
+class Trace(Protocol):
+    """Receives every op's output in execution order, for the first-divergence finder.
+
+    `space` says how layouts shard it: "local" (this rank's rows), "tp_units" (TP rows x this
+    rank's unit-major columns or heads), "replicated" (the same on every rank).
+    """
+
+    def __call__(self, name: str, t: Tensor, space: str) -> None: ...
+
+
+def _no_trace(name: str, t: Tensor, space: str) -> None:
+    return None
 
 
 def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str | None = None) -> BlockResult:
@@ -78,15 +93,27 @@ def _check(uw: UnitWeights, b: PackedBatch) -> None:
         raise ValueError(f"weights on {sorted(map(str, devices))} but the batch on {b.device}; move one of them")
 
 
-def block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, *, backend: str | None = None) -> BlockStep:
-    """The block on this rank's rows and units; `comm` supplies the layout's data movement."""
+def block_step(
+    uw: UnitWeights,
+    b: PackedBatch,
+    comm: BlockComm,
+    *,
+    backend: str | None = None,
+    backward: bool = True,
+    trace: Trace | None = None,
+) -> BlockStep:
+    """The block on this rank's rows and units; `comm` supplies the layout's data movement.
+
+    `backward=False` stops after the forward (a chain recomputes each block's forward in its
+    backward pass); `trace` receives every op's output (h3lab.trace).
+    """
     _check(uw, b)
     be = get_backend(backend, b.device)
     with strict_mode(), torch.no_grad():
-        return _block_step(uw, b, comm, be)
+        return _block_step(uw, b, comm, be, backward, trace or _no_trace)
 
 
-def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -> BlockStep:
+def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, backward: bool, tr: Trace) -> BlockStep:
     c, units = uw.config, comm.units
     clock = _Clock(b.device)
     act, w_dt = b.hidden_states.dtype, uw.q[units[0]].dtype
@@ -113,10 +140,12 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     st = round_to(silu(b.temb), w_dt)
     table_local = round_to(be.mm(st, loc["adaln_w"].t()) + loc["adaln_b"].to(torch.float32), w_dt)
     table = comm.gather_units(table_local, "adaln.table", dim=1).view(3 * T, 6, D)
+    tr("adaln.table", table, "replicated")
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table[idx].unbind(1)  # each [R_local, D]
 
     # ---- F2-F5 norm1, q/k/v (this rank's units in one GEMM each), q/k norm + RoPE, attention --
     m1 = be.rms_modulate_fwd(x, rep["norm1.weight"], scale_msa, shift_msa, eps, act)
+    tr("norm1", m1, "local")
     m1_tp = comm.gather_tp_rows(m1, "sp.gather.m1")
     R_tp = m1_tp.shape[0]
     heads = lambda t: t.view(R_tp, -1, Dh)  # noqa: E731
@@ -127,10 +156,19 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     wq, wk = rep["attn.norm_q.weight"], rep["attn.norm_k.weight"]
     qr = be.qk_norm_rope_fwd(heads(q), wq, cos, sin, qk_eps, act)  # [R_tp, H_local, Dh]
     kr = be.qk_norm_rope_fwd(heads(k), wk, cos, sin, qk_eps, act)
+    for name, t in (
+        ("attn.to_q", q),
+        ("attn.to_k", k),
+        ("attn.to_v", v),
+        ("attn.norm_q+rope", qr),
+        ("attn.norm_k+rope", kr),
+    ):
+        tr(name, t, "tp_units")
     k_c = seq(kr, "cp.gather.k")[order]  # keys in canonical order, padding dropped
     v_c = seq(v, "cp.gather.v")[order]
     attn3, o_ref, stats = be.attention_fwd(qr, k_c, v_c, scale, act)
     attn = attn3.reshape(R_tp, -1)  # [R_tp, A_local]
+    tr("attn.sdpa", attn, "tp_units")
 
     # ---- F6-F11 to_out, residual, norm2, SwiGLU, ff.net.2, residual --------------------------
     U = len(units)
@@ -145,7 +183,21 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     root = be.unit_reduce([(a, loc["down"].t())], U)
     y = be.round(comm.reduce_units(root, "ff.net.2", scatter_rows=True), act)
     out = be.gated_residual(x1, gate_mlp, y, act)
+    for name, t, space in (
+        ("attn.to_out.0", o_proj, "local"),
+        ("residual1", x1, "local"),
+        ("norm2", m2, "local"),
+        ("ff.hidden", h, "tp_units"),
+        ("ff.gate", g, "tp_units"),
+        ("ff.swiglu", a, "tp_units"),
+        ("ff.net.2", y, "local"),
+        ("out", out, "local"),
+    ):
+        tr(name, t, space)
     forward_s = clock.lap()
+    active_out = torch.where(active, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    if not backward:
+        return BlockStep(active_out, None, None, None, None, {"forward_s": forward_s, "backward_s": 0.0})
 
     # ---- B11-B9 backward through ff: padding rows carry no gradient --------------------------
     g_out = torch.where(active, b.grad_out.to(torch.float32), 0.0)
@@ -157,6 +209,14 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     dh, dg = be.swiglu_bwd(da, h, g, act)
     root = be.unit_reduce([(dh, loc["hidden"]), (dg, loc["gate"])], U)  # hidden, then gate
     dm2 = be.round(comm.reduce_units(root, "ff.net.0.dx", scatter_rows=True), act)
+    for name, t, space in (
+        ("d.ff.net.2", dy, "local"),
+        ("d.ff.swiglu", da, "tp_units"),
+        ("d.ff.hidden", dh, "tp_units"),
+        ("d.ff.gate", dg, "tp_units"),
+        ("d.norm2", dm2, "local"),
+    ):
+        tr(name, t, space)
     dw_local = {
         "ff.net.2.weight": be.row_mm(dy_seq, seq(a, "cp.gather.a"), order),  # [D, F_local]
         "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order),  # [F_local, D]
@@ -170,6 +230,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     do = be.round(dx1 * gate_msa.to(torch.float32), act)
     do_tp = comm.gather_tp_rows(do, "sp.gather.do")
     dattn = be.mm(do_tp, loc["out"], act)  # [R_tp, A_local]
+    tr("d.attn.to_out.0", do, "local"), tr("d.attn.sdpa", dattn, "tp_units")
     dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order)
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
@@ -187,6 +248,13 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     dq, dk, dv = dq.reshape(R_tp, -1), dk.reshape(R_tp, -1), be.round(dv, act).reshape(R_tp, -1)
     root = be.unit_reduce([(dq, loc["q"]), (dk, loc["k"]), (dv, loc["v"])], U)  # q, k, v
     dm1 = be.round(comm.reduce_units(root, "attn.qkv.dx", scatter_rows=True), act)
+    for name, t, space in (
+        ("d.attn.to_q", dq, "tp_units"),
+        ("d.attn.to_k", dk, "tp_units"),
+        ("d.attn.to_v", dv, "tp_units"),
+        ("d.norm1", dm1, "local"),
+    ):
+        tr(name, t, space)
     m1_seq = seq(m1_tp, "cp.gather.m1")
     for name, d in (("attn.to_q.weight", dq), ("attn.to_k.weight", dk), ("attn.to_v.weight", dv)):
         dw_local[name] = be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order)  # [A_local, D]
@@ -195,6 +263,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     dxn1, dw_norm1, d_scale_msa, d_shift_msa = be.rms_modulate_bwd(dm1, x, rep["norm1.weight"], scale_msa, eps)
     zero_pad = lambda t: torch.where(active, t, torch.zeros((), dtype=t.dtype, device=t.device))  # noqa: E731
     dx = zero_pad(be.round(dx1 + dxn1, act))
+    tr("dx", dx, "local")
 
     # ---- cross-row gradients of replicated weights: rows of the whole sequence in key order --
     p_dt = lambda name: rep[name].dtype  # noqa: E731
@@ -217,8 +286,15 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
     dtemb = silu_bwd(comm.reduce_units(dst, "adaln.dtemb"), b.temb)
 
     # ---- per-unit views of this rank's weight gradients, rounded once to the weights' dtype ---
-    widths = {"attn.to_q.weight": A8, "attn.to_k.weight": A8, "attn.to_v.weight": A8, "ff.hidden": F8,
-              "ff.gate": F8, "adaln_proj.linear.weight": G8, "adaln_proj.linear.bias": G8}  # fmt: skip
+    widths = {
+        "attn.to_q.weight": A8,
+        "attn.to_k.weight": A8,
+        "attn.to_v.weight": A8,
+        "ff.hidden": F8,
+        "ff.gate": F8,
+        "adaln_proj.linear.weight": G8,
+        "adaln_proj.linear.bias": G8,
+    }
     dw: dict[str, dict[int, Tensor]] = {}
     for name, t in dw_local.items():
         t = round_to(t, w_dt)
@@ -229,7 +305,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend) -
             n = A8 if name.startswith("attn") else F8
             dw[name] = {u: cols(t, u, n) for u in units}
     timings = {"forward_s": forward_s, "backward_s": clock.lap()}
-    return BlockStep(out=zero_pad(out), dx=dx, dw_units=dw, dw_replicated=dw_rep, dtemb=dtemb, timings=timings)
+    return BlockStep(out=active_out, dx=dx, dw_units=dw, dw_replicated=dw_rep, dtemb=dtemb, timings=timings)
 
 
 class _Clock:
