@@ -19,8 +19,10 @@ from typing import Any
 import torch
 
 KNOWN_GPUS = ("H100", "H200", "B200")
-ENV_VARS = re.compile(r"^(CUBLAS_WORKSPACE_CONFIG|CUBLASLT_.*|NCCL_.*|TORCH_.*|OMP_NUM_THREADS|GLOO_SOCKET_IFNAME|"
-                      r"PET_.*|TRITON_.*|NVSHMEM_.*|CUDA_VISIBLE_DEVICES|H3LAB_.*)$")  # fmt: skip
+ENV_VARS = re.compile(
+    r"^(CUBLAS_WORKSPACE_CONFIG|CUBLASLT_.*|NCCL_.*|TORCH_.*|OMP_NUM_THREADS|GLOO_SOCKET_IFNAME|"
+    r"PET_.*|TRITON_.*|NVSHMEM_.*|CUDA_VISIBLE_DEVICES|H3LAB_.*)$"
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -52,8 +54,11 @@ def _git() -> dict[str, Any]:
         return out.stdout.strip() if out.returncode == 0 else ""
 
     commit = git("rev-parse", "HEAD")
-    return {"commit": commit or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit
-            else None, "describe": git("describe", "--always", "--dirty") or None}  # fmt: skip
+    return {
+        "commit": commit or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None,
+        "describe": git("describe", "--always", "--dirty") or None,
+    }
 
 
 def _gpus() -> list[dict[str, Any]]:
@@ -62,15 +67,26 @@ def _gpus() -> list[dict[str, Any]]:
     out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out.append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
-                    "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count})  # fmt: skip
+        out.append(
+            {
+                "index": i,
+                "name": p.name,
+                "capability": f"{p.major}.{p.minor}",
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "multiprocessors": p.multi_processor_count,
+            }
+        )
     return out
 
 
 def _driver() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.TimeoutExpired):
         return None
