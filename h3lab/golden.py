@@ -1,0 +1,85 @@
+"""Golden digests: the published bits of a reference problem, per node type and backend.
+
+`kernels/golden/<node type>.json` pins the sha256 of the canonical block's out, dx, dtemb and every
+dW for one reference problem (tiny config, synthetic weights of seed 0, block 0, 264 packed rows
+of seed 0). `verify` recomputes them on the machine at hand and names the first tensor that
+differs. The digests are recorded outputs, re-recorded only when the arithmetic is meant to change.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3lab.block import canonical_block
+from h3lab.contract import CONTRACT_ID
+from h3lab.env import capture, node_type
+from h3lab.kernels.configs import KERNELS_DIR
+from h3lab.metrics import sha256_tensor
+from h3lab.problem import Problem
+
+GOLDEN_DIR = KERNELS_DIR / "golden"
+REFERENCE = Problem(synthetic="tiny", weights_seed=0, block=0, rows=264, padding=0, seed=0)
+
+
+def reference_digests(backend: str, device: str) -> dict[str, str]:
+    """sha256 of every tensor of the reference problem's canonical block, in `BlockResult.tensors()` order."""
+    p = replace(REFERENCE, device=device, backend=backend)
+    result = canonical_block(p.weights(device), p.batch(device), backend=backend)
+    return {k: sha256_tensor(v) for k, v in result.tensors().items()}
+
+
+def golden_path(node: str) -> Path:
+    return GOLDEN_DIR / f"{node}.json"
+
+
+def record(backend: str, device: str) -> Path:
+    """Compute and write the digests of this node type and backend (keeps the file's other backends)."""
+    node = node_type(device)
+    path = golden_path(node)
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"node_type": node, "backends": {}}
+    env = capture(device)
+    data["contract"] = CONTRACT_ID
+    data["problem"] = REFERENCE.to_dict() | {"device": None, "backend": None}
+    data["backends"][backend] = {
+        "digests": reference_digests(backend, device),
+        "recorded": time.strftime("%Y-%m-%d"),
+        "environment": {k: env[k] for k in ("torch", "triton", "cuda", "driver", "platform")} | {"gpus": env["gpus"]},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def verify(backend: str, device: str) -> dict[str, Any]:
+    """Recompute the reference digests here and compare with the published ones of this node type.
+
+    Returns {"node_type", "backend", "match", "first_mismatch", "tensors": {name: {"expected", "got"}}}.
+
+    Raises:
+        ValueError: no golden digests are published for this node type and backend.
+    """
+    node = node_type(device)
+    path = golden_path(node)
+    published = json.loads(path.read_text())["backends"].get(backend) if path.exists() else None
+    if published is None:
+        have = sorted(p.stem for p in GOLDEN_DIR.glob("*.json"))
+        raise ValueError(f"no golden digests for node type {node!r} and backend {backend!r} in {GOLDEN_DIR}; "
+                         f"published node types: {have}")  # fmt: skip
+    got = reference_digests(backend, device)
+    expected = published["digests"]
+    names = list(expected)  # the recorded order: out, dx, dtemb, dw.<parameter>...
+    mismatched = [n for n in names if got.get(n) != expected[n]]
+    return {
+        "node_type": node,
+        "backend": backend,
+        "match": not mismatched and got.keys() == expected.keys(),
+        "first_mismatch": mismatched[0] if mismatched else None,
+        "tensors": {n: {"expected": expected[n], "got": got.get(n)} for n in names},
+        "device": str(torch.device(device)),
+    }
