@@ -1,0 +1,141 @@
+"""Canonical block (Triton) against the eager bf16 block (cuBLAS + SDPA) at the real H3 shapes.
+
+`python -m h3lab.bench.block_gpu --out FILE.json [--rows 264,4096] [--reps N]` times forward and
+forward+backward (median of CUDA-synchronised wall times after warm-up), records extra peak
+memory over weights and inputs, the error of both against the FP64 oracle (at the first row
+count), and whether repeated canonical runs give identical bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from h3lab.batch import PackedBatch, packed_batch
+from h3lab.block import canonical_block
+from h3lab.config import NUM_ADALN_CHUNKS, H3Config
+from h3lab.env import capture
+from h3lab.metrics import bitwise_equal, error_stats
+from h3lab.oracle import oracle_block, rope_cos_sin
+from h3lab.weights import BlockWeights, synthetic_block
+
+
+def eager_block(w: BlockWeights, b: PackedBatch, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> dict:
+    """diffusers' block math in plain bf16 torch ops: cuBLAS GEMMs, SDPA, autograd (no padding rows)."""
+    c = w.config
+    p = {k: v.detach().requires_grad_(backward) for k, v in w.items()}
+    x = b.hidden_states.detach().requires_grad_(backward)
+    temb = b.temb.detach().requires_grad_(backward)
+    H, Dh, D = c.num_attention_heads, c.attention_head_dim, c.hidden_size
+    with torch.enable_grad() if backward else torch.no_grad():
+        table = F.linear(F.silu(temb).to(torch.bfloat16), p["adaln_proj.linear.weight"], p["adaln_proj.linear.bias"])
+        mods = [t.index_select(0, b.adaln_indices) for t in table.view(-1, NUM_ADALN_CHUNKS * D).chunk(6, -1)]
+        sm, cm, gm, sf, cf, gf = mods
+        n1 = F.rms_norm(x, (D,), p["norm1.weight"], c.norm_eps) * (1 + cm) + sm
+        q, k, v = (F.linear(n1, p[f"attn.to_{n}.weight"]).unflatten(-1, (H, Dh)) for n in "qkv")
+        q = F.rms_norm(q, (Dh,), p["attn.norm_q.weight"], c.qk_norm_eps)
+        k = F.rms_norm(k, (Dh,), p["attn.norm_k.weight"], c.qk_norm_eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        o = o[0].transpose(0, 1).flatten(1)
+        x1 = x + gm * F.linear(o, p["attn.to_out.0.weight"])
+        n2 = F.rms_norm(x1, (D,), p["norm2.weight"], c.norm_eps) * (1 + cf) + sf
+        hid, gate = F.linear(n2, p["ff.net.0.proj.weight"]).chunk(2, -1)
+        out = x1 + gf * F.linear(hid * F.silu(gate), p["ff.net.2.weight"])
+        if not backward:
+            return {"out": out}
+        grads = torch.autograd.grad(out, [x, temb, *p.values()], b.grad_out)
+    return {
+        "out": out.detach(),
+        "dx": grads[0],
+        "dtemb": grads[1],
+        **{f"dw.{k}": g for k, g in zip(p, grads[2:], strict=True)},
+    }
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    C = cos.shape[-1]
+    rotated = torch.cat([-t[..., C // 2 : C], t[..., : C // 2]], -1)
+    return torch.cat([t[..., :C] * cos[:, None] + rotated * sin[:, None], t[..., C:]], -1)
+
+
+def _time(fn, reps: int) -> list[float]:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _peak_extra(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="264,4096")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--config", default="real")
+    a = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    c = H3Config.named(a.config)
+    dev = torch.device("cuda")
+    w = synthetic_block(c, 0, seed=0).to(dev)
+    record: dict = {"config": a.config, "env": capture(dev), "rows": {}}
+    for i, rows in enumerate(int(r) for r in a.rows.split(",")):
+        b = packed_batch(c, rows, seed=1).to(dev)
+        record["rows"][rows] = r = _measure(w, b, a.reps, with_error=i == 0)
+        print(rows, {k: v for k, v in r.items() if k != "error_vs_fp64"}, flush=True)
+        a.out.write_text(json.dumps(record, indent=1, default=str))
+
+
+def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> dict:
+    cos, sin = (t.to(b.device).to(torch.bfloat16) for t in rope_cos_sin(b.position_ids.cpu(), w.config))
+
+    def eager(backward: bool) -> dict:
+        return eager_block(w, b, cos, sin, backward)
+
+    def canonical() -> dict:
+        return canonical_block(w, b, backend="triton").tensors()
+
+    r = {
+        "eager_fwd_median_s": statistics.median(_time(lambda: eager(False), reps)),
+        "eager_fwd_bwd_median_s": statistics.median(_time(lambda: eager(True), reps)),
+        "canonical_fwd_bwd_median_s": statistics.median(_time(canonical, reps)),
+        "eager_peak_extra_gib": _peak_extra(lambda: eager(True)),
+        "canonical_peak_extra_gib": _peak_extra(canonical),
+    }
+    r["ratio_fwd_bwd"] = r["canonical_fwd_bwd_median_s"] / r["eager_fwd_bwd_median_s"]
+    r["ratio_peak"] = r["canonical_peak_extra_gib"] / r["eager_peak_extra_gib"]
+    one, two = canonical(), canonical()
+    r["repeat_bitwise"] = all(bitwise_equal(one[k], two[k]) for k in one)
+    if with_error:  # the FP64 oracle costs ~10 GB at real size: once
+        ref = oracle_block(w, b).tensors()
+        eag = eager(True)
+        r["error_vs_fp64"] = {
+            k: {"canonical_rel_l2": error_stats(one[k], ref[k].to(one[k].device))["rel_l2"],
+                "eager_rel_l2": error_stats(eag[k], ref[k].to(eag[k].device))["rel_l2"]}
+            for k in ref
+        }  # fmt: skip
+    return r
+
+
+if __name__ == "__main__":
+    main()
