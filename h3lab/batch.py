@@ -21,6 +21,7 @@ from h3lab.config import NUM_MODALITIES, H3Config
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2
+POSITION_DTYPES = (torch.int64, torch.float64)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -30,7 +31,7 @@ class PackedBatch:
     hidden_states: Tensor  # [S, D], bf16 (canonical) or fp32 (parity studies)
     temb: Tensor  # [T, E] float32, as the model's time embedder gives it
     adaln_indices: Tensor  # [S] int64 in [0, 3T)
-    position_ids: Tensor  # [S, 3] int64 (t, h, w)
+    position_ids: Tensor  # [S, 3] (t, h, w), int64 or float64 (the pipeline's fractional grid; RoPE reads float32)
     logical_keys: Tensor  # [S, 2] int64; first key < 0 marks padding
     grad_out: Tensor  # [S, D], dtype of hidden_states
 
@@ -58,8 +59,9 @@ class PackedBatch:
         _expect(g.dtype == h.dtype, "grad_out", f"dtype {g.dtype} != hidden_states dtype {h.dtype}")
         for name, want in (("adaln_indices", (S,)), ("position_ids", (S, 3)), ("logical_keys", (S, 2))):
             t = getattr(self, name)
+            allowed = POSITION_DTYPES if name == "position_ids" else (torch.int64,)
             _expect(tuple(t.shape) == want, name, f"shape {list(t.shape)}, expected {list(want)}")
-            _expect(t.dtype == torch.int64, name, f"dtype {t.dtype}, expected torch.int64")
+            _expect(t.dtype in allowed, name, f"dtype {t.dtype}; allowed: {list(allowed)}")
         devices = {t.device for t in (h, g, self.temb, self.adaln_indices, self.position_ids, self.logical_keys)}
         _expect(len(devices) == 1, "PackedBatch", f"tensors on several devices {sorted(map(str, devices))}")
         _expect(

@@ -1,0 +1,37 @@
+"""The whole MiniMax-H3 transformer under the h3-parallel-v1 contract (forward).
+
+- `ModelInputs`: one packed request, in diffusers' forward arguments (inputs.py); `model_inputs`: the
+  H3 pipeline's layout (layout.py).
+- `ModelWeights`, `CheckpointWeights`, `SyntheticWeights`: parameters, one block at a time (weights.py).
+- `embed` -> `run_blocks` -> `head`, composed by `transformer_forward` (transformer.py): the seam a layout drives.
+"""
+
+from h3lab.model.embed import Embedded, embed, project_rows, text_stream, time_embedding, timestep_sinusoid
+from h3lab.model.head import ModelOutput, head, norm_out_table, output_rows
+from h3lab.model.inputs import ModelInputs
+from h3lab.model.layout import model_inputs, row_timesteps
+from h3lab.model.transformer import RowsShard, gather_sequence, run_blocks, transformer_forward
+from h3lab.model.weights import CheckpointWeights, ModelWeights, SyntheticWeights
+
+__all__ = [
+    "CheckpointWeights",
+    "Embedded",
+    "ModelInputs",
+    "ModelOutput",
+    "ModelWeights",
+    "RowsShard",
+    "SyntheticWeights",
+    "embed",
+    "gather_sequence",
+    "head",
+    "model_inputs",
+    "norm_out_table",
+    "output_rows",
+    "project_rows",
+    "row_timesteps",
+    "run_blocks",
+    "text_stream",
+    "time_embedding",
+    "timestep_sinusoid",
+    "transformer_forward",
+]

@@ -1,0 +1,156 @@
+"""`ModelInputs`: one packed MiniMax-H3 request as the whole transformer reads it, and a generator.
+
+Dimension legend: S packed rows, Nv video rows, Cv = in_channels * prod(patch_size), Na audio rows,
+Ca audio_in_channels, Nt text rows, Ct text_dim, T distinct timesteps.
+
+The fields are the arguments of diffusers' `MiniMaxH3Transformer3DModel.forward` (0.42.1) without
+the batch axis (diffusers' batch axis only replicates one layout), plus the row names h3lab's
+contract needs (`logical_keys`) and the pipeline's count of leading conditioning rows (which the
+model ignores and a denoising trajectory keeps fixed). `model_inputs` builds the layout the
+diffusers t2va / fl2va pipeline builds (`MiniMaxH3PrepareLayoutStep.build_packed_sequence`):
+[text | keyframe condition rows | target audio | target video], float64 (t, h, w) positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from h3lab.batch import POSITION_DTYPES
+from h3lab.config import NUM_MODALITIES, H3Config
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ModelInputs:
+    """One packed request; validated on construction (`ValueError` naming the bad field)."""
+
+    video_rows: Tensor  # [Nv, Cv] float32 patchified latents, in `video_indices` order
+    audio_rows: Tensor  # [Na, Ca] float32, in `audio_indices` order
+    text_rows: Tensor  # [Nt, Ct] float32 or bf16 text-encoder states, in `text_indices` order
+    timestep: Tensor  # [T] float32 distinct values in [0, 1], t = 1 - sigma (1 = clean)
+    timestep_indices: Tensor  # [S] int64 into `timestep`
+    token_tags: Tensor  # [S] int64: 0 video, 1 text, 2 audio
+    position_ids: Tensor  # [S, 3] (t, h, w), int64 or float64
+    video_indices: Tensor  # [Nv] int64 packed positions
+    audio_indices: Tensor  # [Na] int64
+    text_indices: Tensor  # [Nt] int64
+    logical_keys: Tensor  # [S, 2] int64, unique, first key >= 0 (padding is a layout's business)
+    num_condition_video_rows: int = 0  # leading video rows that condition rather than get generated
+    num_condition_audio_rows: int = 0
+
+    def __post_init__(self) -> None:
+        S = self.position_ids.shape[0] if self.position_ids.ndim == 2 else -1
+        _expect(
+            S >= 1 and self.position_ids.shape == (S, 3),
+            "position_ids",
+            f"shape {list(self.position_ids.shape)}, expected [S, 3]",
+        )
+        _expect(
+            self.position_ids.dtype in POSITION_DTYPES,
+            "position_ids",
+            f"dtype {self.position_ids.dtype}; allowed: {list(POSITION_DTYPES)}",
+        )
+        for name, rows_name in (
+            ("video_rows", "video_indices"),
+            ("audio_rows", "audio_indices"),
+            ("text_rows", "text_indices"),
+        ):
+            rows, idx = getattr(self, name), getattr(self, rows_name)
+            _expect(rows.ndim == 2, name, f"must be 2-D [rows, channels], got shape {list(rows.shape)}")
+            _expect(
+                idx.ndim == 1 and idx.dtype == torch.int64,
+                rows_name,
+                f"must be 1-D int64, got {idx.dtype} {list(idx.shape)}",
+            )
+            _expect(idx.shape[0] == rows.shape[0], rows_name, f"{idx.shape[0]} indices for {rows.shape[0]} {name}")
+            allowed = (torch.float32, torch.bfloat16) if name == "text_rows" else (torch.float32,)
+            _expect(rows.dtype in allowed, name, f"dtype {rows.dtype}; allowed: {list(allowed)}")
+            _expect(bool(torch.isfinite(rows).all()), name, "holds inf or NaN")
+        _expect(
+            self.text_rows.shape[0] >= 1, "text_rows", "needs at least one text row (the text stream sets the dtype)"
+        )
+        every = torch.cat([self.text_indices, self.video_indices, self.audio_indices])
+        _expect(
+            every.numel() == S and torch.equal(every.sort().values, torch.arange(S, device=every.device)),
+            "video_indices/audio_indices/text_indices",
+            f"must partition the {S} packed rows [0, {S}) exactly once",
+        )
+        t = self.timestep
+        _expect(
+            t.ndim == 1 and t.shape[0] >= 1 and t.dtype == torch.float32,
+            "timestep",
+            f"must be 1-D float32 [T], got {t.dtype} {list(t.shape)}",
+        )
+        _expect(
+            bool(((t >= 0) & (t <= 1)).all()),
+            "timestep",
+            f"values {t.tolist()}; allowed: [0, 1] unscaled (t = 1 - sigma)",
+        )
+        for name, lo, hi in (("timestep_indices", 0, t.shape[0] - 1), ("token_tags", 0, NUM_MODALITIES - 1)):
+            x = getattr(self, name)
+            _expect(
+                x.shape == (S,) and x.dtype == torch.int64, name, f"must be int64 [{S}], got {x.dtype} {list(x.shape)}"
+            )
+            _expect(
+                int(x.min()) >= lo and int(x.max()) <= hi,
+                name,
+                f"values span [{int(x.min())}, {int(x.max())}]; allowed: [{lo}, {hi}]",
+            )
+        k = self.logical_keys
+        _expect(
+            k.shape == (S, 2) and k.dtype == torch.int64,
+            "logical_keys",
+            f"must be int64 [{S}, 2], got {k.dtype} {list(k.shape)}",
+        )
+        _expect(bool((k[:, 0] >= 0).all()), "logical_keys", "first key < 0 marks padding; model inputs carry none")
+        _expect(torch.unique(k, dim=0).shape[0] == S, "logical_keys", "keys must be unique")
+        for name, n in (
+            ("num_condition_video_rows", self.video_rows.shape[0]),
+            ("num_condition_audio_rows", self.audio_rows.shape[0]),
+        ):
+            v = getattr(self, name)
+            _expect(isinstance(v, int) and 0 <= v <= n, name, f"{v!r}; allowed: an int in [0, {n}]")
+        devices = {f.device for f in self.tensors().values()}
+        _expect(len(devices) == 1, "ModelInputs", f"tensors on several devices {sorted(map(str, devices))}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.position_ids.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.position_ids.device
+
+    @property
+    def adaln_indices(self) -> Tensor:
+        """[S] row of the AdaLN table: timestep_index * 3 + modality tag (diffusers)."""
+        return self.timestep_indices * NUM_MODALITIES + self.token_tags
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)
+        }
+
+    def replace(self, **changes: object) -> ModelInputs:
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> ModelInputs:
+        return self.replace(**{k: v.to(device) for k, v in self.tensors().items()})
+
+    def check_config(self, config: H3Config) -> None:
+        """Raises ValueError when the channel counts do not fit `config`."""
+        for name, got, want in (
+            ("video_rows", self.video_rows.shape[1], config.video_patch_dim),
+            ("audio_rows", self.audio_rows.shape[1], config.audio_in_channels),
+            ("text_rows", self.text_rows.shape[1], config.text_dim),
+        ):
+            _expect(got == want, name, f"{got} channels; the config expects {want}")
+
+
+def _expect(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")

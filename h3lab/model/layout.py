@@ -1,0 +1,152 @@
+"""The packed layout diffusers' MiniMax-H3 t2va / fl2va pipeline builds, and a generator of small requests.
+
+Dimension legend: S packed rows, T distinct timesteps.
+
+[text | keyframe condition rows | target audio (stereo, channel-major) | target video], with the
+pipeline's float64 (t, h, w) rotary grid (`MiniMaxH3PrepareLayoutStep.build_packed_sequence`) and
+its per-row timesteps (`MiniMaxH3SetTimestepsStep.build_row_timesteps`), both reproduced bit for
+bit (tests/test_transformer.py compares them with diffusers' own code).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from h3lab.batch import MODALITY_AUDIO, MODALITY_TEXT, MODALITY_VIDEO
+from h3lab.config import H3Config
+from h3lab.model.inputs import ModelInputs
+
+KEYFRAME_NOISE_AUG = 0.999  # diffusers `keyframe_noise_aug`: a conditioning anchor sits at t = 0.999
+AUDIO_CHANNELS = 2  # stereo, packed channel-major (diffusers MINIMAX_H3_AUDIO_CHANNELS)
+# diffusers' rotary grid constants (modular_pipelines/minimax_h3/before_denoise.py)
+_ROPE_FRAME_RESCALE = 5.0 / 3.0
+_ROPE_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
+_ROPE_SPATIAL_SCALE = 32
+
+
+def row_timesteps(
+    inputs: ModelInputs,
+    video_t: float,
+    audio_t: float,
+    *,
+    condition_video_t: float | None = None,
+    condition_audio_t: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """(timestep [T], timestep_indices [S]) as diffusers' `build_row_timesteps` assigns them.
+
+    Generated video rows and text rows at `video_t`, generated audio rows at `audio_t`, keyframe
+    rows at max(video_t, 0.999) unless given, reference audio rows at 1.0; distinct values sorted.
+    """
+    S, nv, na = inputs.num_rows, inputs.num_condition_video_rows, inputs.num_condition_audio_rows
+    cond_v = max(float(video_t), KEYFRAME_NOISE_AUG) if condition_video_t is None else condition_video_t
+    rows = torch.full((S,), float(video_t), dtype=torch.float32)
+    rows[inputs.video_indices[:nv].cpu()] = cond_v
+    rows[inputs.audio_indices[na:].cpu()] = float(audio_t)
+    rows[inputs.audio_indices[:na].cpu()] = condition_audio_t
+    timestep, indices = torch.unique(rows, sorted=True, return_inverse=True)
+    return timestep.to(inputs.device), indices.to(inputs.device)
+
+
+def patchify(latents_CFHW: Tensor, patch_size: tuple[int, int, int]) -> Tensor:
+    """Video latents [C, F, H, W] -> rows [F/pt * H/ph * W/pw, C*pt*ph*pw], frame-major (diffusers)."""
+    pt, ph, pw = patch_size
+    C, F, H, W = latents_CFHW.shape
+    x = latents_CFHW.reshape(C, F // pt, pt, H // ph, ph, W // pw, pw).permute(1, 3, 5, 0, 2, 4, 6)
+    return x.reshape(-1, C * pt * ph * pw).contiguous()
+
+
+def _spatial_grid(dim: int, patch: int, sqrt_area: float) -> Tensor:
+    ratio = dim / sqrt_area
+    left = (1.0 - ratio) / 2.0
+    grid = np.linspace(left, left + ratio, dim // patch, endpoint=False) * _ROPE_SPATIAL_SCALE  # as diffusers
+    return torch.from_numpy(grid).to(torch.float64)
+
+
+def layout_positions(
+    num_text: int,
+    num_frames: int,
+    latent_hw: tuple[int, int],
+    num_audio_latents: int,
+    patch_size: tuple[int, int, int],
+    keyframe: bool,
+) -> Tensor:
+    """(t, h, w) float64 [S, 3] of [text | keyframe | audio (channel-major, stereo) | video] (diffusers' grid)."""
+    (H, W), (_, ph, pw) = latent_hw, patch_size
+    sqrt_area = float(np.sqrt(H * W))
+    hg, wg = _spatial_grid(H, ph, sqrt_area), _spatial_grid(W, pw, sqrt_area)
+    frame = torch.stack([g.reshape(-1) for g in torch.meshgrid(hg, wg, indexing="ij")], dim=-1)  # [rows/frame, 2]
+    na = num_audio_latents * AUDIO_CHANNELS
+    text = torch.zeros(num_text, 3, dtype=torch.float64)
+    text[:, 0] = torch.arange(num_text, dtype=torch.float64)
+    cond = torch.cat([torch.full((frame.shape[0], 1), float(num_text), dtype=torch.float64), frame], 1)
+    audio = torch.zeros(na, 3, dtype=torch.float64)
+    audio[:, 0] = (float(num_text) + torch.arange(num_audio_latents, dtype=torch.float64)).repeat(AUDIO_CHANNELS)
+    audio[:num_audio_latents, 2], audio[num_audio_latents:, 2] = float(wg[0]), float(wg[-1])
+    spans = [_ROPE_FRAME_RESCALE * _ROPE_FRAMES_PER_LATENT[i % len(_ROPE_FRAMES_PER_LATENT)] for i in range(num_frames)]
+    times = float(num_text) + torch.cat(
+        [torch.zeros(1, dtype=torch.float64), torch.tensor(spans, dtype=torch.float64)[:-1].cumsum(0)]
+    )
+    video = torch.cat([times.repeat_interleave(frame.shape[0])[:, None], frame.repeat(num_frames, 1)], 1)
+    return torch.cat([text, *([cond] if keyframe else []), audio, video])
+
+
+def model_inputs(
+    config: H3Config,
+    *,
+    seed: int,
+    num_text: int = 12,
+    num_frames: int = 2,
+    latent_hw: tuple[int, int] = (8, 12),
+    num_audio_latents: int = 6,
+    keyframe: bool = True,
+    video_t: float | None = None,
+    audio_t: float | None = None,
+) -> ModelInputs:
+    """A realistic small packed request in the diffusers t2va / fl2va layout (96 rows by default).
+
+    12 text rows, one "first" keyframe of 24 condition rows (8x12 latents, patch 2x2), 6 stereo
+    audio latents (12 rows), 2 target frames (48 rows). Draw order, as the pipeline's: keyframe
+    latent, video noise, audio noise, then text states and (if not given) the two timesteps.
+    Timesteps are 3 distinct values: video t, audio t, the keyframe's max(video t, 0.999).
+    """
+    for name, v in (("num_text", num_text), ("num_frames", num_frames), ("num_audio_latents", num_audio_latents)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    pt, ph, pw = config.patch_size
+    H, W = latent_hw
+    if pt != 1 or H % ph or W % pw or min(H // ph, W // pw) < 1:
+        raise ValueError(
+            f"latent_hw={latent_hw} with patch_size={config.patch_size}; "
+            "allowed: patch t = 1, H and W positive multiples of the patch"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    C = config.in_channels
+    cond = patchify(torch.randn(C, 1, H, W, generator=gen), config.patch_size) if keyframe else None
+    video = patchify(torch.randn(C, num_frames, H, W, generator=gen), config.patch_size)
+    audio = torch.randn(num_audio_latents * AUDIO_CHANNELS, config.audio_in_channels, generator=gen)
+    text = torch.randn(num_text, config.text_dim, generator=gen)
+    vt = float(torch.rand((), generator=gen)) if video_t is None else video_t
+    at = float(torch.rand((), generator=gen)) if audio_t is None else audio_t
+    nc = 0 if cond is None else cond.shape[0]
+    nt, na, nv = num_text, audio.shape[0], video.shape[0]
+    S = nt + nc + na + nv
+    tags = torch.full((S,), MODALITY_VIDEO, dtype=torch.int64)
+    tags[:nt], tags[nt + nc : nt + nc + na] = MODALITY_TEXT, MODALITY_AUDIO
+    base = ModelInputs(
+        video_rows=video if cond is None else torch.cat([cond, video]),
+        audio_rows=audio,
+        text_rows=text,
+        timestep=torch.zeros(1),
+        timestep_indices=torch.zeros(S, dtype=torch.int64),
+        token_tags=tags,
+        position_ids=layout_positions(nt, num_frames, latent_hw, num_audio_latents, config.patch_size, keyframe),
+        video_indices=torch.cat([torch.arange(nt, nt + nc), torch.arange(nt + nc + na, S)]),
+        audio_indices=torch.arange(nt + nc, nt + nc + na),
+        text_indices=torch.arange(nt),
+        logical_keys=torch.stack([torch.zeros(S, dtype=torch.int64), torch.arange(S)], dim=1),
+        num_condition_video_rows=nc,
+    )
+    timestep, indices = row_timesteps(base, vt, at)
+    return base.replace(timestep=timestep, timestep_indices=indices)

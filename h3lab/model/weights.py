@@ -1,0 +1,129 @@
+"""`ModelWeights`: the whole transformer's parameters, handed out block by block.
+
+The real model holds 50 blocks of ~1.3 GB (bf16) each, so a provider never materialises all of
+them: `block(i)` loads (or synthesises) one block when the stack reaches it and the caller drops
+it after. The non-block tensors (input projections, time MLP, token refiner, norm_out, heads;
+about 2 refiner blocks' worth, 1.7 GB real) are read through `tensor(name)`, all at once on first
+use (each shard opened and hashed once), and kept, since every forward of a trajectory needs them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from h3lab.config import H3Config, model_param_shapes
+from h3lab.manifest import find_layout
+from h3lab.weights import BlockWeights, synthetic_block, synthetic_tensor
+
+
+class ModelWeights(Protocol):
+    """What the model reads: `config.num_layers` blocks and the named non-block tensors."""
+
+    config: H3Config
+
+    def block(self, index: int) -> BlockWeights:
+        """Block `index` (0 <= index < config.num_layers), its twelve tensors."""
+        ...
+
+    def tensor(self, name: str) -> Tensor:
+        """A non-block parameter by its diffusers name, e.g. `proj_in.weight`."""
+        ...
+
+
+class _Cached:
+    config: H3Config
+
+    def __init__(self, dtype: torch.dtype | None, device: torch.device | str | None) -> None:
+        self.dtype, self.device = dtype, None if device is None else torch.device(device)
+        self._cache: dict[str, Tensor] = {}
+        self._names = set(model_param_shapes(self.config, 0))  # non-block names
+
+    def _check_block(self, index: int) -> None:
+        n = self.config.num_layers
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < n:
+            raise ValueError(f"block index {index!r} out of range; allowed: 0..{n - 1}")
+
+    def tensor(self, name: str) -> Tensor:
+        if name not in self._names:
+            raise ValueError(f"{name!r} is not a non-block parameter; allowed: {sorted(self._names)}")
+        if not self._cache:
+            self._cache = {k: self._place(t) for k, t in self._load(sorted(self._names)).items()}
+        return self._cache[name]
+
+    def _place(self, t: Tensor) -> Tensor:
+        return t.to(device=self.device, dtype=self.dtype or t.dtype)
+
+    def _place_block(self, w: BlockWeights) -> BlockWeights:
+        return w if self.dtype is None and self.device is None else w.to(self.device, self.dtype)
+
+    def _load(self, names: list[str]) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+
+class CheckpointWeights(_Cached):
+    """A checkpoint folder (ours, or diffusers' `save_pretrained`), read lazily through h3lab.checkpoint.
+
+    Every read is checked against config.json and, when present, manifest.json (which hashes the
+    block's shard at every `block(i)`; `verify=False` skips that for long trajectories on a
+    checkpoint already verified). `dtype` casts after the checks (torch.float32 for parity
+    studies; None keeps the checkpoint's mixed precision); `device` is where tensors are handed out.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.path, self.verify = Path(path), verify
+        self.config = H3Config.from_json(find_layout(path).folder)
+        super().__init__(dtype, device)
+
+    def block(self, index: int) -> BlockWeights:
+        from h3lab.checkpoint import load_block
+
+        self._check_block(index)
+        return self._place_block(load_block(self.path, index, verify=self.verify))
+
+    def _load(self, names: list[str]) -> dict[str, Tensor]:
+        from h3lab.checkpoint import load_tensors
+
+        return load_tensors(self.path, names, verify=self.verify)
+
+
+class SyntheticWeights(_Cached):
+    """The tensors `synthesize_checkpoint(config, seed=seed)` would write, made on demand (no disk)."""
+
+    def __init__(
+        self,
+        config: H3Config,
+        *,
+        seed: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.config, self.seed = config, seed
+        super().__init__(dtype, device)
+
+    def block(self, index: int) -> BlockWeights:
+        self._check_block(index)
+        return self._place_block(synthetic_block(self.config, index, seed=self.seed))
+
+    def _load(self, names: list[str]) -> dict[str, Tensor]:
+        return {k: synthetic_tensor(self.config, k, self.seed) for k in names}
+
+
+def refiner_tensors(weights: ModelWeights, index: int) -> dict[str, Tensor]:
+    """Token-refiner block `index`'s ten tensors, keyed without the `token_refiner.refiner_blocks.{i}.` prefix."""
+    n = weights.config.num_refiner_layers
+    if not 0 <= index < n:
+        raise ValueError(f"refiner block {index} out of range; allowed: 0..{n - 1}")
+    prefix = f"token_refiner.refiner_blocks.{index}."
+    names = [k for k in model_param_shapes(weights.config, 0) if k.startswith(prefix)]
+    return {k.removeprefix(prefix): weights.tensor(k) for k in names}
