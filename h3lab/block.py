@@ -44,17 +44,18 @@ class BlockStep:
 
 
 class Trace(Protocol):
-    """Receives every op's output in execution order, for the first-divergence finder.
+    """Sees every op's output in execution order, for the first-divergence finder; returns the
+    tensor the block goes on with (the same one, or a planted fault in tests).
 
     `space` says how layouts shard it: "local" (this rank's rows), "tp_units" (TP rows x this
     rank's unit-major columns or heads), "replicated" (the same on every rank).
     """
 
-    def __call__(self, name: str, t: Tensor, space: str) -> None: ...
+    def __call__(self, name: str, t: Tensor, space: str) -> Tensor: ...
 
 
-def _no_trace(name: str, t: Tensor, space: str) -> None:
-    return None
+def _no_trace(name: str, t: Tensor, space: str) -> Tensor:
+    return t
 
 
 def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str | None = None) -> BlockResult:
@@ -139,61 +140,39 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     # ---- F1 AdaLN table: silu(temb) in FP32, one cast to the projection dtype (diffusers) ----
     st = round_to(silu(b.temb), w_dt)
     table_local = round_to(be.mm(st, loc["adaln_w"].t()) + loc["adaln_b"].to(torch.float32), w_dt)
-    table = comm.gather_units(table_local, "adaln.table", dim=1).view(3 * T, 6, D)
-    tr("adaln.table", table, "replicated")
+    table = tr("adaln.table", comm.gather_units(table_local, "adaln.table", dim=1).view(3 * T, 6, D), "replicated")
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table[idx].unbind(1)  # each [R_local, D]
 
     # ---- F2-F5 norm1, q/k/v (this rank's units in one GEMM each), q/k norm + RoPE, attention --
-    m1 = be.rms_modulate_fwd(x, rep["norm1.weight"], scale_msa, shift_msa, eps, act)
-    tr("norm1", m1, "local")
+    m1 = tr("norm1", be.rms_modulate_fwd(x, rep["norm1.weight"], scale_msa, shift_msa, eps, act), "local")
     m1_tp = comm.gather_tp_rows(m1, "sp.gather.m1")
     R_tp = m1_tp.shape[0]
     heads = lambda t: t.view(R_tp, -1, Dh)  # noqa: E731
     cos, sin = rope_tables(pos_tp, c.rope_freq_dim, c.rope_theta)
-    q = be.mm(m1_tp, loc["q"].t(), act)  # [R_tp, A_local]
-    k = be.mm(m1_tp, loc["k"].t(), act)
-    v = heads(be.mm(m1_tp, loc["v"].t(), act))
+    q = tr("attn.to_q", be.mm(m1_tp, loc["q"].t(), act), "tp_units")  # [R_tp, A_local]
+    k = tr("attn.to_k", be.mm(m1_tp, loc["k"].t(), act), "tp_units")
+    v = tr("attn.to_v", heads(be.mm(m1_tp, loc["v"].t(), act)), "tp_units")
     wq, wk = rep["attn.norm_q.weight"], rep["attn.norm_k.weight"]
-    qr = be.qk_norm_rope_fwd(heads(q), wq, cos, sin, qk_eps, act)  # [R_tp, H_local, Dh]
-    kr = be.qk_norm_rope_fwd(heads(k), wk, cos, sin, qk_eps, act)
-    for name, t in (
-        ("attn.to_q", q),
-        ("attn.to_k", k),
-        ("attn.to_v", v),
-        ("attn.norm_q+rope", qr),
-        ("attn.norm_k+rope", kr),
-    ):
-        tr(name, t, "tp_units")
+    qr = tr("attn.norm_q+rope", be.qk_norm_rope_fwd(heads(q), wq, cos, sin, qk_eps, act), "tp_units")
+    kr = tr("attn.norm_k+rope", be.qk_norm_rope_fwd(heads(k), wk, cos, sin, qk_eps, act), "tp_units")
     k_c = seq(kr, "cp.gather.k")[order]  # keys in canonical order, padding dropped
     v_c = seq(v, "cp.gather.v")[order]
     attn3, o_ref, stats = be.attention_fwd(qr, k_c, v_c, scale, act)
-    attn = attn3.reshape(R_tp, -1)  # [R_tp, A_local]
-    tr("attn.sdpa", attn, "tp_units")
+    attn = tr("attn.sdpa", attn3.reshape(R_tp, -1), "tp_units")  # [R_tp, A_local]
 
     # ---- F6-F11 to_out, residual, norm2, SwiGLU, ff.net.2, residual --------------------------
     U = len(units)
     root = be.unit_reduce([(attn, loc["out"].t())], U)
-    o_proj = be.round(comm.reduce_units(root, "attn.to_out.0", scatter_rows=True), act)
-    x1 = be.gated_residual(x, gate_msa, o_proj, act)
-    m2 = be.rms_modulate_fwd(x1, rep["norm2.weight"], scale_mlp, shift_mlp, eps, act)
+    o_proj = tr("attn.to_out.0", be.round(comm.reduce_units(root, "attn.to_out.0", scatter_rows=True), act), "local")
+    x1 = tr("residual1", be.gated_residual(x, gate_msa, o_proj, act), "local")
+    m2 = tr("norm2", be.rms_modulate_fwd(x1, rep["norm2.weight"], scale_mlp, shift_mlp, eps, act), "local")
     m2_tp = comm.gather_tp_rows(m2, "sp.gather.m2")
-    h = be.mm(m2_tp, loc["hidden"].t(), act)  # [R_tp, F_local]
-    g = be.mm(m2_tp, loc["gate"].t(), act)
-    a = be.swiglu_fwd(h, g, act)
+    h = tr("ff.hidden", be.mm(m2_tp, loc["hidden"].t(), act), "tp_units")  # [R_tp, F_local]
+    g = tr("ff.gate", be.mm(m2_tp, loc["gate"].t(), act), "tp_units")
+    a = tr("ff.swiglu", be.swiglu_fwd(h, g, act), "tp_units")
     root = be.unit_reduce([(a, loc["down"].t())], U)
-    y = be.round(comm.reduce_units(root, "ff.net.2", scatter_rows=True), act)
-    out = be.gated_residual(x1, gate_mlp, y, act)
-    for name, t, space in (
-        ("attn.to_out.0", o_proj, "local"),
-        ("residual1", x1, "local"),
-        ("norm2", m2, "local"),
-        ("ff.hidden", h, "tp_units"),
-        ("ff.gate", g, "tp_units"),
-        ("ff.swiglu", a, "tp_units"),
-        ("ff.net.2", y, "local"),
-        ("out", out, "local"),
-    ):
-        tr(name, t, space)
+    y = tr("ff.net.2", be.round(comm.reduce_units(root, "ff.net.2", scatter_rows=True), act), "local")
+    out = tr("out", be.gated_residual(x1, gate_mlp, y, act), "local")
     forward_s = clock.lap()
     active_out = torch.where(active, out, torch.zeros((), dtype=out.dtype, device=out.device))
     if not backward:
@@ -202,21 +181,14 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     # ---- B11-B9 backward through ff: padding rows carry no gradient --------------------------
     g_out = torch.where(active, b.grad_out.to(torch.float32), 0.0)
     d_gate_mlp = g_out * y.to(torch.float32)
-    dy = be.round(g_out * gate_mlp.to(torch.float32), act)
+    dy = tr("d.ff.net.2", be.round(g_out * gate_mlp.to(torch.float32), act), "local")
     dy_tp = comm.gather_tp_rows(dy, "sp.gather.dy")
     dy_seq, m2_seq = seq(dy_tp, "cp.gather.dy"), seq(m2_tp, "cp.gather.m2")
-    da = be.mm(dy_tp, loc["down"], act)  # [R_tp, F_local]
+    da = tr("d.ff.swiglu", be.mm(dy_tp, loc["down"], act), "tp_units")  # [R_tp, F_local]
     dh, dg = be.swiglu_bwd(da, h, g, act)
+    dh, dg = tr("d.ff.hidden", dh, "tp_units"), tr("d.ff.gate", dg, "tp_units")
     root = be.unit_reduce([(dh, loc["hidden"]), (dg, loc["gate"])], U)  # hidden, then gate
-    dm2 = be.round(comm.reduce_units(root, "ff.net.0.dx", scatter_rows=True), act)
-    for name, t, space in (
-        ("d.ff.net.2", dy, "local"),
-        ("d.ff.swiglu", da, "tp_units"),
-        ("d.ff.hidden", dh, "tp_units"),
-        ("d.ff.gate", dg, "tp_units"),
-        ("d.norm2", dm2, "local"),
-    ):
-        tr(name, t, space)
+    dm2 = tr("d.norm2", be.round(comm.reduce_units(root, "ff.net.0.dx", scatter_rows=True), act), "local")
     dw_local = {
         "ff.net.2.weight": be.row_mm(dy_seq, seq(a, "cp.gather.a"), order),  # [D, F_local]
         "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order),  # [F_local, D]
@@ -227,10 +199,9 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = be.rms_modulate_bwd(dm2, x1, rep["norm2.weight"], scale_mlp, eps)
     dx1 = g_out + dxn2
     d_gate_msa = dx1 * o_proj.to(torch.float32)
-    do = be.round(dx1 * gate_msa.to(torch.float32), act)
+    do = tr("d.attn.to_out.0", be.round(dx1 * gate_msa.to(torch.float32), act), "local")
     do_tp = comm.gather_tp_rows(do, "sp.gather.do")
-    dattn = be.mm(do_tp, loc["out"], act)  # [R_tp, A_local]
-    tr("d.attn.to_out.0", do, "local"), tr("d.attn.sdpa", dattn, "tp_units")
+    dattn = tr("d.attn.sdpa", be.mm(do_tp, loc["out"], act), "tp_units")  # [R_tp, A_local]
     dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order)
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
@@ -246,15 +217,9 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     dq, dwq_rows = be.qk_norm_rope_bwd(dq, heads(q), wq, cos, sin, qk_eps, act)
     dk, dwk_rows = be.qk_norm_rope_bwd(dk, heads(k), wk, cos, sin, qk_eps, act)
     dq, dk, dv = dq.reshape(R_tp, -1), dk.reshape(R_tp, -1), be.round(dv, act).reshape(R_tp, -1)
+    dq, dk, dv = (tr(f"d.attn.to_{n}", t, "tp_units") for n, t in (("q", dq), ("k", dk), ("v", dv)))
     root = be.unit_reduce([(dq, loc["q"]), (dk, loc["k"]), (dv, loc["v"])], U)  # q, k, v
-    dm1 = be.round(comm.reduce_units(root, "attn.qkv.dx", scatter_rows=True), act)
-    for name, t, space in (
-        ("d.attn.to_q", dq, "tp_units"),
-        ("d.attn.to_k", dk, "tp_units"),
-        ("d.attn.to_v", dv, "tp_units"),
-        ("d.norm1", dm1, "local"),
-    ):
-        tr(name, t, space)
+    dm1 = tr("d.norm1", be.round(comm.reduce_units(root, "attn.qkv.dx", scatter_rows=True), act), "local")
     m1_seq = seq(m1_tp, "cp.gather.m1")
     for name, d in (("attn.to_q.weight", dq), ("attn.to_k.weight", dk), ("attn.to_v.weight", dv)):
         dw_local[name] = be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order)  # [A_local, D]
@@ -262,8 +227,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     # ---- B2 norm1, dx ------------------------------------------------------------------------
     dxn1, dw_norm1, d_scale_msa, d_shift_msa = be.rms_modulate_bwd(dm1, x, rep["norm1.weight"], scale_msa, eps)
     zero_pad = lambda t: torch.where(active, t, torch.zeros((), dtype=t.dtype, device=t.device))  # noqa: E731
-    dx = zero_pad(be.round(dx1 + dxn1, act))
-    tr("dx", dx, "local")
+    dx = tr("dx", zero_pad(be.round(dx1 + dxn1, act)), "local")
 
     # ---- cross-row gradients of replicated weights: rows of the whole sequence in key order --
     p_dt = lambda name: rep[name].dtype  # noqa: E731
