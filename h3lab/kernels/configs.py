@@ -1,0 +1,65 @@
+"""Pinned kernel configurations per node type, read from the repository's `kernels/<node>.json`.
+
+The tile sizes, K order, warps and stages of every kernel fix its bits, so they are data, chosen
+offline and committed, never autotuned at run time. A device with no pinned file, or a kernel or
+shape a file does not cover, raises: nothing falls back to another configuration.
+
+Node types: `sm90` (H100, H200: compute capability 9.0), `sm100` (B200: 10.0). Interpreter runs
+(TRITON_INTERPRET=1, CPU) name the node type explicitly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NODE_BY_CAPABILITY = {(9, 0): "sm90", (10, 0): "sm100"}
+KERNELS_DIR = Path(os.environ.get("H3LAB_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels"))
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def node_of(device: torch.device | str) -> str:
+    """The node type of a CUDA device (`sm90`, `sm100`); raises for anything without pinned kernels."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"Triton kernels run on CUDA devices; got {device} (or TRITON_INTERPRET=1 with a named node)")
+    cap = torch.cuda.get_device_capability(device)
+    if cap not in NODE_BY_CAPABILITY:
+        allowed = {f"{a}.{b}": n for (a, b), n in NODE_BY_CAPABILITY.items()}
+        raise ValueError(f"no pinned kernel configurations for capability {cap[0]}.{cap[1]}; allowed: {allowed}")
+    return NODE_BY_CAPABILITY[cap]
+
+
+@functools.cache
+def _load(node: str) -> dict[str, Any]:
+    path = KERNELS_DIR / f"{node}.json"
+    if not path.is_file():
+        raise ValueError(f"no pinned configuration file {path}; node types with one: {sorted(available())}")
+    return json.loads(path.read_text())
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in KERNELS_DIR.glob("sm*.json"))
+
+
+def pinned(kernel: str, node: str) -> dict[str, Any]:
+    """The pinned configuration of `kernel` on `node`. Raises when the file has none."""
+    kernels = _load(node)["kernels"]
+    if kernel not in kernels:
+        raise ValueError(f"{node}.json pins no configuration for kernel {kernel!r}; pinned: {sorted(kernels)}")
+    return dict(kernels[kernel])
+
+
+def describe(node: str) -> dict[str, Any]:
+    """The whole pinned file plus the Triton version, for run records."""
+    import triton
+
+    return {"node": node, "file": str(KERNELS_DIR / f"{node}.json"), "triton": triton.__version__, **_load(node)}

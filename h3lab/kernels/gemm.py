@@ -1,0 +1,301 @@
+"""Fixed-order GEMM: c = a @ b, FP32 accumulation over K in BLOCK_K chunks, ascending, one rounding.
+
+Reference: h3lab.ops.fixed.chain_mm (the torch backend's chain). Launcher: `mm`.
+
+Why a row's bits never depend on M and a column's never on N: every output element is the chain
+acc = dot(a[m, k0:k0+BK], b[k0:k0+BK, n]) + acc over k0 = 0, BK, 2*BK, ... with one pinned config
+per node type (kernels/<node>.json): same BLOCK_K, same tensor-core instruction, no split-K, no
+stream-K, no autotuning. M and N are not specialised (`do_not_specialize`), so one binary serves
+every M and N. Rows past M and columns past N only ever feed their own (discarded) outputs; the
+K tail is read as zeros, and a zero product added to a chain leaves it unchanged. Persistence (a
+grid of one program per SM walking tiles in grouped order) only decides which SM computes a tile.
+
+Operands come through TMA tensor descriptors where their layout allows (16-byte aligned base and
+strides, one unit stride) and through masked pointer loads otherwise; both feed the same dot with
+the same values. bf16 x bf16 runs on the tensor cores (wgmma on sm90); an fp32 operand makes the
+product an IEEE FP32 one (`input_precision="ieee"`, never TF32), with its own pinned tile shape.
+The device helpers here (tile order, operand loads, the multiply-accumulate) are shared with the
+unit-tree GEMM (h3lab.kernels.unit_gemm).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from h3lab.kernels import configs
+
+OPERAND_DTYPES = (torch.bfloat16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "TMA")  # required
+OPTIONAL_KEYS = ("TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE", "PENDING_IN_REGS", "SCRATCH_TMA")
+INTERPRETER_PROGRAMS = 3  # fewer programs than tiles in the tests, so the persistent loop is exercised
+
+
+# ---- device helpers (shared with unit_gemm) ------------------------------------------------------
+
+
+@triton.jit
+def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row-tiles share a column-tile's b in L2 before moving on."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def load_a(a_ptr, a_desc, m0, k0, k_end, M, s_am, s_ak,
+           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    """a[m0:m0+BM, k0:k0+BK]. MODE 1: TMA over [M, K]; 2: TMA over [K, M] (a^T rows); 0: pointers.
+
+    Pointer mode reads columns >= k_end as 0 (the K tail, or a unit's end in unit_gemm) and clamps
+    rows past M to row 0 (valid memory; those rows only feed outputs that are never stored). TMA
+    zero-fills past the tensor's end, which is the K tail; the launchers use TMA only where every
+    chunk boundary they need is the tensor's end or a multiple of BLOCK_K.
+    """
+    if MODE == 1:
+        tile = a_desc.load([m0, k0])
+    elif MODE == 2:
+        tile = a_desc.load([k0, m0]).T
+    else:
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rm = tl.where(rm < M, rm, 0).to(tl.int64)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        ptrs = a_ptr + rm[:, None] * s_am + rk[None, :].to(tl.int64) * s_ak
+        tile = tl.load(ptrs, mask=rk[None, :] < k_end, other=0.0)
+    return tile
+
+
+@triton.jit
+def load_b(b_ptr, b_desc, k0, n0, k_end, N, s_bk, s_bn,
+           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    """b[k0:k0+BK, n0:n0+BN]. MODE 1: TMA over [N, K] (a weight W with b = W.T); 2: TMA over [K, N]; 0: pointers."""
+    if MODE == 1:
+        tile = b_desc.load([n0, k0]).T
+    elif MODE == 2:
+        tile = b_desc.load([k0, n0])
+    else:
+        rn = n0 + tl.arange(0, BLOCK_N)
+        rn = tl.where(rn < N, rn, 0).to(tl.int64)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn
+        tile = tl.load(ptrs, mask=rk[:, None] < k_end, other=0.0)
+    return tile
+
+
+@triton.jit
+def mac(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b in FP32: tensor cores for bf16 x bf16; IEEE FP32 products when an operand is fp32."""
+    if IEEE:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """The one rounding: FP32 accumulator -> c's dtype (round to nearest even), rows < M, columns < N.
+
+    OUT_TMA: a bulk tensor store through shared memory in SPLIT column slices (the staging buffer of
+    a 128x256 FP32 tile would be 128 KiB); TMA clips rows and columns past the end. Otherwise
+    masked pointer stores straight from the accumulator's registers.
+    """
+    if OUT_TMA:
+        if SPLIT == 2:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c_desc.store([m0, n0], left.to(c_ptr.dtype.element_ty))
+            c_desc.store([m0, n0 + BLOCK_N // 2], right.to(c_ptr.dtype.element_ty))
+        else:
+            c_desc.store([m0, n0], acc.to(c_ptr.dtype.element_ty))
+    else:
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :].to(tl.int64) * s_cn
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["M", "N", "num_programs"])
+def mm_kernel(
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc,
+    M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_MODE: tl.constexpr, B_MODE: tl.constexpr, IEEE: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    # fmt: on
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_chunks = tl.cdiv(K, BLOCK_K)
+    # the epilogue keeps its own tile counter so a flattened loop's prologue and epilogue share no value
+    tile_c = tl.program_id(0) - num_programs
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kc in tl.range(0, k_chunks, warp_specialize=WARP_SPECIALIZE):  # ascending K, never split
+            k0 = kc * BLOCK_K
+            a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
+            b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+            acc = mac(a, b, acc, IEEE)
+        tile_c += num_programs
+        pid_m, pid_n = tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
+
+
+# ---- host helpers (shared with unit_gemm) ---------------------------------------------------------
+
+
+def check_config(kernel: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A configuration dict must name every required key and nothing unknown (typos would pass silently)."""
+    missing = [k for k in CONFIG_KEYS if k not in cfg]
+    unknown = [k for k in cfg if k not in CONFIG_KEYS + OPTIONAL_KEYS]
+    if missing or unknown:
+        raise ValueError(
+            f"{kernel} config: missing {missing}, unknown {unknown}; required {list(CONFIG_KEYS)}, "
+            f"optional {list(OPTIONAL_KEYS)}"
+        )
+    return cfg
+
+
+def kernel_config(kernel: str, node: str, ieee: bool) -> dict[str, Any]:
+    """The pinned configuration of `kernel` on `node`; its "fp32" entries apply when an operand is fp32."""
+    cfg = configs.pinned(kernel, node)
+    fp32 = cfg.pop("fp32", {})
+    cfg.pop("comment", None)
+    if ieee:
+        cfg.update(fp32)
+    return check_config(f"{node}.json {kernel!r}", cfg)
+
+
+def check_device(fn: str, *tensors: Tensor) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{fn}: operands on {sorted(map(str, devices))}; allowed: all on one device")
+    device = devices.pop()
+    if device.type != "cuda" and not (device.type == "cpu" and configs.interpreting()):
+        raise ValueError(f"{fn}: operands on {device}; allowed: cuda (or cpu under TRITON_INTERPRET=1)")
+    return device
+
+
+def check_operand(fn: str, name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        raise ValueError(f"{fn}: {name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if t.dtype not in OPERAND_DTYPES:
+        raise ValueError(f"{fn}: {name} has dtype {t.dtype}; allowed: {list(OPERAND_DTYPES)}")
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def grid_size(device: torch.device, num_tiles: int) -> int:
+    """A persistent grid: one program per SM (fewer when there are fewer tiles)."""
+    sms = INTERPRETER_PROGRAMS if device.type == "cpu" else _sm_count(device)
+    return max(1, min(sms, num_tiles))
+
+
+def _tma_ok(t: Tensor, major_stride: int) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and (major_stride * size) % 16 == 0 and major_stride > 0
+
+
+def operand_a(a_MK: Tensor, block_m: int, block_k: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
+    """(mode, descriptor) for load_a: 1 = rows contiguous in K, 2 = columns contiguous in M, 0 = pointers."""
+    M, K = a_MK.shape
+    if tma and a_MK.stride(1) == 1 and _tma_ok(a_MK, a_MK.stride(0)):
+        return 1, TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [block_m, block_k])
+    if tma and a_MK.stride(0) == 1 and _tma_ok(a_MK, a_MK.stride(1)):
+        return 2, TensorDescriptor(a_MK, [K, M], [a_MK.stride(1), 1], [block_k, block_m])
+    return 0, None
+
+
+def operand_b(b_KN: Tensor, block_k: int, block_n: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
+    """(mode, descriptor) for load_b: 1 = a weight W [N, K] seen as b = W.T, 2 = rows contiguous in N, 0 = pointers."""
+    K, N = b_KN.shape
+    if tma and b_KN.stride(0) == 1 and _tma_ok(b_KN, b_KN.stride(1)):
+        return 1, TensorDescriptor(b_KN, [N, K], [b_KN.stride(1), 1], [block_n, block_k])
+    if tma and b_KN.stride(1) == 1 and _tma_ok(b_KN, b_KN.stride(0)):
+        return 2, TensorDescriptor(b_KN, [K, N], [b_KN.stride(0), 1], [block_k, block_n])
+    return 0, None
+
+
+def output_desc(c_MN: Tensor, block_m: int, block_n: int, cfg: dict[str, Any]) -> tuple[bool, int, Any]:
+    """(OUT_TMA, SPLIT, descriptor) for store_tile: a TMA store when the config asks and rows are 16-byte aligned."""
+    split = int(cfg.get("EPILOGUE_SPLIT", 1))
+    if split not in (1, 2):
+        raise ValueError(f"EPILOGUE_SPLIT={split}; allowed: 1, 2")
+    if not cfg.get("TMA_STORE", False) or c_MN.stride(1) != 1 or not _tma_ok(c_MN, c_MN.stride(0)):
+        return False, 1, None
+    return True, split, TensorDescriptor(c_MN, list(c_MN.shape), [c_MN.stride(0), 1], [block_m, block_n // split])
+
+
+# ---- the launcher --------------------------------------------------------------------------------
+
+
+def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, node: str | None = None,
+       config: dict[str, Any] | None = None) -> Tensor:  # fmt: skip
+    """a @ b: FP32 chains over K in BLOCK_K chunks, ascending, rounded once to `out_dtype`.
+
+    Args:
+        a_MK, b_KN: bf16 or fp32, any strides (b is usually a weight's transposed view W.T).
+        out_dtype: torch.bfloat16 or torch.float32.
+        node: node type whose pinned config runs (default: that of the operands' CUDA device).
+        config: an explicit configuration instead of the pinned one (benchmarks and tests only).
+
+    Raises:
+        ValueError: wrong rank, dtype, device or shapes; a node without a pinned "gemm" entry.
+    """
+    check_operand("mm", "a_MK", a_MK)
+    check_operand("mm", "b_KN", b_KN)
+    device = check_device("mm", a_MK, b_KN)
+    if a_MK.shape[1] != b_KN.shape[0]:
+        raise ValueError(
+            f"mm: a_MK {tuple(a_MK.shape)} and b_KN {tuple(b_KN.shape)}; allowed: a.shape[1] == b.shape[0]"
+        )
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"mm: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
+    ieee = torch.float32 in (a_MK.dtype, b_KN.dtype)
+    if config is not None:
+        cfg = check_config("mm", config)
+    else:
+        cfg = kernel_config("gemm", node or configs.node_of(device), ieee)
+    (M, K), N = a_MK.shape, b_KN.shape[1]
+    c_MN = torch.empty((M, N), dtype=out_dtype, device=device)
+    if M == 0 or N == 0:
+        return c_MN
+    if K == 0:
+        return c_MN.zero_()  # the empty chain
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_mode, a_desc = operand_a(a_MK, BM, BK, cfg["TMA"])
+    b_mode, b_desc = operand_b(b_KN, BK, BN, cfg["TMA"])
+    out_tma, split, c_desc = output_desc(c_MN, BM, BN, cfg)
+    grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+    mm_kernel[(grid,)](
+        a_MK, a_desc, b_KN, b_desc, c_MN, c_desc,  #
+        M, N, K, a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1), c_MN.stride(0), c_MN.stride(1),
+        grid, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
+        A_MODE=a_mode, B_MODE=b_mode, IEEE=ieee, OUT_TMA=out_tma, SPLIT=split, FLATTEN=cfg.get("FLATTEN", False),
+        WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False,
+    )  # fmt: skip
+    return c_MN

@@ -1,0 +1,122 @@
+"""Cross-row reductions in logical-key order as Triton kernels: row_sum, segment_sum, row_mm.
+
+Reference: h3lab.ops.rows. `order` holds the int64 indices of the active rows in canonical key
+order (h3lab.ops.rows.key_order). row_sum and segment_sum are one left-to-right FP32 chain per
+column, acc = ((0 + x[o0]) + x[o1]) + ..., a program per (segment, column block) walking its rows
+in order: plain FP32 adds in the reference's order, so the bits are the reference's on any device
+and depend on neither the column block nor the unroll (rows past the end add +0, which never
+changes a chain that starts at +0: such a chain is never -0). row_mm gathers the rows into key order
+and hands the reduction to the GEMM (K = rows, ascending), whose bits are its own.
+
+Dimension legend: R rows (any order, padding included), N/K columns, G segments (AdaLN table rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from h3lab.kernels import configs, gemm
+
+F32 = torch.float32
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _row_chain_kernel(x_ptr, rows_ptr, starts_ptr, out_ptr, N, sx, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+    # chain g runs over rows[starts[g] : starts[g + 1]] in that order
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(starts_ptr + g)
+    end = tl.load(starts_ptr + g + 1)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for i0 in range(start, end, UNROLL):
+        for j in tl.static_range(UNROLL):  # UNROLL independent loads in flight; the adds stay in order
+            r = tl.load(rows_ptr + tl.minimum(i0 + j, end - 1))  # past the end: a valid row, fully masked
+            width = tl.where(i0 + j < end, N, 0)
+            acc += tl.load(x_ptr + r * sx + cols, mask=cols < width, other=0.0).to(tl.float32)
+    tl.store(out_ptr + g.to(tl.int64) * N + cols, acc, mask=cols < N)
+
+
+def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
+    if x.dim() < 1:
+        raise ValueError(f"x: shape {tuple(x.shape)}; allowed: [R, ...] with at least one dim")
+    if order.dim() != 1 or order.dtype != torch.int64:
+        raise ValueError(f"order: {order.dtype} {tuple(order.shape)}; allowed: 1-D torch.int64 row indices")
+    devices = {t.device for t in (x, order, *extra)}
+    if len(devices) != 1:
+        raise ValueError(f"operands on {sorted(map(str, devices))}; allowed: one device")
+    device = x.device
+    if device.type != "cuda" and not configs.interpreting():
+        raise ValueError(f"Triton kernels need CUDA tensors, got {device}; allowed: cuda (or TRITON_INTERPRET=1)")
+
+
+def _bounds(name: str, t: Tensor, limit: int) -> None:
+    """Indices out of range would read outside x in the kernel: check them (one host sync)."""
+    if t.numel():
+        lo, hi = torch.stack([t.min(), t.max()]).tolist()
+        if lo < 0 or hi >= limit:
+            raise ValueError(f"{name}: values in [{lo}, {hi}]; allowed: [0, {limit})")
+
+
+def _chains(x: Tensor, rows: Tensor, starts: Tensor, node: str | None) -> Tensor:
+    """FP32 [G, N]: chain g over x[rows[starts[g]:starts[g+1]]] per column, x viewed as [R, N]."""
+    if x.dtype not in IN_DTYPES:
+        raise ValueError(f"x: dtype {x.dtype} not supported; allowed: {list(IN_DTYPES)}")
+    x2 = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # not -1: R may be 0
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    G, N = starts.numel() - 1, x2.shape[1]
+    out = torch.empty((G, N), dtype=F32, device=x.device)
+    if G and N:
+        cfg = configs.pinned("rows", node if node is not None else configs.node_of(x.device))
+        _row_chain_kernel[(G, triton.cdiv(N, cfg["block_n"]))](
+            x2, rows, starts, out, N, x2.stride(0), BLOCK_N=cfg["block_n"], UNROLL=cfg["unroll"],
+            num_warps=cfg["num_warps"])  # fmt: skip
+    return out
+
+
+def row_sum(x_RN: Tensor, order: Tensor, *, node: str | None = None) -> Tensor:
+    """Sum over the rows in `order` of x[r], one FP32 chain per column: [N...] float32."""
+    _check(x_RN, order)
+    _bounds("order", order, x_RN.shape[0])
+    starts = torch.tensor([0, order.numel()], dtype=torch.int32, device=x_RN.device)
+    return _chains(x_RN, order, starts, node).reshape(x_RN.shape[1:])
+
+
+def segment_sum(x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tensor,
+                *, node: str | None = None) -> Tensor:  # fmt: skip
+    """Per segment g, the chain over its rows in `order`: [G, N...] float32 (empty segments are 0)."""
+    _check(x_RN, order, segment_R)
+    if segment_R.shape != x_RN.shape[:1] or segment_R.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"segment_R: {segment_R.dtype} {tuple(segment_R.shape)}; allowed: int [R={x_RN.shape[0]}]")
+    if num_segments < 0:
+        raise ValueError(f"num_segments={num_segments}; allowed: >= 0")
+    _bounds("order", order, x_RN.shape[0])
+    seg = segment_R.index_select(0, order).to(torch.int64)
+    _bounds("segment_R[order]", seg, num_segments)
+    rows = order.index_select(0, torch.argsort(seg, stable=True))  # by segment, key order inside each
+    starts = torch.zeros(num_segments + 1, dtype=torch.int32, device=x_RN.device)
+    starts[1:] = torch.cumsum(torch.bincount(seg, minlength=num_segments), 0)
+    return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
+
+
+def _take(x: Tensor, order: Tensor) -> Tensor:
+    # rows already in canonical order are used in place (no gather), as the reference does
+    if order.numel() == x.shape[0] and bool((order == torch.arange(x.shape[0], device=order.device)).all()):
+        return x
+    return x.index_select(0, order)
+
+
+def row_mm(a_RN: Tensor, b_RK: Tensor, order: Tensor, *, node: str | None = None) -> Tensor:
+    """sum over rows r in `order` of a[r]^T b[r]: [N, K] float32, by the GEMM over the rows in key order."""
+    _check(a_RN, order, b_RK)
+    if a_RN.dim() != 2 or b_RK.dim() != 2 or a_RN.shape[0] != b_RK.shape[0]:
+        raise ValueError(f"row_mm: shapes {tuple(a_RN.shape)}, {tuple(b_RK.shape)}; allowed: [R, N], [R, K]")
+    _bounds("order", order, a_RN.shape[0])
+    if order.numel() == 0:  # no active row: the empty sum (the GEMM is not asked for K = 0)
+        return torch.zeros((a_RN.shape[1], b_RK.shape[1]), dtype=F32, device=a_RN.device)
+    return gemm.mm(_take(a_RN, order).t(), _take(b_RK, order), F32, node=node)

@@ -1,0 +1,400 @@
+"""Fixed-order GEMMs (h3lab.kernels.gemm.mm, h3lab.kernels.unit_gemm.unit_mm): bitwise invariance to
+which rows and columns share a call, to the TP grouping of units and to repeats; agreement with
+float64 and with the torch chains.
+
+Without CUDA the kernels run under the Triton interpreter (set below, before triton is imported) in
+FP32 with IEEE products: the interpreter's bf16 is numerically wrong (its fp32 -> bf16 cast truncates).
+With CUDA the `gpu` tests run the compiled bf16 kernels at real H3 shapes; run them in their own
+process if another test module forces TRITON_INTERPRET=1:  pytest -m gpu tests/test_kernels_gemm.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (the GEMM kernels are Triton kernels)")
+
+from h3lab.backend import TorchBackend
+from h3lab.kernels import configs, gemm, unit_gemm
+from h3lab.ops.fixed import chain_mm, round_to, unit_tree
+from tests.conftest import assert_bitwise
+
+interp = pytest.mark.skipif(
+    not configs.interpreting(), reason="interpreter tests: run with TRITON_INTERPRET=1 (set by default without CUDA)"
+)
+
+
+def gpu(fn):
+    """Compiled bf16 kernels on a CUDA device (never under the interpreter, whose bf16 is wrong)."""
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
+    fn = pytest.mark.skipif(configs.interpreting(), reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu "
+                            "tests/test_kernels_gemm.py")(fn)  # fmt: skip
+    return pytest.mark.gpu(fn)
+
+
+NODE = "sm90"  # interpreter runs name the node type; its pinned tile geometry is what they exercise
+F32, BF16 = torch.float32, torch.bfloat16
+# FP32 agreement with float64 (interpreter): any order of K rounded FP32 products and adds is within
+# gamma_{K+1} * sum|a||b| ~ (K+1) * 2^-24 * sum|a||b| of the exact sum; we allow 2x that, per element.
+# Measured norm-relative errors at K <= 3456 are 1e-7..3e-7, so 2e-6 leaves ~7x margin.
+REL_FP32 = 2e-6
+
+
+def _tc(kernel: str) -> dict:
+    """The pinned tensor-core configuration (bf16 tiles, TMA) of `kernel`, run here on fp32 operands."""
+    return gemm.kernel_config(kernel, NODE, ieee=False)
+
+
+def _randn(*shape: int, seed: int, device: str = "cpu", dtype: torch.dtype = F32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def _pieces(M: int, kps: tuple[int, ...], N: int, units: int, seed: int, device="cpu", dtype=F32, w_major=True):
+    """[(a [M, U*Kp], b [U*Kp, N])]; b is a weight's transposed view (forward) or the weight (dX)."""
+    out = []
+    for i, kp in enumerate(kps):
+        a = _randn(M, units * kp, seed=seed + 2 * i, device=device, dtype=dtype)
+        w = _randn(N, units * kp, seed=seed + 2 * i + 1, device=device, dtype=dtype)
+        out.append((a, w.t() if w_major else w.t().contiguous()))
+    return out
+
+
+def _slice_units(pieces, lo: int, hi: int, units: int):
+    """The pieces a TP rank holding units [lo, hi) of `units` sees."""
+    out = []
+    for a, b in pieces:
+        kp = a.shape[1] // units
+        out.append((a[:, lo * kp : hi * kp], b[lo * kp : hi * kp]))
+    return out
+
+
+def _assert_exact_within(out: torch.Tensor, pieces, slack: float, rel: float, what: str) -> None:
+    """|out - exact| <= slack * (K+1) * 2^-24 * sum|a||b| per element, and a norm-relative bound."""
+    exact = sum(a.double() @ b.double() for a, b in pieces)
+    mag = sum(a.double().abs() @ b.double().abs() for a, b in pieces)
+    k = sum(a.shape[1] for a, _ in pieces)
+    err = (out.double() - exact).abs()
+    assert bool((err <= slack * (k + 1) * 2.0**-24 * mag).all()), f"{what}: max err {float(err.max()):.3g}"
+    assert float(err.norm() / exact.norm()) < rel, f"{what}: relative error {float(err.norm() / exact.norm()):.3g}"
+
+
+def _tp_groupings(pieces, units: int, run) -> dict[int, torch.Tensor]:
+    """For TP sizes 1, 2, 4, 8 (as far as `units` allows): each rank's subtree, then the tree over ranks."""
+    out = {}
+    for tp in (1, 2, 4, 8):
+        if tp > units:
+            break
+        per = units // tp
+        roots = [run(_slice_units(pieces, r * per, (r + 1) * per, units), per) for r in range(tp)]
+        out[tp] = unit_tree(roots)
+    return out
+
+
+# ---- interpreter: mm ---------------------------------------------------------------------------
+
+
+@interp
+@pytest.mark.parametrize("which", ["pinned_fp32", "tensor_core"])
+def test_mm_rows_and_columns_bitwise(which):
+    cfg = None if which == "pinned_fp32" else _tc("gemm")
+    M, K, N = 37, 100, 300  # K tail of 36, two column tiles at 256, partial row tiles
+    a = _randn(M, K, seed=1)
+    w = _randn(N, K, seed=2)
+    for b, layout in ((w.t(), "W.T"), (w.t().contiguous(), "[K, N]")):
+        full = gemm.mm(a, b, node=NODE, config=cfg)
+        _assert_exact_within(full, [(a, b)], 2.0, REL_FP32, f"mm {layout}")
+        for lo, hi in ((0, 1), (5, 8), (20, 37), (3, 20)):
+            assert_bitwise(gemm.mm(a[lo:hi], b, node=NODE, config=cfg), full[lo:hi], f"rows {lo}:{hi} {layout}")
+        for lo, hi in ((0, 1), (3, 11), (200, 300), (5, 261)):  # 3: misaligned N-major start -> pointer path
+            assert_bitwise(gemm.mm(a, b[:, lo:hi], node=NODE, config=cfg), full[:, lo:hi], f"cols {lo}:{hi} {layout}")
+        assert_bitwise(gemm.mm(a, b, node=NODE, config=cfg), full, "repeat")
+
+
+@interp
+def test_mm_paths_and_layouts_agree():
+    """TMA and pointer loads, row- and column-major a, both b layouts: the same chunks, the same bits."""
+    M, K, N = 17, 130, 70
+    a = _randn(M, K, seed=3)
+    w = _randn(N, K, seed=4)
+    ref = gemm.mm(a, w.t(), node=NODE, config=_tc("gemm"))
+    for tma in (True, False):
+        cfg = _tc("gemm") | {"TMA": tma}
+        for a_ in (a, a.t().contiguous().t()):
+            for b_ in (w.t(), w.t().contiguous()):
+                assert_bitwise(gemm.mm(a_, b_, node=NODE, config=cfg), ref, f"tma={tma} {a_.stride()} {b_.stride()}")
+
+
+@interp
+def test_mm_bf16_output_rows_bitwise():
+    a, w = _randn(17, 64, seed=5), _randn(40, 64, seed=6)
+    full = gemm.mm(a, w.t(), BF16, node=NODE)
+    assert full.dtype == BF16
+    assert_bitwise(gemm.mm(a[3:9], w.t(), BF16, node=NODE), full[3:9], "bf16 rows")
+
+
+@interp
+def test_mm_empty_and_k0():
+    a, w = _randn(3, 0, seed=7), _randn(5, 0, seed=8)
+    assert_bitwise(gemm.mm(a, w.t(), node=NODE), torch.zeros(3, 5), "K = 0 is the empty chain")
+    assert gemm.mm(_randn(0, 4, seed=9), _randn(4, 6, seed=10), node=NODE).shape == (0, 6)
+
+
+@interp
+def test_mm_rejects_bad_inputs(tmp_path, monkeypatch):
+    a, b = _randn(4, 8, seed=11), _randn(8, 5, seed=12)
+    cases = [
+        ((a[0], b), "2-D"),
+        ((a.to(torch.float16), b), "allowed: \\[torch.bfloat16, torch.float32\\]"),
+        ((a.to(torch.int32), b), "dtype"),
+        ((a, b[:7]), "a.shape\\[1\\] == b.shape\\[0\\]"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            gemm.mm(*args, node=NODE)
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemm.mm(a, b, torch.float16, node=NODE)
+    with pytest.raises(ValueError, match="no pinned configuration file"):
+        gemm.mm(a, b, node="sm70")
+    with pytest.raises(ValueError, match="missing \\['BLOCK_N'"):
+        gemm.mm(a, b, node=NODE, config={k: v for k, v in _tc("gemm").items() if k != "BLOCK_N"})
+    with pytest.raises(ValueError, match="unknown \\['NUM_STAGES'\\]"):
+        unit_gemm.unit_mm([(a, b)], 1, node=NODE, config=_tc("unit_gemm") | {"NUM_STAGES": 3})
+    (tmp_path / "sm90.json").write_text('{"kernels": {"norm": {}}}')
+    monkeypatch.setattr(configs, "KERNELS_DIR", tmp_path)
+    configs._load.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="pins no configuration for kernel 'gemm'"):
+            gemm.mm(a, b, node=NODE)
+        with pytest.raises(ValueError, match="pins no configuration for kernel 'unit_gemm'"):
+            unit_gemm.unit_mm([(a, b)], 1, node=NODE)
+    finally:
+        configs._load.cache_clear()
+
+
+# ---- interpreter: unit_mm ----------------------------------------------------------------------
+
+
+@interp
+@pytest.mark.parametrize(
+    ("which", "kps", "M", "N"),
+    [
+        ("pinned_fp32", (432,), 3, 40),  # d temb form: 18D/8 units, few rows
+        ("pinned_fp32", (64, 64), 17, 70),  # hidden, gate dX
+        ("tensor_core", (32,), 37, 150),  # to_out: Kp < BLOCK_K, a partial chunk per unit
+        ("tensor_core", (64, 64, 64), 17, 70),  # q, k, v dX: Kp = BLOCK_K -> TMA
+        ("scratch_level0", (32, 32), 1, 70),  # level-0 sibling in scratch too
+        ("scratch_pointers", (32,), 3, 70),  # scratch through pointer loads/stores instead of TMA
+    ],
+)
+def test_unit_mm_tp_groupings_rows_columns_bitwise(which, kps, M, N):
+    cfg = {
+        "pinned_fp32": None,
+        "tensor_core": _tc("unit_gemm"),
+        "scratch_level0": _tc("unit_gemm") | {"PENDING_IN_REGS": False},
+        "scratch_pointers": _tc("unit_gemm") | {"SCRATCH_TMA": False},
+    }[which]
+    pieces = _pieces(M, kps, N, 8, seed=20, w_major=len(kps) == 1)
+    run = lambda p, u: unit_gemm.unit_mm(p, u, node=NODE, config=cfg)  # noqa: E731
+    roots = _tp_groupings(pieces, 8, run)
+    full = roots[1]
+    _assert_exact_within(full, pieces, 2.0, REL_FP32, f"unit_mm {kps}")
+    for tp, root in roots.items():
+        assert_bitwise(root, full, f"TP{tp} grouping {kps}")
+    if M > 2:
+        assert_bitwise(run([(a[1:3], b) for a, b in pieces], 8), full[1:3], "rows 1:3")
+    assert_bitwise(run([(a, b[:, 5 : N - 3]) for a, b in pieces], 8), full[:, 5 : N - 3], "cols")
+
+
+@interp
+@pytest.mark.parametrize("which", ["pinned_fp32", "tensor_core"])
+def test_unit_mm_is_the_tree_of_unit_partials(which):
+    """One piece: partial i == mm(a[:, unit i], b[unit i]) with the same tiles; three pieces whose Kp
+    is a multiple of BLOCK_K: == mm over the unit's blocks laid side by side (the same chunks)."""
+    cfg_u = None if which == "pinned_fp32" else _tc("unit_gemm")
+    cfg_m = None if which == "pinned_fp32" else _tc("gemm") | {k: _tc("unit_gemm")[k] for k in ("BLOCK_M", "BLOCK_N")}
+    for kps in ((32,), (64, 64, 64)):
+        pieces = _pieces(5, kps, 48, 8, seed=30)
+        got = unit_gemm.unit_mm(pieces, 8, node=NODE, config=cfg_u)
+        parts = []
+        for u in range(8):
+            blocks = _slice_units(pieces, u, u + 1, 8)
+            a_u = torch.cat([a for a, _ in blocks], dim=1)
+            b_u = torch.cat([b for _, b in blocks], dim=0)
+            parts.append(gemm.mm(a_u, b_u, node=NODE, config=cfg_m))
+        assert_bitwise(got, unit_tree(parts), f"tree of mm partials {kps}")
+
+
+@interp
+def test_unit_mm_fp32_activations_bf16_weights():
+    """d temb: a FP32 [T, 8*Kp], b bf16 -> IEEE FP32 products of the exactly widened weight."""
+    a = _randn(3, 8 * 432, seed=40)
+    b = _randn(8 * 432, 24, seed=41).to(BF16)
+    got = unit_gemm.unit_mm([(a, b)], 8, node=NODE)
+    _assert_exact_within(got, [(a, b.float())], 2.0, REL_FP32, "fp32 x bf16")
+    ref = TorchBackend().unit_reduce([(a, b)], 8)
+    _assert_exact_within(ref, [(a, b.float())], 2.0, REL_FP32, "torch reference")
+
+
+@interp
+def test_unit_mm_rejects_bad_inputs():
+    a, b = _randn(4, 16, seed=50), _randn(16, 5, seed=51)
+    cases = [
+        (([(a, b)], 3), "num_units=3; allowed: \\[1, 2, 4, 8\\]"),
+        (([], 8), "0 pieces"),
+        (([(a, b)] * 4, 8), "4 pieces"),
+        (([(a[:, :12], b[:12])], 8), "multiple of num_units=8"),
+        (([(a, b), (a[:2], b)], 8), "every a with M=4 rows"),
+        (([(a, b), (a, b[:, :3])], 8), "every b with N=5 columns"),
+        (([(a, b.to(torch.float16))], 8), "dtype"),
+        (([(a, b[:8])], 8), "a.shape\\[1\\] == b.shape\\[0\\]"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            unit_gemm.unit_mm(*args, node=NODE)
+
+
+@interp
+def test_bench_runs_in_the_interpreter(monkeypatch):
+    """h3lab.bench.gemm_bench end to end on toy shapes (CPU, FP32): every contract check it makes holds,
+    except the bf16 rounding ones (the interpreter's fp32 -> bf16 cast truncates)."""
+    from h3lab.bench import gemm_bench as gb
+
+    toy = {
+        "DEV": "cpu", "CHECK_ROWS": 37, "CHECK_K": 100, "CHECK_N": {"WT": 70, "KN": 68}, "SMALL": 20, "DW_ROWS": 40,
+        "ROW_SLICES": ((0, 1), (7, 3), (10, 17), (3, 30)), "COL_SLICES": ((0, 1), (3, 30), (16, 60)),
+        "TINY_UNITS": ((32,),), "MM_SHAPES": {"q": (100, 70, "WT"), "dx": (64, 72, "KN"), "dw": (0, 72, "KN")},
+        "UNIT_SHAPES": {"to_out": ((32,), 48, "WT"), "dx": ((64, 64), 40, "KN")},
+        "_randn": lambda *shape, seed, dtype=None: _randn(*shape, seed=seed),
+        "node_of": lambda device: NODE, "_ms": lambda fn, big: (fn(), 1.0)[1],
+    }  # fmt: skip
+    for name, value in toy.items():
+        monkeypatch.setattr(gb, name, value)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    rec = gb.bench({"only-the-pinned-ones"}, [5])
+    summary = gb.summarize(rec)
+    for kind in ("mm", "unit"):
+        assert list(rec[kind]) == ["pinned"] and "error" not in rec[kind]["pinned"], rec[kind]
+        failed = {k for k, ok in rec[kind]["pinned"]["contract"]["checks"].items() if not ok}
+        assert failed <= {"bf16_one_rounding_WT", "bf16_one_rounding_KN"}, failed
+        assert len(rec[kind]["pinned"]["ratio"]) == len(toy["MM_SHAPES" if kind == "mm" else "UNIT_SHAPES"])
+    assert summary["best"]["unit"]["name"] == "pinned"
+
+
+# ---- GPU: bf16 at real H3 shapes ---------------------------------------------------------------
+
+# bf16 x bf16 products are exact in FP32; the tensor cores and chain_mm differ only in the order (and,
+# inside one MMA, the rounding mode) of their FP32 adds. Per element both are within K * 2^-23 *
+# sum|a||b| of the exact sum (truncating adds: twice round-to-nearest's 2^-24), so they differ by at
+# most twice that; we allow 4x (K + 64) * 2^-23 to cover the tree's 3 extra adds. Norm-relative to
+# float64 the expected error is ~sqrt(K) * 2^-24 ~ 1e-6 at K = 21504: 1e-5 is the bound.
+REL_GPU = 1e-5
+REAL = {  # name: (kps per piece, N, weights as W.T (forward) or W (dX)) with U = 8
+    "to_out": ((896,), 5376, True),
+    "ff.net.2": ((1792,), 5376, True),
+    "qkv.dx": ((896, 896, 896), 5376, False),
+    "ff.net.0.dx": ((1792, 1792), 5376, False),
+}
+
+
+def _assert_close_to_chain(out: torch.Tensor, ref: torch.Tensor, pieces, what: str) -> None:
+    mag = sum(a.double().abs() @ b.double().abs() for a, b in pieces)
+    k = sum(a.shape[1] for a, _ in pieces)
+    err = (out.double() - ref.double()).abs()
+    assert bool((err <= 4 * (k + 64) * 2.0**-23 * mag).all()), f"{what}: max |triton - chain| {float(err.max()):.3g}"
+    _assert_exact_within(out, pieces, 4.0 * (k + 64) / (k + 1), REL_GPU, what)
+
+
+@gpu
+def test_gpu_mm_rows_columns_repeat_bitwise():
+    dev = "cuda"
+    a = _randn(4111, 5376, seed=60, device=dev, dtype=BF16)  # 4111 is prime
+    w_q = _randn(7168, 5376, seed=61, device=dev, dtype=BF16)  # to_q: b = W.T (forward)
+    w_kn = _randn(5376, 4100, seed=62, device=dev, dtype=BF16)  # [K, N] rows (the dX form)
+    for b, layout in ((w_q.t(), "W.T"), (w_kn, "[K, N]")):
+        full = gemm.mm(a, b)
+        for lo, m in ((0, 1), (7, 3), (100, 17), (1000, 264), (5, 4099)):
+            assert_bitwise(gemm.mm(a[lo : lo + m], b), full[lo : lo + m], f"rows {lo}+{m} {layout}")
+        for lo, hi in ((0, 1), (3, 300), (256, 1000), (1, 4095)):  # [K, N] from column 3: the pointer path
+            assert_bitwise(gemm.mm(a, b[:, lo:hi]), full[:, lo:hi], f"cols {lo}:{hi} {layout}")
+        for _ in range(3):
+            assert_bitwise(gemm.mm(a, b), full, f"repeat {layout}")
+        assert_bitwise(gemm.mm(a, b, BF16), round_to(full, BF16), f"one rounding to bf16 {layout}")
+
+
+@gpu
+def test_gpu_mm_paths_agree_and_match_chain():
+    dev = "cuda"
+    a = _randn(264, 5376, seed=62, device=dev, dtype=BF16)
+    w = _randn(1000, 5376, seed=63, device=dev, dtype=BF16)
+    pinned = gemm.kernel_config("gemm", configs.node_of(dev), ieee=False)
+    ref = gemm.mm(a, w.t(), config=pinned)
+    for tma in (True, False):
+        for a_ in (a, a.t().contiguous().t()):
+            for b_ in (w.t(), w.t().contiguous()):
+                got = gemm.mm(a_, b_, config=pinned | {"TMA": tma})
+                assert_bitwise(got, ref, f"tma={tma} a{a_.stride()} b{b_.stride()}")
+    _assert_close_to_chain(ref, chain_mm(a, w.t()), [(a, w.t())], "mm vs chain_mm")
+
+
+@gpu
+@pytest.mark.parametrize("name", list(REAL))
+def test_gpu_unit_mm_real_shapes(name):
+    kps, N, w_major = REAL[name]
+    pieces = _pieces(264, kps, N, 8, seed=70, device="cuda", dtype=BF16, w_major=w_major)
+    roots = _tp_groupings(pieces, 8, lambda p, u: unit_gemm.unit_mm(p, u))
+    full = roots[1]
+    for tp, root in roots.items():
+        assert_bitwise(root, full, f"{name}: TP{tp} grouping")
+    assert_bitwise(unit_gemm.unit_mm([(a[17:20], b) for a, b in pieces], 8), full[17:20], f"{name}: rows")
+    assert_bitwise(unit_gemm.unit_mm([(a, b[:, 3:301]) for a, b in pieces], 8), full[:, 3:301], f"{name}: cols")
+    for _ in range(3):
+        assert_bitwise(unit_gemm.unit_mm(pieces, 8), full, f"{name}: repeat")
+    _assert_close_to_chain(full, TorchBackend().unit_reduce(pieces, 8), pieces, f"{name} vs unit_reduce")
+
+
+@gpu
+def test_gpu_unit_mm_is_the_tree_of_mm_partials():
+    """Same tiles in both kernels -> unit partial i == mm(a[:, unit i], b[unit i]) bit for bit."""
+    pieces = _pieces(264, (896,), 5376, 8, seed=80, device="cuda", dtype=BF16)
+    (a, b) = pieces[0]
+    cfg = gemm.kernel_config("unit_gemm", configs.node_of("cuda"), ieee=False)
+    parts = [gemm.mm(a[:, u * 896 : (u + 1) * 896], b[u * 896 : (u + 1) * 896], config=cfg) for u in range(8)]
+    assert_bitwise(unit_gemm.unit_mm(pieces, 8), unit_tree(parts), "tree of mm partials")
+
+
+@gpu
+def test_gpu_unit_mm_scratch_modes_agree():
+    """Where the pending siblings live (registers, TMA scratch, pointer scratch) moves no bit."""
+    pieces = _pieces(264, (896, 896, 896), 5376, 8, seed=85, device="cuda", dtype=BF16, w_major=False)
+    ref = unit_gemm.unit_mm(pieces, 8)
+    pinned = gemm.kernel_config("unit_gemm", configs.node_of("cuda"), ieee=False)
+    for over in ({"PENDING_IN_REGS": False}, {"SCRATCH_TMA": False}, {"TMA_STORE": not pinned.get("TMA_STORE")}):
+        assert_bitwise(unit_gemm.unit_mm(pieces, 8, config=pinned | over), ref, f"scratch {over}")
+
+
+@gpu
+@pytest.mark.parametrize("kps", [(32,), (64, 64), (432,), (32, 32, 32)])
+def test_gpu_unit_mm_tiny_widths(kps):
+    pieces = _pieces(37, kps, 192, 8, seed=90, device="cuda", dtype=BF16, w_major=len(kps) == 1)
+    roots = _tp_groupings(pieces, 8, lambda p, u: unit_gemm.unit_mm(p, u))
+    for tp, root in roots.items():
+        assert_bitwise(root, roots[1], f"TP{tp} grouping {kps}")
+    _assert_close_to_chain(roots[1], TorchBackend().unit_reduce(pieces, 8), pieces, f"tiny {kps}")
+
+
+@gpu
+def test_gpu_unit_mm_d_temb():
+    """FP32 d table columns [T, 18D] against bf16 adaln weights: IEEE products, TP groupings bitwise."""
+    a = _randn(3, 8 * 12096, seed=95, device="cuda")
+    b = _randn(8 * 12096, 2688, seed=96, device="cuda", dtype=BF16)
+    roots = _tp_groupings([(a, b)], 8, lambda p, u: unit_gemm.unit_mm(p, u))
+    for tp, root in roots.items():
+        assert_bitwise(root, roots[1], f"d temb TP{tp}")
+    assert_bitwise(unit_gemm.unit_mm([(a[1:2], b)], 8), roots[1][1:2], "d temb one row")
+    _assert_close_to_chain(roots[1], TorchBackend().unit_reduce([(a, b)], 8), [(a, b.float())], "d temb")

@@ -1,0 +1,400 @@
+"""Row-local and cross-row Triton kernels (h3lab.kernels.norm, elementwise, rows, backend) against
+their torch references in h3lab.ops, bit for bit.
+
+Without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below before triton
+is imported) on float32 CPU tensors: the interpreter's bfloat16 arithmetic is wrong. With CUDA the
+same tests run compiled on the GPU, and the `gpu` tests add bf16 at the block's real widths.
+
+Bits, not tolerances: the norms sum a row by the reference's pair tree and sigmoid uses the
+reference's exp, so every kernel equals its reference exactly. One caveat: torch.sqrt on CPU
+(torch 2.13 + MKL) is not correctly rounded (~17% of float32 inputs 1 ULP off; CUDA's is IEEE), so
+the norm references run under `_ieee_sqrt`: sqrt in float64, then one rounding. That is correctly
+rounded for every float32 input: a float32's square root lies at least 2^-51 (relative) from a
+float32 rounding boundary, farther than the float64 sqrt's error (under 1 ULP = 2^-52; checked:
+0 of 10^6 differ). Against the unpatched reference the norms agree within a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and h3lab.kernels are imported
+triton = pytest.importorskip(
+    "triton", reason="triton is not installed: its kernels can be neither built nor interpreted"
+)
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from h3lab.backend import Backend, get_backend  # noqa: E402
+from h3lab.kernels import configs, elementwise, norm, rows  # noqa: E402
+from h3lab.kernels.backend import TritonBackend  # noqa: E402
+from h3lab.metrics import bit_pattern  # noqa: E402
+from h3lab.ops import ffn as ref_ffn  # noqa: E402
+from h3lab.ops import norm as ref_norm  # noqa: E402
+from h3lab.ops import rows as ref_rows  # noqa: E402
+from h3lab.ops.fixed import cos_sin, round_to  # noqa: E402
+
+if isinstance(norm._rms_modulate_kernel, InterpretedFunction) == CUDA:
+    pytest.skip(
+        "h3lab.kernels was imported in the wrong mode for this machine (CUDA: compiled; no CUDA: "
+        f"TRITON_INTERPRET=1; found TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}, set by the environment or "
+        "a module collected earlier): run `pytest tests/test_kernels_rowlocal.py` on its own",
+        allow_module_level=True,
+    )
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+NODE = None if CUDA else "sm90"  # the interpreter names its node type; CUDA devices know theirs
+F32, BF16 = torch.float32, torch.bfloat16
+EPS = 1e-6
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@contextlib.contextmanager
+def _ieee_sqrt() -> Iterator[None]:
+    sqrt = torch.sqrt
+    torch.sqrt = lambda t: sqrt(t.to(torch.float64)).to(t.dtype)
+    try:
+        yield
+    finally:
+        torch.sqrt = sqrt
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Identical bits; NaN only where the reference has NaN (payloads differ: CUDA's NaN is canonical)."""
+    actual = actual.cpu()
+    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), (what, actual.dtype, actual.shape)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
+    mismatch = (bit_pattern(actual) != bit_pattern(expected)) & ~nan
+    assert not mismatch.any(), f"{what}: {int(mismatch.sum())} of {actual.numel()} elements differ"
+
+
+def _table_rows(R: int, D: int, seed: int, dtype: torch.dtype = F32) -> tuple[torch.Tensor, ...]:
+    """shift, scale, gate as the block gets them: strided [R, D] slices of gathered table rows [R, 6, D]."""
+    table = _randn(R, 6, D, seed=seed, scale=0.5).to(DEV, dtype)
+    return table.unbind(1)[:3]
+
+
+def _cpu(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.cpu() for t in ts]
+
+
+# ---- norm ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("R", [1, 3, 37])
+@pytest.mark.parametrize("D", [192, 100])
+def test_rms_modulate_equals_reference(R, D):
+    x, w, dm = _randn(R, D, seed=1, scale=3.0).to(DEV), _randn(D, seed=2).to(DEV), _randn(R, D, seed=3).to(DEV)
+    shift, scale, _ = _table_rows(R, D, seed=4)
+    assert scale.stride(0) == 6 * D  # the kernels read the table's rows in place
+    out = norm.rms_modulate_fwd(x, w, scale, shift, EPS, F32, node=NODE)
+    grads = norm.rms_modulate_bwd(dm, x, w, scale, EPS, node=NODE)
+    with _ieee_sqrt():
+        ref = ref_norm.rms_modulate_fwd(*_cpu(x, w, scale, shift), EPS)
+        ref_grads = ref_norm.rms_modulate_bwd(*_cpu(dm, x, w, scale), EPS)
+    _same(out, ref, "out")
+    for name, got, want in zip(("dx", "dw_rows", "dscale", "dshift"), grads, ref_grads, strict=True):
+        _same(got, want, name)
+    # the unpatched reference's CPU sqrt is up to 1 ULP off: the rows then differ by a few ULP
+    torch.testing.assert_close(
+        out.cpu(), ref_norm.rms_modulate_fwd(*_cpu(x, w, scale, shift), EPS), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("R", [1, 3, 37])
+@pytest.mark.parametrize(("Dh", "C"), [(32, 24), (20, 12)])
+def test_qk_norm_rope_equals_reference(R, Dh, C):
+    H = 3
+    q, w = _randn(R, H, Dh, seed=5, scale=2.0).to(DEV), _randn(Dh, seed=6).to(DEV)
+    dout = _randn(H, R, Dh, seed=7).to(DEV).transpose(0, 1)  # strided [R, H, Dh], as head-major grads come
+    cos, sin = (t.to(DEV) for t in cos_sin(_randn(R, C, seed=8, scale=5.0)))
+    out = norm.qk_norm_rope_fwd(q, w, cos, sin, EPS, F32, node=NODE)
+    dq, dw_rows = norm.qk_norm_rope_bwd(dout, q, w, cos, sin, EPS, F32, node=NODE)
+    with _ieee_sqrt():
+        ref = ref_norm.qk_norm_rope_fwd(*_cpu(q, w, cos, sin), EPS)
+        ref_dq, ref_dw = ref_norm.qk_norm_rope_bwd(*_cpu(dout, q, w, cos, sin), EPS)
+    _same(out, ref, "out")
+    _same(dq, ref_dq, "dq")
+    _same(dw_rows, ref_dw, "dw_rows")
+    torch.testing.assert_close(out.cpu(), ref_norm.qk_norm_rope_fwd(*_cpu(q, w, cos, sin), EPS), rtol=1e-5, atol=1e-5)
+
+
+# ---- elementwise --------------------------------------------------------------------------------
+
+_EDGES = [0.0, -0.0, math.inf, -math.inf, 88.7, -88.7, 103.9, -104.0, 1e-40, -1e-40, 1000.0, -1000.0, 3e38, -3e38]
+
+
+@pytest.mark.parametrize(("R", "N"), [(1, 100), (3, 192), (37, 100)])
+def test_swiglu_and_gated_residual_equal_reference(R, N):
+    h, da, y = (_randn(R, N, seed=s, scale=3.0) for s in (10, 11, 12))
+    g = _randn(R, N, seed=13, scale=12.0)  # through sigmoid's saturation on both sides
+    g[0, : len(_EDGES)] = torch.tensor(_EDGES[:N])
+    h, g, da, y = (t.to(DEV) for t in (h, g, da, y))
+    _, _, gate = _table_rows(R, N, seed=14)
+    ref_dh, ref_dg = ref_ffn.swiglu_bwd(*_cpu(da, h, g))
+    _same(elementwise.swiglu_fwd(h, g, F32, node=NODE), ref_ffn.swiglu_fwd(*_cpu(h, g)), "swiglu")
+    dh, dg = elementwise.swiglu_bwd(da, h, g, F32, node=NODE)
+    _same(dh, ref_dh, "dh")
+    _same(dg, ref_dg, "dg")
+    _same(elementwise.gated_residual(h, gate, y, F32, node=NODE), ref_ffn.gated_residual(*_cpu(h, gate, y)), "residual")
+
+
+def test_nan_propagates_and_round_is_rne():
+    g = torch.tensor([[math.nan, 1.0, -math.nan, 2.0]], device=DEV)
+    assert torch.isnan(elementwise.swiglu_fwd(torch.ones_like(g), g, F32, node=NODE)).cpu().tolist() == [
+        [True, False, True, False]
+    ]  # fmt: skip
+    x = torch.tensor([1.00390625, 1.01171875, -1e-40, 3.3961e38], device=DEV)  # ties to even, denormal, overflow
+    _same(elementwise.round(x, BF16), round_to(x.cpu(), BF16), "round")
+
+
+# ---- rows ---------------------------------------------------------------------------------------
+
+
+def _rows_case(R: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, 3, 50] spanning 6 decades (order-sensitive sums), a key order dropping ~1/4 rows, segments."""
+    x = _randn(R, 3, 50, seed=seed) * torch.logspace(-3, 3, 50)
+    x[0, 0, :3] = torch.tensor([-0.0, math.inf, 1e-40])
+    g = torch.Generator().manual_seed(seed + 1)
+    order = torch.randperm(R, generator=g)[: max(1, R - R // 4)]
+    segment = torch.randint(0, 5, (R,), generator=g)
+    return x, order, segment
+
+
+@pytest.mark.parametrize("R", [1, 3, 37])
+def test_row_sum_and_segment_sum_equal_reference(R):
+    x, order, segment = _rows_case(R, seed=20)
+    xd, od, sd = x.to(DEV), order.to(DEV), segment.to(DEV)
+    _same(rows.row_sum(xd, od, node=NODE), ref_rows.row_sum(x, order), "row_sum")
+    _same(rows.segment_sum(xd, sd, 7, od, node=NODE), ref_rows.segment_sum(x, segment, 7, order), "segment_sum")
+    arange = torch.arange(R)
+    _same(rows.row_sum(xd, arange.to(DEV), node=NODE), ref_rows.row_sum(x, arange), "row_sum in place")
+
+
+def test_row_reductions_ignore_physical_order_and_padding():
+    R = 37
+    x, order, segment = _rows_case(R, seed=21)
+    a, b = _randn(R, 9, seed=22).to(DEV), _randn(R, 11, seed=23).to(DEV)
+    x, order, segment = x.to(DEV), order.to(DEV), segment.to(DEV)
+    perm = torch.randperm(R + 5, generator=torch.Generator().manual_seed(24)).to(DEV)  # 5 padding rows
+    where = torch.argsort(perm)  # physical position of logical row i
+    pad = lambda t: torch.cat([t, torch.full((5, *t.shape[1:]), 7, dtype=t.dtype, device=DEV)])[perm]  # noqa: E731
+    order_p = where[order]
+    _same(rows.row_sum(pad(x), order_p, node=NODE), rows.row_sum(x, order, node=NODE).cpu(), "row_sum")
+    got = rows.segment_sum(pad(x), pad(segment), 7, order_p, node=NODE)
+    _same(got, rows.segment_sum(x, segment, 7, order, node=NODE).cpu(), "segment_sum")
+    _same(rows.row_mm(pad(a), pad(b), order_p, node=NODE), rows.row_mm(a, b, order, node=NODE).cpu(), "row_mm")
+
+
+def test_row_mm_matches_reference():
+    R = 37
+    a, b = _randn(R, 9, seed=25), _randn(R, 11, seed=26)
+    order = torch.randperm(R, generator=torch.Generator().manual_seed(27))[:30]
+    got = rows.row_mm(a.to(DEV), b.to(DEV), order.to(DEV), node=NODE)
+    # the GEMM's tensor-core / tile order is its own: close to the chain, not its bits
+    torch.testing.assert_close(got.cpu(), ref_rows.row_mm(a, b, order), rtol=1e-5, atol=1e-5)
+    empty = rows.row_mm(a.to(DEV), b.to(DEV), order[:0].to(DEV), node=NODE)
+    _same(empty, torch.zeros(9, 11), "no active row")
+
+
+# ---- invariances ------------------------------------------------------------------------------
+
+
+def _row_local_calls(R: int, D: int, seed: int) -> dict[str, object]:
+    x, w, dm, y = _randn(R, D, seed=seed).to(DEV), _randn(D, seed=seed + 1).to(DEV), *(
+        _randn(R, D, seed=seed + s).to(DEV) for s in (2, 3))  # fmt: skip
+    shift, scale, gate = _table_rows(R, D, seed=seed + 4)
+    H, Dh, C = 3, 32, 24
+    q, dq = _randn(R, H, Dh, seed=seed + 5).to(DEV), _randn(R, H, Dh, seed=seed + 6).to(DEV)
+    wq = _randn(Dh, seed=seed + 7).to(DEV)
+    cos, sin = (t.to(DEV) for t in cos_sin(_randn(R, C, seed=seed + 8, scale=5.0)))
+    return {  # name -> (function of a row slice, returning a tuple of row tensors)
+        "rms_fwd": lambda s: (norm.rms_modulate_fwd(x[s], w, scale[s], shift[s], EPS, F32, node=NODE),),
+        "rms_bwd": lambda s: norm.rms_modulate_bwd(dm[s], x[s], w, scale[s], EPS, node=NODE),
+        "qk_fwd": lambda s: (norm.qk_norm_rope_fwd(q[s], wq, cos[s], sin[s], EPS, F32, node=NODE),),
+        "qk_bwd": lambda s: norm.qk_norm_rope_bwd(dq[s], q[s], wq, cos[s], sin[s], EPS, F32, node=NODE),
+        "swiglu_fwd": lambda s: (elementwise.swiglu_fwd(x[s], y[s], F32, node=NODE),),
+        "swiglu_bwd": lambda s: elementwise.swiglu_bwd(dm[s], x[s], y[s], F32, node=NODE),
+        "residual": lambda s: (elementwise.gated_residual(x[s], gate[s], y[s], F32, node=NODE),),
+    }
+
+
+def test_a_rows_bits_do_not_depend_on_which_rows_share_the_call():
+    R = 13  # the interpreter runs a program at a time: rows are seconds
+    for name, call in _row_local_calls(R, 100, seed=30).items():
+        whole = call(slice(None))
+        parts = [call(slice(a, b)) for a, b in ((0, 1), (1, 4), (4, R))]
+        for i, full in enumerate(whole):
+            _same(torch.cat([p[i] for p in parts]), full.cpu(), f"{name}[{i}]")
+
+
+_ALT_CONFIGS = {
+    "norm": {"rms_modulate_fwd": {"rows_per_program": 4, "num_warps": 2}, "rms_modulate_bwd": {"rows_per_program": 2},
+             "qk_norm_rope": {"heads_per_program": 2}},
+    "elementwise": {"block_n": 32},
+    "rows": {"block_n": 16, "unroll": 3},
+}  # fmt: skip
+
+
+def test_bits_do_not_depend_on_the_pinned_tiles(monkeypatch):
+    R, D = 13, 100
+    calls = _row_local_calls(R, D, seed=40)
+    x, order, segment = (t.to(DEV) for t in _rows_case(R, seed=41))
+    pinned = {name: call(slice(None)) for name, call in calls.items()}
+    pinned_rows = (rows.row_sum(x, order, node=NODE), rows.segment_sum(x, segment, 7, order, node=NODE))
+    original = configs.pinned
+
+    def alternative(kernel: str, node: str) -> dict:
+        cfg = original(kernel, node)
+        for key, value in _ALT_CONFIGS.get(kernel, {}).items():
+            cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+        return cfg
+
+    monkeypatch.setattr(configs, "pinned", alternative)
+    for name, call in calls.items():
+        for i, (got, want) in enumerate(zip(call(slice(None)), pinned[name], strict=True)):
+            _same(got, want.cpu(), f"{name}[{i}]")
+    _same(rows.row_sum(x, order, node=NODE), pinned_rows[0].cpu(), "row_sum")
+    _same(rows.segment_sum(x, segment, 7, order, node=NODE), pinned_rows[1].cpu(), "segment_sum")
+
+
+# ---- fail closed ------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise():
+    x, w = torch.randn(3, 100, device=DEV), torch.randn(100, device=DEV)
+    cos = torch.zeros(3, 24, device=DEV)
+    q = torch.randn(3, 2, 32, device=DEV)
+    order = torch.arange(3, device=DEV)
+    wide = torch.zeros(1, 8193, device=DEV)  # pads to 16384, past the pinned 8192-wide row tile
+    cases = [
+        (lambda: norm.rms_modulate_fwd(x, w, x, x, EPS, torch.float16, node=NODE), "out_dtype"),
+        (lambda: norm.rms_modulate_fwd(x, w[:99], x, x, EPS, F32, node=NODE), r"allowed: x, scale"),
+        (lambda: norm.rms_modulate_bwd(x, x, w, x[:2], EPS, node=NODE), r"allowed: x, scale"),
+        (lambda: norm.rms_modulate_fwd(x.int(), w, x, x, EPS, F32, node=NODE), "dtype"),
+        (lambda: norm.rms_modulate_fwd(wide, wide[0], wide, wide, EPS, F32, node=NODE), r"allowed: D <= 8192"),
+        (lambda: norm.qk_norm_rope_fwd(q, w[:32], cos[:, :5], cos[:, :5], EPS, F32, node=NODE), "even C"),
+        (lambda: norm.qk_norm_rope_fwd(q, w[:32], cos.double(), cos.double(), EPS, F32, node=NODE), "float32 tables"),
+        (lambda: norm.qk_norm_rope_bwd(q[:2], q, w[:32], cos, cos, EPS, F32, node=NODE), "allowed: q, dout"),
+        (lambda: norm.rms_modulate_fwd(x, w, x, x, EPS, F32, node="sm70"), "pinned configuration"),
+        (lambda: elementwise.swiglu_fwd(x, x[:2], F32, node=NODE), r"allowed: \[R, N\]"),
+        (lambda: elementwise.gated_residual(x, x, x.long(), BF16, node=NODE), "dtype"),
+        (lambda: elementwise.swiglu_bwd(x, x, x, torch.float16, node=NODE), "out_dtype"),
+        (lambda: elementwise.round(x, torch.float16), "allowed"),
+        (lambda: rows.row_sum(x, order.int(), node=NODE), "int64"),
+        (lambda: rows.row_sum(x, order + 1, node=NODE), r"allowed: \[0, 3\)"),
+        (lambda: rows.segment_sum(x, order, 2, order, node=NODE), r"allowed: \[0, 2\)"),
+        (lambda: rows.segment_sum(x, order[:2], 3, order, node=NODE), "segment_R"),
+        (lambda: rows.row_mm(x, x[:2], order, node=NODE), r"allowed: \[R, N\], \[R, K\]"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+# ---- the backend --------------------------------------------------------------------------------
+
+
+def test_backend_implements_the_protocol_and_records_its_configs():
+    be = TritonBackend(DEV, node=NODE)
+    methods = {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
+    assert methods and not {n for n in methods if not callable(getattr(be, n, None))}
+    assert be.name == "triton" and be.node == "sm90"
+    record = be.describe()
+    assert record["node"] == "sm90" and {"norm", "elementwise", "rows"} <= set(record["kernels"])
+    x, order, _ = (t.to(DEV) for t in _rows_case(37, seed=50))
+    _same(be.row_sum(x, order), rows.row_sum(x, order, node=NODE).cpu(), "backend row_sum")
+    _same(be.round(x[:, 0], BF16), round_to(x[:, 0].cpu(), BF16), "backend round")
+
+
+def test_backend_needs_cuda_or_the_interpreter():
+    if CUDA:
+        assert isinstance(get_backend("triton", DEV), TritonBackend)
+        with pytest.raises(ValueError, match="CUDA"):
+            TritonBackend("cpu", node="sm90")  # compiled kernels cannot take CPU tensors
+    else:
+        with pytest.raises(ValueError, match="explicit node"):
+            TritonBackend("cpu")
+        with pytest.raises(ValueError, match="CUDA"):
+            get_backend("triton", "cpu")
+
+
+# ---- GPU: bf16 at the block's real widths (D 5376, 56 heads x 128, 96 rotated, F/8 1792) -----------
+
+R_GPU = 264  # odd batch: 3 timesteps x 88 rows, not a multiple of any tile
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_row_local_ops_bf16_real_widths_equal_reference():
+    R, D, H, Dh, F8 = R_GPU, 5376, 56, 128, 1792
+    x, dm = (_randn(R, D, seed=s).to(DEV, BF16) for s in (60, 61))
+    w = (1 + _randn(D, seed=62, scale=0.1)).to(DEV, BF16)
+    shift, scale, gate = _table_rows(R, D, seed=63, dtype=BF16)
+    assert gate.stride(0) == 6 * D
+    pos = torch.randint(0, 64, (R, 3), generator=torch.Generator().manual_seed(64))
+    cos, sin = (t.to(DEV) for t in ref_norm.rope_tables(pos, 16, 10000.0))  # C = 96
+    q, dq = _randn(R, H, Dh, seed=65).to(DEV, BF16), _randn(R, H, Dh, seed=66).to(DEV)  # dq: attention's FP32
+    wq = (1 + _randn(Dh, seed=67, scale=0.1)).to(DEV, BF16)
+    h, g, da = (_randn(R, F8, seed=s, scale=3.0).to(DEV, BF16) for s in (68, 69, 70))
+    out = norm.rms_modulate_fwd(x, w, scale, shift, EPS, BF16)
+    got_dq, got_dw = norm.qk_norm_rope_bwd(dq, q, wq, cos, sin, EPS, BF16)
+    with _ieee_sqrt():
+        _same(out, round_to(ref_norm.rms_modulate_fwd(*_cpu(x, w, scale, shift), EPS), BF16), "rms fwd")
+        for name, got, want in zip(("dx", "dw", "dscale", "dshift"), norm.rms_modulate_bwd(dm, x, w, scale, EPS),
+                                   ref_norm.rms_modulate_bwd(*_cpu(dm, x, w, scale), EPS), strict=True):  # fmt: skip
+            _same(got, want, f"rms bwd {name}")
+        _same(norm.qk_norm_rope_fwd(q, wq, cos, sin, EPS, BF16),
+              round_to(ref_norm.qk_norm_rope_fwd(*_cpu(q, wq, cos, sin), EPS), BF16), "qk fwd")  # fmt: skip
+        want_dq, want_dw = ref_norm.qk_norm_rope_bwd(*_cpu(dq, q, wq, cos, sin), EPS)
+        _same(got_dq, round_to(want_dq, BF16), "qk bwd dq")
+        _same(got_dw, want_dw, "qk bwd dw")
+    _same(elementwise.swiglu_fwd(h, g, BF16), round_to(ref_ffn.swiglu_fwd(*_cpu(h, g)), BF16), "swiglu fwd")
+    for name, got, want in zip(("dh", "dg"), elementwise.swiglu_bwd(da, h, g, BF16),
+                               ref_ffn.swiglu_bwd(*_cpu(da, h, g)), strict=True):  # fmt: skip
+        _same(got, round_to(want, BF16), f"swiglu bwd {name}")
+    _same(elementwise.gated_residual(x, gate, dm, BF16),
+          round_to(ref_ffn.gated_residual(*_cpu(x, gate, dm)), BF16), "residual")  # fmt: skip
+    # rows that share a call never change each other's bits, at the real widths too
+    sub = norm.rms_modulate_fwd(x[100:], w, scale[100:], shift[100:], EPS, BF16)
+    _same(sub, out[100:].cpu(), "rms sub-batch")
+    sub = norm.qk_norm_rope_bwd(dq[7:8], q[7:8], wq, cos[7:8], sin[7:8], EPS, BF16)[0]
+    _same(sub, got_dq[7:8].cpu(), "qk sub-batch")
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_row_reductions_real_widths():
+    R, D, H, Dh, T = R_GPU, 5376, 56, 128, 2
+    g = torch.Generator().manual_seed(80)
+    order = torch.randperm(R, generator=g)[: R - 17]  # 17 padding rows
+    dw_rows = _randn(R, D, seed=81)
+    dwq = _randn(R, H, Dh, seed=82)
+    d_table = _randn(R, 6, D, seed=83)
+    seg = torch.randint(0, 3 * T, (R,), generator=g)
+    od = order.to(DEV)
+    _same(rows.row_sum(dw_rows.to(DEV), od), ref_rows.row_sum(dw_rows, order), "norm weight grad")
+    _same(rows.row_sum(dwq.to(DEV), od), ref_rows.row_sum(dwq, order), "q-norm weight grad")
+    got = rows.segment_sum(d_table.to(DEV), seg.to(DEV), 3 * T, od)
+    _same(got, ref_rows.segment_sum(d_table, seg, 3 * T, order), "AdaLN table grad")
+    a, b = _randn(R, 1792, seed=84).to(DEV, BF16), _randn(R, D, seed=85).to(DEV, BF16)
+    got = rows.row_mm(a, b, od)
+    torch.testing.assert_close(got.cpu(), ref_rows.row_mm(*_cpu(a, b), order), rtol=1e-4, atol=1e-3)  # tensor cores
+    perm = torch.randperm(R, generator=g).to(DEV)
+    _same(rows.row_mm(a[perm], b[perm], torch.argsort(perm)[od]), got.cpu(), "row_mm, rows permuted")
