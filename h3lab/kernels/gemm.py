@@ -176,13 +176,25 @@ def check_config(kernel: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def kernel_config(kernel: str, node: str, ieee: bool) -> dict[str, Any]:
-    """The pinned configuration of `kernel` on `node`; its "fp32" entries apply when an operand is fp32."""
+def kernel_config(kernel: str, node: str, ieee: bool, rows: int | None = None) -> dict[str, Any]:
+    """The pinned configuration of `kernel` on `node`; its "fp32" entries apply when an operand is fp32.
+
+    A `by_rows` list ({"max_rows": n or null, ...overrides}) picks tile shapes by the row count M,
+    as vLLM's batch-invariant tables do. Only BLOCK_M/N, warps and stages may differ: BLOCK_K (the
+    K order) must be the same in every bucket, and h3lab.bench.gemm_bench checks on the GPU that all
+    pinned shapes give identical bits (one bit class) — the row-slice tests cross the bucket edge.
+    """
     cfg = configs.pinned(kernel, node)
     fp32 = cfg.pop("fp32", {})
+    buckets = cfg.pop("by_rows", [])
     cfg.pop("comment", None)
     if ieee:
         cfg.update(fp32)
+    elif buckets and rows is not None:
+        bucket = next(b for b in buckets if b["max_rows"] is None or rows <= b["max_rows"])
+        if bucket.get("BLOCK_K", cfg["BLOCK_K"]) != cfg["BLOCK_K"]:
+            raise ValueError(f"{node}.json {kernel!r}: a by_rows bucket changes BLOCK_K; allowed: {cfg['BLOCK_K']}")
+        cfg.update({k: v for k, v in bucket.items() if k != "max_rows"})
     return check_config(f"{node}.json {kernel!r}", cfg)
 
 
@@ -278,7 +290,7 @@ def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, no
     if config is not None:
         cfg = check_config("mm", config)
     else:
-        cfg = kernel_config("gemm", node or configs.node_of(device), ieee)
+        cfg = kernel_config("gemm", node or configs.node_of(device), ieee, rows=a_MK.shape[0])
     (M, K), N = a_MK.shape, b_KN.shape[1]
     c_MN = torch.empty((M, N), dtype=out_dtype, device=device)
     if M == 0 or N == 0:
