@@ -19,6 +19,7 @@ from h3lab.layouts import Layout
 from h3lab.weights import BlockWeights, synthetic_block
 
 MODES = ("deterministic", "baseline")
+TASKS = ("block", "chain", "trajectory")
 DEVICES = ("cpu", "cuda")
 KERNEL_BACKENDS = ("torch", "triton")
 
@@ -27,7 +28,10 @@ KERNEL_BACKENDS = ("torch", "triton")
 class Problem:
     synthetic: str | None = "tiny"  # a named config with synthetic weights, or None with `checkpoint`
     checkpoint: str | None = None  # a diffusers checkpoint folder
-    block: int = 0
+    task: str = "block"  # one block, a chain of blocks, or a denoising trajectory through the model
+    block: int = 0  # the block of task "block"; the first block of a chain
+    last_block: int | None = None  # the last block of a chain (inclusive)
+    steps: int = 2  # sampler steps of a trajectory
     weights_seed: int = 0
     rows: int = 264
     padding: int = 0
@@ -42,6 +46,10 @@ class Problem:
             raise ValueError("give exactly one of a synthetic config (tiny, real) or a checkpoint folder")
         if self.synthetic is not None and self.synthetic not in NAMED_CONFIGS:
             raise ValueError(f"unknown synthetic config {self.synthetic!r}; allowed: {list(NAMED_CONFIGS)}")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; allowed: {list(TASKS)}")
+        if self.task == "chain" and (self.last_block is None or self.last_block < self.block):
+            raise ValueError(f"a chain needs last_block >= block, got blocks {self.block}-{self.last_block}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; allowed: {list(MODES)}")
         if self.device not in DEVICES:
@@ -50,7 +58,7 @@ class Problem:
             raise ValueError(f"unknown backend {self.backend!r}; allowed: {list(KERNEL_BACKENDS)}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device; allowed here: ['cpu']")
-        for name in ("rows", "repeats"):
+        for name in ("rows", "repeats", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.padding < 0 or self.block < 0:
@@ -61,9 +69,16 @@ class Problem:
         """The kernels block_step runs: the baseline mode always runs library kernels."""
         return "baseline" if self.mode == "baseline" else self.backend
 
+    @property
+    def block_range(self) -> range:
+        """The blocks of a chain, in order (one block otherwise)."""
+        return range(self.block, (self.last_block if self.last_block is not None else self.block) + 1)
+
     def config(self) -> H3Config:
+        """The model's config; a synthetic chain or trajectory has as many blocks as it reaches."""
         if self.synthetic is not None:
-            return H3Config.named(self.synthetic)
+            c = H3Config.named(self.synthetic)
+            return c.replace(num_layers=max(self.block_range.stop, 1)) if self.task != "block" else c
         return H3Config.from_json(self.checkpoint)  # type: ignore[arg-type]
 
     def weights(self, device: torch.device | str = "cpu") -> BlockWeights:
@@ -74,6 +89,14 @@ class Problem:
 
             w = load_block(self.checkpoint, self.block)
         return w.to(device)
+
+    def model_weights(self, device: torch.device | str = "cpu"):
+        """A lazy whole-model weight provider (h3lab.model.weights), for chains and trajectories."""
+        from h3lab.model.weights import CheckpointWeights, SyntheticWeights
+
+        if self.synthetic is not None:
+            return SyntheticWeights(self.config(), seed=self.weights_seed, device=device)
+        return CheckpointWeights(self.checkpoint, device=device)  # type: ignore[arg-type]
 
     def batch(self, device: torch.device | str = "cpu") -> PackedBatch:
         return packed_batch(self.config(), self.rows, seed=self.seed, padding=self.padding).to(device)

@@ -24,14 +24,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from h3lab.block import canonical_block
-from h3lab.contract import describe, units_of_rank
+from h3lab import tasks
+from h3lab.comm import LocalComm
+from h3lab.contract import describe
 from h3lab.launch import LaunchResult, launch
 from h3lab.layouts import Layout
 from h3lab.metrics import compare, sha256_tensor
 from h3lab.problem import Problem
 from h3lab.seqshard import SeqShard
-from h3lab.units import UNIT_GRAD_FIELDS, assemble_unit_grads
+from h3lab.trace import TraceRecorder, assemble_trace, first_divergence, load_trace, save_trace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,7 @@ class RunRequest:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    trace: bool = False  # record every op on every rank and name each layout's first divergence
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def __post_init__(self) -> None:
@@ -94,6 +96,7 @@ def run(req: RunRequest) -> dict:
         "nnodes": req.nnodes,
         "node_rank": req.node_rank,
         "rdzv_endpoint": req.rdzv_endpoint,
+        "trace": req.trace,
         "command": shlex.join(req.command),
         "cwd": os.getcwd(),
     }
@@ -134,11 +137,16 @@ def _canonical(req: RunRequest) -> dict:
     p = req.problem
     device = torch.device("cuda" if p.device == "cuda" else "cpu")
     t = time.perf_counter()
-    result = canonical_block(p.weights(device), p.batch(device), backend=p.block_backend)
+    tensors, timings = tasks.canonical(p, device)
     elapsed = time.perf_counter() - t
-    tensors = {k: v.contiguous().cpu() for k, v in result.tensors().items()}
+    tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
     save_file(tensors, str(req.out / "canonical.safetensors"))
-    return {"time_s": elapsed, "backend": p.block_backend, "sha256": {k: sha256_tensor(v) for k, v in tensors.items()}}
+    if req.trace:  # a second, traced pass: the finder compares every op of every layout with it
+        recorder = TraceRecorder()
+        tasks.compute(p, LocalComm(), device, trace=recorder)
+        recorder.save(req.out / "canonical.trace")
+    sha = {k: sha256_tensor(v) for k, v in tensors.items()}
+    return {"time_s": elapsed, "timings": timings, "backend": p.block_backend, "sha256": sha}
 
 
 def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
@@ -148,6 +156,7 @@ def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
         "layout": layout.name,
         "problem": req.problem.to_dict(),
         "algorithm": req.algorithm,
+        "trace": req.trace,
         "layout_dir": str(d.resolve()),
         "canonical": str((req.out / "canonical.safetensors").resolve()),
     }
@@ -171,51 +180,49 @@ def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
     if not leader:
         return record | {"status": "passed", "note": "ranks of this node finished; node 0 assembles"}
     ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(layout.world)]
-    full, consistent = _assemble(d, layout, SeqShard(layout, req.problem.batch().num_rows))
+    num_rows = None if req.problem.task == "trajectory" else req.problem.batch().num_rows
+    full, consistent = _assemble(d, layout, req.problem.config(), num_rows)
     canon = load_file(str(req.out / "canonical.safetensors"))
     save_file(full, str(req.out / "layouts" / f"{slug(layout)}.safetensors"))
     tensors = {k: compare(full[k], canon[k], name=k).to_dict() for k in canon}
     ok = all(t["bitwise_equal"] for t in tensors.values()) and all(r["all_equal"] for r in ranks) and consistent
-    return record | {
+    record |= {
         "status": "passed" if ok else "mismatch",
         "ranks_all_equal": all(r["all_equal"] for r in ranks),
         "replicas_consistent": consistent,
         "tensors": tensors,
-        "ranks": [
-            {k: r[k] for k in ("rank", "coords", "units", "local_rows", "device", "transport", "timings")}
-            for r in ranks
-        ],
+        "ranks": [{k: r.get(k) for k in ("rank", "coords", "units", "local_rows", "device", "transport", "timings")}
+                  for r in ranks],
         "decisions": ranks[0]["decisions"],
-    }
+    }  # fmt: skip
+    if req.trace:
+        trace, order = assemble_trace(d, layout, num_rows or 0)
+        save_trace(req.out / "layouts" / f"{slug(layout)}.trace", trace, order)
+        canon_trace, canon_order = load_trace(req.out / "canonical.trace")
+        record["first_divergence"] = first_divergence(canon_trace, canon_order, trace)
+    return record
 
 
-def _assemble(d: Path, layout: Layout, shard: SeqShard) -> tuple[dict[str, torch.Tensor], bool]:
-    """The full out, dx, dtemb and dW from the ranks' shards; checks that replicas agree byte for byte."""
+def _assemble(d: Path, layout: Layout, config, num_rows: int | None) -> tuple[dict[str, torch.Tensor], bool]:
+    """The full result from the ranks' shards (h3lab.tasks naming); checks that replicas agree byte for byte."""
     parts = [load_file(str(d / f"rank{r}.safetensors")) for r in range(layout.world)]
+    shard = SeqShard(layout, num_rows) if num_rows else None
     consistent = True
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> None:
-        nonlocal consistent
-        consistent &= compare(a, b).bitwise_equal
-
     for r in range(layout.world):  # ranks holding the same rows or units must hold the same bytes
-        owner = shard.owner_ranks()[[shard.local_rows(o) for o in shard.owner_ranks()].index(shard.local_rows(r))]
-        for k in ("out", "dx"):
-            same(parts[r][k], parts[owner][k])
         for k, v in parts[r].items():
-            if k not in ("out", "dx") and "@u" not in k:
-                same(v, parts[0][k])
-            elif "@u" in k:
-                same(v, parts[layout.coords(r)[1]][k])
-    full = {k: torch.cat([parts[o][k] for o in shard.owner_ranks()])[: shard.num_rows] for k in ("out", "dx")}
-    full["dtemb"] = parts[0]["dtemb"]
-    per_unit: dict[str, dict[int, torch.Tensor]] = {name: {} for name in UNIT_GRAD_FIELDS}
-    for t in range(layout.tp):
-        for u in units_of_rank(t, layout.tp):
-            for name in UNIT_GRAD_FIELDS:
-                per_unit[name][u] = parts[t][f"dw.{name}@u{u}"]
-    full |= {f"dw.{k}": v for k, v in assemble_unit_grads(per_unit, range(8)).items()}
-    full |= {k: v for k, v in parts[0].items() if k.startswith("dw.") and "@u" not in k}
+            if k in tasks.ROW_TENSORS:
+                owner = next(o for o in shard.owner_ranks() if shard.local_rows(o) == shard.local_rows(r))
+                ref = parts[owner][k]
+            else:  # unit slices: the same TP index in CP group 0; replicated: rank 0
+                ref = parts[layout.coords(r)[1]][k] if "@u" in k else parts[0][k]
+            consistent &= compare(v, ref).bitwise_equal
+    full = {k: v for k, v in parts[0].items() if k not in tasks.ROW_TENSORS and "@u" not in k}
+    for t in range(layout.tp):  # the TP ranks of CP group 0 hold every unit once
+        full |= {k: v for k, v in parts[t].items() if "@u" in k}
+    full = tasks.assemble_units(full, config, units=range(8))
+    for k in tasks.ROW_TENSORS:
+        if k in parts[0]:
+            full[k] = torch.cat([parts[o][k] for o in shard.owner_ranks()])[:num_rows]
     return full, consistent
 
 
@@ -242,8 +249,8 @@ def diagnose(d: Path, world: int, res: LaunchResult) -> dict:
     status, beat = {}, {}
     for r in range(world):
         p, hb = d / f"rank{r}.status.json", d / f"rank{r}.heartbeat"
-        status[r] = json.loads(p.read_text()) if p.exists() else {"state": "never started"}
-        beat[r] = float(hb.read_text()) if hb.exists() else float("-inf")
+        status[r] = _read(p, json.loads, {"state": "never started"})
+        beat[r] = _read(hb, float, float("-inf"))
     states = {rank: s["state"] for rank, s in status.items()}
     log = lambda r: str(d / f"rank{r}.log")  # noqa: E731
     if res.timed_out:
@@ -265,6 +272,14 @@ def diagnose(d: Path, world: int, res: LaunchResult) -> dict:
         return {"rank": 0, "reason": f"torchrun exited with {res.returncode}", "log": log(0), "states": states}
     _, r, reason = min(events)
     return {"rank": r, "reason": reason, "log": log(r), "states": states}
+
+
+def _read(path: Path, parse, default):
+    """A rank's status or heartbeat file; a missing or half-written one (the rank died mid-write) is `default`."""
+    try:
+        return parse(path.read_text())
+    except (OSError, ValueError):
+        return default
 
 
 def _failure_line(layout: Layout, record: dict) -> str:

@@ -19,6 +19,15 @@ def add_arguments(p: argparse.ArgumentParser):
     src.add_argument("--synthetic", choices=["tiny", "real"], help="synthetic weights of a named config")
     src.add_argument("--checkpoint", type=Path, help="a diffusers checkpoint folder")
     p.add_argument("--block", type=int, default=0, help="block index (default 0)")
+    p.add_argument("--blocks", default=None, metavar="A-B", help="a chain of blocks A..B (inclusive), e.g. 0-49")
+    p.add_argument(
+        "--trajectory",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="a denoising trajectory of STEPS sampler steps through the whole model (blocks 0..B of --blocks)",
+    )
+    p.add_argument("--trace", action="store_true", help="record every op and name each layout's first divergence")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
     p.add_argument("--rows", type=int, default=264)
     p.add_argument("--padding", type=int, default=0, help="padding rows inside the batch")
@@ -37,8 +46,11 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (several machines)")
 
     def handle(a: argparse.Namespace) -> int:
+        first, last = _block_range(a.blocks, a.block)
+        task = "trajectory" if a.trajectory else ("chain" if a.blocks else "block")
         problem = Problem(
-            synthetic=a.synthetic, checkpoint=str(a.checkpoint) if a.checkpoint else None, block=a.block,
+            synthetic=a.synthetic, checkpoint=str(a.checkpoint) if a.checkpoint else None, block=first,
+            last_block=last, task=task, steps=a.trajectory or 2,
             weights_seed=a.weights_seed, rows=a.rows, padding=a.padding, seed=a.seed, device=a.device,
             backend=a.backend, mode=a.mode, repeats=a.repeats,
         )  # fmt: skip
@@ -46,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser):
         req = RunRequest(
             layouts=tuple(parse_layouts(a.layout)), problem=problem, out=out, timeout_s=a.timeout,
             algorithm=a.algorithm, agents=a.agents, nnodes=a.nnodes, node_rank=a.node_rank,
-            rdzv_endpoint=a.rdzv_endpoint,
+            rdzv_endpoint=a.rdzv_endpoint, trace=a.trace,
         )  # fmt: skip
         summary = run(req)
         print(format_summary(summary))
@@ -54,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser):
         return 0 if summary["status"] == "passed" else 1
 
     return handle
+
+
+def _block_range(blocks: str | None, block: int) -> tuple[int, int | None]:
+    if blocks is None:
+        return block, None
+    first, sep, last = blocks.partition("-")
+    if not (first.isdigit() and (not sep or last.isdigit())):
+        raise ValueError(f"--blocks {blocks!r}; allowed: A-B with A <= B, e.g. 0-49, or a single index")
+    return int(first), int(last or first)
 
 
 def format_summary(summary: dict) -> str:
@@ -69,4 +90,4 @@ def format_summary(summary: dict) -> str:
 
 
 def _slowest(ranks: list[dict], key: str) -> float:
-    return max((r["timings"][key] for r in ranks), default=float("nan"))
+    return max((r["timings"].get(key, float("nan")) for r in ranks), default=float("nan"))

@@ -26,18 +26,17 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from h3lab.block import block_step
 from h3lab.distcomm import Progress, build_comm
 from h3lab.layouts import Layout
 from h3lab.metrics import compare
 from h3lab.problem import Problem
 from h3lab.seqshard import SeqShard
-from h3lab.units import UNIT_GRAD_FIELDS, unit_slice, unit_weights
-from h3lab.weights import BlockWeights
+from h3lab.tasks import ROW_TENSORS, compute, expected_shard
+from h3lab.trace import TraceRecorder
 
 
 def _write_json(path: Path, record: dict) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")  # per file: the heartbeat thread writes its own file beside
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
 
@@ -75,7 +74,7 @@ def _start_heartbeat(path: Path) -> None:
 
     def beat() -> None:
         while True:
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(repr(time.time()))
             tmp.replace(path)
             time.sleep(HEARTBEAT_S)
@@ -128,76 +127,46 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
     progress.tick("process group up")  # phases count as progress, so a hang names its straggler
     _inject_fault(rank)
     progress.tick("fault check")
-    weights, batch = problem.weights(device), problem.batch(device)
-    shard = SeqShard(layout, batch.num_rows)
-    comm = build_comm(
-        layout,
-        rank,
-        mode=problem.mode,
-        algorithm=spec.get("algorithm", "auto"),
-        device=device,
-        act_dtype=batch.hidden_states.dtype,
-        progress=progress,
-    )
-    local = shard.coshard(batch, rank)
-    uw = unit_weights(weights, comm.units)
-    step = block_step(uw, local, comm, backend=problem.block_backend)
+    comm = build_comm(layout, rank, mode=problem.mode, algorithm=spec.get("algorithm", "auto"), device=device,
+                      act_dtype=torch.bfloat16, progress=progress)  # fmt: skip
+    recorder = TraceRecorder() if spec.get("trace") else None
+    tensors, timings = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder)
     for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
-        step = block_step(uw, local, comm, backend=problem.block_backend)
-    tensors = _rank_tensors(step)
-    rank_file = Path(spec["layout_dir"]) / f"rank{rank}.safetensors"
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(rank_file))
-    verdicts = _compare_with_canonical(step, Path(spec["canonical"]), weights, shard, rank)
+        tensors, timings = compute(problem, comm, device, layout=layout, rank=rank)
+    out_dir = Path(spec["layout_dir"])
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
+    if recorder is not None:
+        recorder.save(out_dir / f"rank{rank}.trace")
+    verdicts = _compare_with_canonical(tensors, Path(spec["canonical"]), problem, layout, rank)
     record = {
-        "rank": rank,
-        "layout": layout.name,
-        "coords": layout.coords(rank),
-        "units": list(comm.units),
-        "local_rows": [shard.local_rows(rank).start, shard.local_rows(rank).stop],
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": str(device),
-        "transport": transport,
-        "timings": {**step.timings, "collective_s": comm.seconds},
-        "decisions": comm.decisions(),
-        "verdicts": verdicts,
+        "rank": rank, "layout": layout.name, "coords": layout.coords(rank), "units": list(comm.units),
+        "host": socket.gethostname(), "pid": os.getpid(), "device": str(device), "transport": transport,
+        "timings": {**timings, "collective_s": comm.seconds}, "decisions": comm.decisions(), "verdicts": verdicts,
         "all_equal": all(v["bitwise_equal"] for v in verdicts.values()),
-    }
-    _write_json(Path(spec["layout_dir"]) / f"rank{rank}.json", record)
+    }  # fmt: skip
+    if problem.task != "trajectory":
+        rows = SeqShard(layout, problem.batch().num_rows).local_rows(rank)
+        record["local_rows"] = [rows.start, rows.stop]
+    _write_json(out_dir / f"rank{rank}.json", record)
     comm.close()
     dist.destroy_process_group()
     return record
 
 
-def _rank_tensors(step) -> dict[str, torch.Tensor]:
-    out = {"out": step.out, "dx": step.dx, "dtemb": step.dtemb}
-    out |= {f"dw.{k}": v for k, v in step.dw_replicated.items()}
-    out |= {f"dw.{k}@u{u}": t for k, per in step.dw_units.items() for u, t in per.items()}
-    return out
-
-
-def _compare_with_canonical(step, canonical_path: Path, weights: BlockWeights, shard: SeqShard, rank: int) -> dict:
-    """This rank's shards against the same slices of the canonical block, byte for byte."""
+def _compare_with_canonical(tensors: dict, canonical_path: Path, problem: Problem, layout: Layout, rank: int) -> dict:
+    """This rank's shards against the same slices of the canonical result, byte for byte."""
     canon = load_file(str(canonical_path))
-    dev = step.out.device
-    S = shard.num_rows
-    rows = shard.local_rows(rank)
-    real = slice(rows.start, min(rows.stop, S))  # rows past S are SeqShard padding
-    n = max(0, real.stop - real.start)
-    verdicts = {
-        "out": compare(step.out[:n].cpu(), canon["out"][real]).to_dict(),
-        "dx": compare(step.dx[:n].cpu(), canon["dx"][real]).to_dict(),
-        "dtemb": compare(step.dtemb.cpu(), canon["dtemb"]).to_dict(),
-    }
-    dw_full = BlockWeights(weights.config, {k[3:]: v for k, v in canon.items() if k.startswith("dw.")}, "canonical")
-    full_units = unit_weights(dw_full)
-    for name, t in step.dw_replicated.items():
-        verdicts[f"dw.{name}"] = compare(t.cpu(), canon[f"dw.{name}"]).to_dict()
-    for name, per in step.dw_units.items():
-        assert name in UNIT_GRAD_FIELDS, name
-        for u, t in per.items():
-            verdicts[f"dw.{name}@u{u}"] = compare(t.cpu(), unit_slice(full_units, name, u).contiguous()).to_dict()
-    del dev
+    config = problem.config()
+    real = slice(0)
+    if problem.task != "trajectory":
+        S = problem.batch().num_rows
+        rows = SeqShard(layout, S).local_rows(rank)
+        real = slice(rows.start, min(rows.stop, S))  # rows past S are SeqShard padding
+    verdicts = {}
+    for name, t in tensors.items():
+        want = expected_shard(name, canon, config, real)
+        got = t[: want.shape[0]] if name in ROW_TENSORS else t
+        verdicts[name] = compare(got.contiguous().cpu(), want.contiguous()).to_dict()
     return verdicts
 
 

@@ -1,0 +1,79 @@
+"""A chain of blocks: forward through them, then backward in reverse, recomputing each block's forward.
+
+Memory stays at one block's weights and activations plus each block's input rows ([R, D] each):
+the backward of block i reruns its forward from the stored input (as activation checkpointing
+does) with the gradient that block i+1 returned as its upstream gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from h3lab.batch import PackedBatch
+from h3lab.block import BlockStep, Trace, block_step
+from h3lab.comm import BlockComm, LocalComm
+from h3lab.model.weights import ModelWeights
+from h3lab.units import unit_weights
+
+
+@dataclass(frozen=True, eq=False)
+class ChainStep:
+    out: Tensor  # [R_local, D]: the last block's output
+    dx: Tensor  # [R_local, D]: the gradient at the chain's input
+    blocks: dict[int, BlockStep]  # per block: its weight gradients and d temb (out/dx dropped)
+    timings: dict[str, float]
+
+
+def chain_step(
+    weights: ModelWeights,
+    batch: PackedBatch,
+    comm: BlockComm,
+    blocks: Sequence[int],
+    *,
+    backend: str | None = None,
+    trace: Trace | None = None,
+) -> ChainStep:
+    """Blocks `blocks` (in order) on this rank's rows; `batch.grad_out` is the gradient at the last output.
+
+    `trace` sees forward ops as `block{i}.{op}` during the forward pass and backward ops (`d.*`,
+    `dx`) during the backward pass; the recomputed forward is not traced twice.
+    """
+    if not blocks:
+        raise ValueError("a chain needs at least one block")
+
+    def uw(i: int):
+        w = weights.block(i)
+        return unit_weights(w if w["norm1.weight"].device == batch.device else w.to(batch.device), comm.units)
+
+    inputs, b, fwd_s = {}, batch, 0.0
+    for i in blocks:
+        inputs[i] = b.hidden_states
+        step = block_step(uw(i), b, comm, backend=backend, backward=False, trace=_traced(trace, i, forward=True))
+        b, fwd_s = dataclasses.replace(b, hidden_states=step.out), fwd_s + step.timings["forward_s"]
+    out, g, per_block, bwd_s = b.hidden_states, batch.grad_out, {}, 0.0
+    for i in reversed(blocks):
+        b_i = dataclasses.replace(batch, hidden_states=inputs.pop(i), grad_out=g)
+        step = block_step(uw(i), b_i, comm, backend=backend, trace=_traced(trace, i, forward=False))
+        g, bwd_s = step.dx, bwd_s + step.timings["forward_s"] + step.timings["backward_s"]
+        per_block[i] = dataclasses.replace(step, out=step.out[:0], dx=None)
+    return ChainStep(out=out, dx=g, blocks=per_block, timings={"forward_s": fwd_s, "backward_s": bwd_s})
+
+
+def _traced(trace: Trace | None, block: int, *, forward: bool) -> Trace | None:
+    if trace is None:
+        return None
+
+    def tr(name: str, t: Tensor, space: str) -> Tensor:
+        is_backward_op = name.startswith("d.") or name == "dx"
+        return trace(f"block{block}.{name}", t, space) if is_backward_op != forward else t
+
+    return tr
+
+
+def canonical_chain(weights: ModelWeights, batch: PackedBatch, blocks: Sequence[int], **kwargs) -> ChainStep:
+    """The chain in one process (all units, all rows)."""
+    return chain_step(weights, batch, LocalComm(), blocks, **kwargs)
