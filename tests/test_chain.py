@@ -1,0 +1,82 @@
+"""Chains of blocks and trajectories under layouts, and the first-divergence finder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from h3lab import canonical_block
+from h3lab.comm import LocalComm
+from h3lab.layouts import parse_layouts
+from h3lab.problem import Problem
+from h3lab.runner import RunRequest, run
+from h3lab.tasks import compute
+from h3lab.trace import TraceRecorder, first_divergence, load_trace, timeline
+from tests.conftest import assert_bitwise
+
+LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
+CHAIN = Problem(task="chain", block=0, last_block=3, rows=64, seed=21)
+
+
+def test_a_one_block_chain_is_the_canonical_block():
+    p = dataclasses.replace(CHAIN, last_block=0)
+    tensors, _ = compute(p, LocalComm(), torch.device("cpu"))
+    ref = canonical_block(p.weights(), p.batch())
+    assert_bitwise(tensors["out"], ref.out, "out"), assert_bitwise(tensors["dx"], ref.dx, "dx")
+    assert_bitwise(tensors["block0.dw.norm1.weight"], ref.dw["norm1.weight"], "dw")
+
+
+def test_a_four_block_chain_is_bitwise_under_layouts_with_every_op_traced(tmp_path):
+    summary = run(RunRequest(layouts=tuple(parse_layouts(LAYOUTS)), problem=CHAIN, out=tmp_path / "run", trace=True))
+    assert summary["status"] == "passed"
+    for rec in summary["layouts"].values():
+        names = rec["tensors"].keys()
+        assert {"out", "dx", "block0.dtemb", "block3.dw.ff.net.2.weight"} <= names and len(names) == 2 + 4 * 13
+        assert all(t["bitwise_equal"] for t in rec["tensors"].values())
+        assert rec["first_divergence"] is None  # every op of every block, reassembled, equals the canonical one
+    _, order = load_trace(tmp_path / "run" / "layouts" / "tp4xcp2_sp.trace")
+    # 16 forward ops per block in block order, then 12 backward ops per block in reverse block order
+    assert len(order) == 4 * 28 and order[0][0] == "block0.adaln.table" and order[-1][0] == "block0.dx"
+
+
+def test_a_two_step_trajectory_is_bitwise_under_layouts(tmp_path):
+    p = Problem(task="trajectory", block=0, last_block=3, steps=2, seed=22)
+    summary = run(RunRequest(layouts=tuple(parse_layouts(LAYOUTS)), problem=p, out=tmp_path / "run"))
+    assert summary["status"] == "passed"
+    for rec in summary["layouts"].values():
+        assert set(rec["tensors"]) == {f"step{k}.{m}" for k in range(3) for m in ("video", "audio")}
+        assert all(t["bitwise_equal"] for t in rec["tensors"].values())
+
+
+def _traced(problem: Problem, flip=None) -> tuple[dict, list]:
+    rec = TraceRecorder(flip=flip)
+    compute(problem, LocalComm(), torch.device("cpu"), trace=rec)
+    return rec.tensors, rec.order
+
+
+def test_the_finder_names_a_planted_single_bit_flip_exactly():
+    clean, order = _traced(CHAIN)
+    again, _ = _traced(CHAIN)
+    assert first_divergence(clean, order, again) is None  # two deterministic runs: no divergence
+    flipped, _ = _traced(CHAIN, flip=("block2.ff.net.2", 1000))
+    hit = first_divergence(clean, order, flipped)
+    assert hit["name"] == "block2.ff.net.2" and hit["block"] == 2 and hit["op"] == "ff.net.2"
+    assert hit["num_differing"] == 1 and hit["max_ulp"] == 1  # the lowest mantissa bit of one element
+    d = clean["block2.ff.net.2"].shape[1]
+    assert hit["first_diff_index"] == [1000 // d, 1000 % d]
+    earlier = [r for r in timeline(clean, order, flipped) if r["index"] < hit["index"]]
+    assert earlier and all(r["bitwise_equal"] for r in earlier)
+
+
+def test_the_finder_points_at_the_op_that_diverged_in_baseline_mode(tmp_path):
+    p = dataclasses.replace(CHAIN, last_block=1, mode="baseline")
+    summary = run(RunRequest(layouts=tuple(parse_layouts("tp2")), problem=p, out=tmp_path / "run", trace=True))
+    hit = summary["layouts"]["tp2"]["first_divergence"]
+    assert hit is not None and hit["block"] == 0
+    canon, order = load_trace(tmp_path / "run" / "canonical.trace")
+    layout, _ = load_trace(tmp_path / "run" / "layouts" / "tp2.trace")
+    rows = timeline(canon, order, layout)
+    assert all(r["bitwise_equal"] for r in rows[: hit["index"]]) and not rows[hit["index"]]["bitwise_equal"]
+    # the first op whose bits move under TP2 is a reduction the library orders by shape: a GEMM or all_reduce
+    assert hit["op"] in {"attn.to_q", "attn.to_k", "attn.to_v", "attn.sdpa", "attn.to_out.0"}, hit
