@@ -1,5 +1,5 @@
-# Two entry points on a fresh machine (Python 3.11, pip, no GPU):
-#   make reproduce   the main job    make test   the test suite
+# Entry points on a fresh machine (Python 3.11, pip, no GPU):
+#   make reproduce   the main job    make test   the test suite    make lab   the notebooks in JupyterLab
 # Both create/refresh .venv themselves. torch 2.13.0 is installed first and explicitly: on these
 # machines it is a CPU build already on disk, while an open range would fetch a multi-GB CUDA build.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -12,11 +12,13 @@ STAMP := $(VENV)/.h3lab-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,parity,notebooks]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,parity,notebooks,interpreter]"
 	touch $(STAMP)
 
+# the layout sweep through notebooks/reproduce.py (papermill) into runs/<id>/, the accuracy table, and the
+# report published to reports/<node type>/report.html; parameters: make reproduce ARGS="-p rows 64 -p layouts tp2"
 reproduce: $(STAMP)
-	$(BIN)/h3lab reproduce
+	$(BIN)/h3lab workbench reproduce $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -25,8 +27,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check h3lab tests notebooks
 	$(BIN)/ruff format --check h3lab tests notebooks
 
+# JupyterLab on notebooks/ with this venv's kernel; *.py open as notebooks (jupytext), saved as .py + .ipynb
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/python -c "from h3lab.workbench.notebooks import lab_settings; print('lab settings:', lab_settings())"
+	H3LAB_RUNS=$(CURDIR)/runs $(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

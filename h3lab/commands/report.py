@@ -1,0 +1,46 @@
+"""`h3lab report RUN...`: run directories -> a self-contained HTML report under reports/<node type>/."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from h3lab.cli import Command, command
+
+
+@command("report", help="render run directories into a self-contained HTML report (reports/<node type>/)")
+def add_arguments(p: argparse.ArgumentParser) -> Command:
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="sweeps (runs/<id>) or `h3lab run` folders")
+    p.add_argument("--out", type=Path, default=None,
+                   help="one report of all RUNs here (default: one per node type in ROOT/<node type>/)")  # fmt: skip
+    p.add_argument("--root", type=Path, default=Path("reports"), help="reports folder holding index.html")
+    p.add_argument("--title", default="", help="the report's title")
+    p.add_argument("--element-layout", default="", help="layout of the per-element maps (default: the last)")
+    p.add_argument("--element-tensor", default="out", help="tensor of the per-element maps (default: out)")
+    p.add_argument("--no-fp64", action="store_true", help="skip the FP64 oracle (a real block's holds ~10 GB)")
+    p.add_argument("--no-screenshot", action="store_true", help="skip the Chromium screenshot")
+
+    def handle(a: argparse.Namespace) -> int:
+        from h3lab.workbench.notebooks import NotebookError
+        from h3lab.workbench.publish import publish, write_index
+        from h3lab.workbench.rundata import load_sweep
+
+        groups: dict[Path, list[Path]] = {}
+        for run in a.runs:
+            node = load_sweep(run).node_type
+            groups.setdefault(a.out or a.root / node.lower(), []).append(run)
+        status = 0
+        for out, runs in groups.items():
+            try:
+                page = publish(runs, out, title=a.title, element_layout=a.element_layout,
+                               element_tensor=a.element_tensor, fp64=not a.no_fp64,
+                               take_screenshot=not a.no_screenshot)  # fmt: skip
+            except NotebookError as err:
+                print(f"h3lab report: {err}")
+                status = 1
+                continue
+            print(f"report: {page}")
+        print(f"index: {write_index(a.root)}")
+        return status
+
+    return handle

@@ -1,0 +1,199 @@
+"""The notebooks' parameters as validated records: a bad value stops the first cell with one clear line.
+
+Each notebook's `parameters` cell holds flat scalars and lists (papermill injects overrides after
+it); the next cell builds one of these records, whose `__post_init__` raises `ValueError` naming
+the parameter, the value and what is allowed. Paths are made absolute here, because a notebook's
+kernel runs in the notebook's folder while `make` runs in the repository root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.layouts import ALL_LAYOUTS, Layout, parse_layouts
+from h3lab.problem import DEVICES, KERNEL_BACKENDS, MODES
+
+TENSOR_NAMES = ("out", "dx", "dtemb")  # plus every "dw.<parameter>" of the block
+
+
+def runs_root() -> Path:
+    """Where new run directories go: $H3LAB_RUNS, else runs/ of the enclosing h3lab checkout, else ./runs."""
+    if os.environ.get("H3LAB_RUNS"):
+        return Path(os.environ["H3LAB_RUNS"]).resolve()
+    for d in (Path.cwd(), *Path.cwd().parents):  # a kernel started in notebooks/ still finds the repo's runs/
+        if (d / "pyproject.toml").is_file() and (d / "h3lab").is_dir():
+            return d / "runs"
+    return Path.cwd() / "runs"
+
+
+def _names(value: Any, what: str) -> list[str]:
+    if isinstance(value, str):
+        value = [v for v in re.split(r"[,\s]+", value) if v]
+    if not isinstance(value, list | tuple) or not value or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"parameter {what}={value!r}; allowed: a non-empty list of names or a comma-separated string")
+    return list(value)
+
+
+def _path(value: str | os.PathLike | None) -> Path | None:
+    return Path(value).expanduser().resolve() if value not in (None, "") else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReproduceParams:
+    """The layout sweep: every layout, in every mode and seed, on one block (notebooks/reproduce.py)."""
+
+    device: str = "cpu"
+    layouts: list[str] | str = "all"
+    checkpoint: str | Path | None = None  # a diffusers checkpoint folder; None/"" synthesizes `config`
+    config: str = "tiny"
+    block: int = 0
+    rows: int = 264
+    seeds: list[int] | int = field(default_factory=lambda: [0])
+    modes: list[str] | str = field(default_factory=lambda: list(MODES))
+    backend: str = "torch"
+    repeats: int = 1
+    timeout: float = 600.0
+    accuracy: bool = True
+    run_dir: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        if self.device not in DEVICES:
+            raise ValueError(f"parameter device={self.device!r}; allowed: {list(DEVICES)}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("parameter device='cuda' but torch sees no CUDA device; allowed here: ['cpu']")
+        try:
+            layouts = parse_layouts(_names(self.layouts, "layouts"))
+        except ValueError as err:
+            raise ValueError(f"parameter layouts={self.layouts!r}: {err}") from None
+        fix("layouts", [lay.name for lay in layouts])
+        fix("modes", _names(self.modes, "modes"))
+        for m in self.modes:
+            if m not in MODES:
+                raise ValueError(f"parameter modes: unknown mode {m!r}; allowed: {list(MODES)}")
+        seeds = [self.seeds] if isinstance(self.seeds, int) else self.seeds
+        if not isinstance(seeds, list | tuple) or not seeds or not all(isinstance(s, int) for s in seeds):
+            raise ValueError(f"parameter seeds={self.seeds!r}; allowed: an int or a non-empty list of ints")
+        fix("seeds", list(seeds))
+        if self.backend not in KERNEL_BACKENDS:
+            raise ValueError(f"parameter backend={self.backend!r}; allowed: {list(KERNEL_BACKENDS)}")
+        for name in ("rows", "repeats"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"parameter {name}={getattr(self, name)!r}; allowed: an int >= 1")
+        if not isinstance(self.block, int) or self.block < 0:
+            raise ValueError(f"parameter block={self.block!r}; allowed: an int >= 0")
+        if not isinstance(self.timeout, int | float) or self.timeout <= 0:
+            raise ValueError(f"parameter timeout={self.timeout!r}; allowed: seconds > 0")
+        fix("checkpoint", _path(self.checkpoint))
+        fix("run_dir", _path(self.run_dir))
+        if self.checkpoint is None and self.config not in NAMED_CONFIGS:
+            raise ValueError(f"parameter config={self.config!r}; allowed: {list(NAMED_CONFIGS)}")
+        config = self.model_config()
+        for lay in layouts:  # e.g. heads not divisible by tp: caught here, not after minutes of sweeping
+            lay.check(config)
+
+    def model_config(self) -> H3Config:
+        """The block's shape: the checkpoint's config.json, or the named synthetic config."""
+        if self.checkpoint is None:
+            return H3Config.named(self.config)
+        from h3lab.manifest import find_layout
+
+        if not self.checkpoint.exists():
+            raise ValueError(f"parameter checkpoint={str(self.checkpoint)!r} does not exist; allowed: a "
+                             "diffusers checkpoint folder (holding config.json) or '' to synthesize one")  # fmt: skip
+        folder = find_layout(self.checkpoint).folder
+        config = H3Config.from_json(folder)
+        if self.block >= config.num_layers:
+            raise ValueError(f"parameter block={self.block}; allowed: 0..{config.num_layers - 1} for this checkpoint")
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExploreParams:
+    """One layout of one run, interactively (notebooks/explore.py). Without run_dir, it runs the layout now."""
+
+    run_dir: str | Path | None = None
+    layout: str = "tp4xcp2+sp"
+    mode: str = "baseline"
+    seed: int = 0
+    tensor: str = "out"
+    config: str = "tiny"
+    rows: int = 64
+    device: str = "cpu"
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_dir", _path(self.run_dir))
+        if self.run_dir is not None and not self.run_dir.is_dir():
+            raise ValueError(
+                f"parameter run_dir={str(self.run_dir)!r} is not a folder; allowed: a run directory "
+                "(runs/<id>, or an `h3lab run --out` folder) or '' to run the layout now"
+            )
+        try:
+            object.__setattr__(self, "layout", Layout.parse(self.layout).name)
+        except ValueError as err:
+            raise ValueError(f"parameter layout={self.layout!r}: {err}") from None
+        if self.mode not in MODES:
+            raise ValueError(f"parameter mode={self.mode!r}; allowed: {list(MODES)}")
+        if self.tensor not in TENSOR_NAMES and not self.tensor.startswith("dw."):
+            raise ValueError(f"parameter tensor={self.tensor!r}; allowed: {list(TENSOR_NAMES)} or 'dw.<parameter>'")
+        if self.run_dir is None:  # the fresh run's parameters go through the sweep's checks
+            self.sweep_params(Path("unused"))
+        else:  # the run must hold this mode, seed and layout (each raises naming what it holds)
+            from h3lab.workbench.rundata import load_sweep
+
+            load_sweep(self.run_dir).run(self.mode, self.seed).record(self.layout)
+
+    def sweep_params(self, run_dir: Path) -> ReproduceParams:
+        """The one-layout, one-mode sweep that explore runs when no run_dir is given."""
+        return ReproduceParams(
+            device=self.device, layouts=[self.layout], config=self.config, rows=self.rows, seeds=[self.seed],
+            modes=[self.mode], timeout=self.timeout, accuracy=False, run_dir=run_dir,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportParams:
+    """One or more run directories -> one report (notebooks/report.py)."""
+
+    runs: list[str] | str = field(default_factory=list)
+    title: str = "h3lab layout sweep"
+    element_layout: str = ""  # the per-element map's layout; "" takes the sweep's last layout
+    element_tensor: str = "out"
+    fp64: bool = True  # the per-element error against the FP64 oracle (about 10 GB for a real block)
+    out_dir: str | Path | None = None  # where the report's figures and report.json go
+
+    def __post_init__(self) -> None:
+        runs = [self.runs] if isinstance(self.runs, str | Path) else list(self.runs)
+        if not runs:
+            raise ValueError("parameter runs=[]; allowed: one or more run directories (runs/<id>)")
+        paths = [_path(r) for r in runs]
+        for p, raw in zip(paths, runs, strict=True):
+            if p is None or not p.is_dir():
+                raise ValueError(f"parameter runs: {str(raw)!r} is not a folder; allowed: run directories (runs/<id>)")
+        object.__setattr__(self, "runs", paths)
+        object.__setattr__(self, "out_dir", _path(self.out_dir))
+        if self.element_layout:
+            try:
+                object.__setattr__(self, "element_layout", Layout.parse(self.element_layout).name)
+            except ValueError as err:
+                raise ValueError(f"parameter element_layout={self.element_layout!r}: {err}") from None
+        if self.element_tensor not in TENSOR_NAMES and not self.element_tensor.startswith("dw."):
+            raise ValueError(
+                f"parameter element_tensor={self.element_tensor!r}; allowed: {list(TENSOR_NAMES)} or 'dw.<parameter>'"
+            )
+
+
+__all__ = ["ALL_LAYOUTS", "ExploreParams", "ReportParams", "ReproduceParams", "runs_root"]

@@ -1,0 +1,178 @@
+"""Publishing: run directories -> the executed report notebook -> one self-contained HTML page.
+
+reports/<node type>/ holds report.html (no code cells, figures inline as base64 PNG, no script or
+stylesheet fetched from a CDN: require.js, MathJax, mermaid and widget loaders are dropped, so it
+opens offline), report.json (what reports/index.html lists), data/*.parquet (the report's frames)
+and, when Chromium is installed, screenshot.png. The executed notebook stays in the first run's
+directory (runs/<id>/report.ipynb) as the record of how the page was made.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import nbformat
+
+from h3lab.workbench import notebooks, tables
+from h3lab.workbench.rundata import Sweep, load_sweep
+
+CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+# lab's index.html.j2 loads require.js, MathJax and mermaid from cdnjs; a report needs none of them.
+# Figures carry their title as alt text (figures.show puts it in the output's metadata).
+OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block data_png scoped -%}
+<div class="jp-RenderedImage jp-OutputArea-output {{ extra_class }}">
+<img src="data:image/png;base64,{{ output.data['image/png'] | escape_html }}"
+ alt="{{ output.metadata.get('image/png', {}).get('alt', 'figure') | escape_html }}">
+</div>
+{%- endblock data_png -%}
+"""
+
+
+def chromium() -> str | None:
+    """The first Chromium binary found, or None."""
+    return next((c for c in CHROMIUM if Path(c).is_file()), None)
+
+
+def render_html(nb: nbformat.NotebookNode, title: str) -> str:
+    """The executed notebook as HTML without inputs, prompts or stderr (warnings belong to the run record)."""
+    from jinja2 import DictLoader
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.from_dict(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+    nb.metadata["title"] = title
+    exporter = HTMLExporter(
+        template_name="lab",
+        extra_loaders=[DictLoader({"h3lab_offline.html.j2": OFFLINE_TEMPLATE})],
+        template_file="h3lab_offline.html.j2",
+        exclude_input=True,
+        exclude_input_prompt=True,
+        exclude_output_prompt=True,
+    )
+    body, _ = exporter.from_notebook_node(nb)
+    return body
+
+
+def screenshot(page: Path, png: Path, *, width: int = 1400, height: int = 2600, timeout_s: float = 120) -> Path:
+    """A PNG of the page's top (width x height) through headless Chromium.
+
+    Raises:
+        FileNotFoundError: no Chromium (Debian: apt-get install -y chromium).
+        RuntimeError: Chromium ran but wrote no PNG.
+    """
+    exe = chromium()
+    if exe is None:
+        raise FileNotFoundError(f"no Chromium at {list(CHROMIUM)}; Debian: apt-get install -y chromium")
+    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={width},{height}",
+           f"--screenshot={png.resolve()}", page.resolve().as_uri()]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if not png.is_file():
+        raise RuntimeError(f"chromium wrote no screenshot (exit {res.returncode}): {res.stderr[-500:]}")
+    return png
+
+
+def publish(
+    runs: list[str | Path], out_dir: str | Path, *, title: str = "", element_layout: str = "",
+    element_tensor: str = "out", fp64: bool = True, take_screenshot: bool = True,
+) -> Path:  # fmt: skip
+    """Execute the report notebook over `runs` and write out_dir/report.html (+ report.json, data/, screenshot).
+
+    Returns:
+        The HTML page's path.
+
+    Raises:
+        notebooks.NotebookError: the report notebook stopped (bad runs, a failed figure).
+    """
+    sweeps = [load_sweep(r) for r in runs]
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # no out_dir: the figures live inline in the page, not as files beside it
+    params = {"runs": [str(s.path) for s in sweeps], "element_layout": element_layout,
+              "element_tensor": element_tensor, "fp64": fp64}  # fmt: skip
+    if title:
+        params["title"] = title
+    executed = notebooks.execute("report", sweeps[0].path / "report.ipynb", params)
+    page = out_dir / "report.html"
+    page.write_text(render_html(executed, title or _title(sweeps)), encoding="utf-8")
+    data = out_dir / "data"
+    data.mkdir(exist_ok=True)
+    tables.write_parquet(sweeps, data)
+    _write_record(sweeps, out_dir, title or _title(sweeps))
+    if take_screenshot and chromium() is not None:
+        screenshot(page, out_dir / "screenshot.png")
+    write_index(out_dir.parent)
+    return page
+
+
+def _title(sweeps: list[Sweep]) -> str:
+    return "h3lab layout sweep: " + ", ".join(dict.fromkeys(s.node_type for s in sweeps))
+
+
+def _commit(sweep: Sweep) -> str | None:
+    return (sweep.env.get("git") or {}).get("describe")
+
+
+def _write_record(sweeps: list[Sweep], out_dir: Path, title: str) -> None:
+    layouts = tables.layout_frame(sweeps)
+    det = layouts[layouts["mode"] == "deterministic"]
+    record = {
+        "title": title,
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "node_types": list(dict.fromkeys(s.node_type for s in sweeps)),
+        "runs": [{"id": s.run_id, "status": s.status, "commit": _commit(s)} for s in sweeps],
+        "layouts": list(dict.fromkeys(layouts["layout"])),
+        "modes": list(dict.fromkeys(layouts["mode"])),
+        "deterministic_passed": int((det["status"] == "passed").sum()),
+        "deterministic_runs": len(det),
+        "failed": int((layouts["status"] == "failed").sum()),
+    }
+    (out_dir / "report.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def write_index(root: str | Path) -> Path:
+    """root/index.html: one row per root/*/report.json (node type, verdict, runs, links); self-contained."""
+    root = Path(root)
+    rows = []
+    for rec_path in sorted(root.glob("*/report.json")):
+        rec, d = json.loads(rec_path.read_text()), rec_path.parent.name
+        has_shot = (rec_path.parent / "screenshot.png").is_file()
+        shot = f' · <a href="{d}/screenshot.png">screenshot</a>' if has_shot else ""
+        verdict = f"{rec['deterministic_passed']}/{rec['deterministic_runs']} deterministic layout runs bit-identical"
+        verdict += f", {rec['failed']} failed" if rec["failed"] else ""
+        runs = ", ".join(f"{r['id']} ({r['status']}, {r['commit']})" for r in rec["runs"])
+        rows.append(
+            f"<tr><td>{html.escape(', '.join(rec['node_types']))}</td>"
+            f'<td><a href="{d}/report.html">{html.escape(rec["title"])}</a>{shot}</td>'
+            f"<td>{html.escape(verdict)}</td><td>{html.escape(', '.join(rec['layouts']))}</td>"
+            f"<td>{html.escape(rec['generated'])}</td><td>{html.escape(runs)}</td></tr>"
+        )
+    page = root / "index.html"
+    page.write_text(_INDEX.format(rows="\n".join(rows) or '<tr><td colspan="6">no reports yet</td></tr>'))
+    return page
+
+
+_INDEX = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>h3lab reports</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }}
+th {{ background: #f0f0f0; }}
+</style></head><body>
+<h1>h3lab reports</h1>
+<p>One report per node type: every layout of the MiniMax-H3 block against the single-process block, byte for byte,
+in the deterministic and the baseline mode. Made by <code>h3lab report RUN...</code>.</p>
+<table><tr><th>node type</th><th>report</th><th>verdict</th><th>layouts</th><th>generated</th><th>runs</th></tr>
+{rows}
+</table></body></html>
+"""

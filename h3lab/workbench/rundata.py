@@ -1,0 +1,162 @@
+"""Reading run directories back: a sweep (runs/<id>/) or a single `h3lab run` directory.
+
+A sweep holds env.json, params.json, one runner directory per mode and seed (<mode>/seed<s>/, each
+with the runner's summary.json, canonical.safetensors and layouts/) and, written last, sweep.json.
+A bare runner directory (`h3lab run --out DIR`) reads as a sweep of one mode and seed; its node
+type then comes from the runner's own environment record.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from h3lab.env import KNOWN_GPUS
+from h3lab.layouts import Layout
+from h3lab.problem import Problem
+from h3lab.runner import slug
+
+
+@dataclass(frozen=True)
+class RunnerRun:
+    """One `h3lab.runner.run` directory: every layout of one mode and one batch seed."""
+
+    path: Path
+    summary: dict[str, Any]
+
+    @property
+    def mode(self) -> str:
+        return self.summary["request"]["problem"]["mode"]
+
+    @property
+    def seed(self) -> int:
+        return self.summary["request"]["problem"]["seed"]
+
+    @property
+    def layouts(self) -> list[str]:
+        return list(self.summary["layouts"])
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """out, dx, dtemb, then the dW in the block's parameter order (the canonical result's order)."""
+        return list(self.summary.get("canonical", {}).get("sha256", {}))
+
+    def problem(self) -> Problem:
+        """The run's block and batch; a CUDA run read on a machine without CUDA rebuilds them on the CPU."""
+        raw = dict(self.summary["request"]["problem"])
+        if raw["device"] == "cuda" and not torch.cuda.is_available():
+            raw["device"] = "cpu"
+        return Problem.from_dict(raw)
+
+    def record(self, layout: str) -> dict[str, Any]:
+        if layout not in self.summary["layouts"]:
+            raise ValueError(f"layout {layout!r} is not in run {str(self.path)!r}; allowed: {self.layouts}")
+        return self.summary["layouts"][layout]
+
+    def tensors(self, layout: str) -> dict[str, Tensor]:
+        """The layout's reassembled out, dx, dtemb and dw.<parameter> (raises if the layout failed)."""
+        path = self.path / "layouts" / f"{slug(Layout.parse(layout))}.safetensors"
+        if not path.is_file():
+            raise ValueError(f"layout {layout!r} left no result ({self.record(layout)['status']}): {str(path)!r}")
+        return load_file(str(path))
+
+    def canonical(self) -> dict[str, Tensor]:
+        return load_file(str(self.path / "canonical.safetensors"))
+
+    def rank_records(self, layout: str) -> list[dict[str, Any]]:
+        """Every rank's own record (timings, its collective decisions); the summary keeps rank 0's decisions only."""
+        rec = self.record(layout)
+        d = self.path / "layouts" / slug(Layout.parse(layout))
+        out = []
+        for r, summary_rank in enumerate(rec.get("ranks", [])):
+            p = d / f"rank{r}.json"
+            out.append(json.loads(p.read_text()) if p.is_file() else summary_rank | {"decisions": []})
+        if out and not out[0]["decisions"]:
+            out[0]["decisions"] = rec.get("decisions", [])
+        return out
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A run directory as the notebooks and the report read it."""
+
+    path: Path
+    env: dict[str, Any]
+    params: dict[str, Any]
+    runs: list[RunnerRun]
+    record: dict[str, Any] = field(default_factory=dict)  # sweep.json; {} while running or for a bare runner dir
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def node_type(self) -> str:
+        return self.env.get("node_type", "unknown")
+
+    @property
+    def status(self) -> str:
+        return self.record.get("status", "incomplete")
+
+    @cached_property
+    def accuracy(self) -> dict[str, Any] | None:
+        p = self.path / "accuracy.json"
+        return json.loads(p.read_text()) if p.is_file() else None
+
+    def run(self, mode: str, seed: int | None = None) -> RunnerRun:
+        """The runner directory of `mode` (and `seed`; None takes the first)."""
+        found = [r for r in self.runs if r.mode == mode and (seed is None or r.seed == seed)]
+        if not found:
+            have = [(r.mode, r.seed) for r in self.runs]
+            raise ValueError(f"no run of mode={mode!r} seed={seed!r} in {str(self.path)!r}; allowed: {have}")
+        return found[0]
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """A sweep directory, or a bare runner directory read as a sweep of one run.
+
+    Raises:
+        ValueError: the folder holds neither params.json nor a runner's summary.json.
+    """
+    path = Path(path).resolve()
+    if (path / "params.json").is_file():
+        params = json.loads((path / "params.json").read_text())
+        found = [path / m / f"seed{s}" / "summary.json" for m in params["modes"] for s in params["seeds"]]
+        runs = [RunnerRun(p.parent, json.loads(p.read_text())) for p in found if p.is_file()]  # in sweep order
+        env = json.loads((path / "env.json").read_text()) if (path / "env.json").is_file() else {}
+        sweep_json = path / "sweep.json"
+        record = json.loads(sweep_json.read_text()) if sweep_json.is_file() else {}
+        return Sweep(path, env, params, runs, record)
+    if (path / "summary.json").is_file():
+        summary = json.loads((path / "summary.json").read_text())
+        env = json.loads((path / "env.json").read_text()) if (path / "env.json").is_file() else {}
+        env = env or {**summary.get("environment", {}), "node_type": _node_type(summary.get("environment", {}))}
+        status = summary.get("status", "incomplete")
+        return Sweep(path, env, {"problem": summary["request"]["problem"]}, [RunnerRun(path, summary)],
+                     {"status": "passed" if status == "passed" else status})  # fmt: skip
+    raise ValueError(f"{str(path)!r} is not a run directory; allowed: a sweep (params.json) or an `h3lab run` folder")
+
+
+def _node_type(environment: dict[str, Any]) -> str:
+    gpu = environment.get("gpu")
+    if not gpu:
+        return "CPU"
+    known = [k for k in KNOWN_GPUS if k in gpu.upper()]
+    return known[0] if known else "unknown-" + re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+
+
+def oracle_tensors(run: RunnerRun) -> dict[str, Tensor]:
+    """The FP64 oracle's out, dx, dtemb and dw.<parameter> for the run's block and batch (float64)."""
+    from h3lab.oracle import oracle_block
+
+    problem = run.problem()
+    result = oracle_block(problem.weights(problem.device), problem.batch(problem.device)).tensors()
+    return {k: v.detach().cpu() for k, v in result.items()}

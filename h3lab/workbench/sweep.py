@@ -1,0 +1,167 @@
+"""A sweep: every layout, in every mode and batch seed, on one block, into one run directory.
+
+runs/<id>/
+  reproduce.ipynb            the executed notebook (papermill writes it; absent for library calls)
+  env.json                   h3lab.env.capture(): versions, devices, node type, git state, determinism
+  params.json                the validated parameters and the checkpoint actually used
+  checkpoint/                the synthesized checkpoint (only when no checkpoint was given)
+  <mode>/seed<s>/            one h3lab.runner run directory (summary.json, canonical, layouts/, logs)
+  accuracy.json              canonical bf16 vs FP64 vs diffusers (the `h3lab reproduce` table)
+  verdicts|layouts|ranks|collectives.parquet, figures/
+  sweep.json                 written last: status, every run and every failure
+Workers run under torchrun subprocesses started by h3lab.runner; nothing here runs a rank itself.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from h3lab.config import H3Config
+from h3lab.env import capture, node_type
+from h3lab.layouts import parse_layouts
+from h3lab.problem import Problem
+from h3lab.runner import RunRequest, run
+from h3lab.workbench import tables
+from h3lab.workbench.params import ReproduceParams, runs_root
+from h3lab.workbench.rundata import Sweep, load_sweep
+
+SWEEP_FORMAT = "h3lab-sweep-v1"
+WEIGHTS_SEED = 0  # synthetic checkpoints always use weight seed 0: seeds vary the batch, not the block
+
+
+def _atomic_json(path: Path, record: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def new_run_dir(device: str = "cpu", root: Path | None = None) -> Path:
+    """Create runs/<UTC time>-<node type>-<commit>-<4 hex>/ (the suffix keeps two same-second runs apart)."""
+    env_git = capture(device)["git"]
+    commit = (env_git.get("commit") or "nogit")[:7] + ("-dirty" if env_git.get("dirty") else "")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    d = (root or runs_root()) / f"{stamp}-{node_type(device).lower()}-{commit}-{secrets.token_hex(2)}"
+    d.mkdir(parents=True, exist_ok=False)
+    return d
+
+
+def prepare(p: ReproduceParams) -> Path:
+    """Create the run directory; write env.json, synthesize the checkpoint (unless given), write params.json.
+
+    Raises:
+        ValueError: the run directory already holds a sweep (nothing is ever overwritten).
+    """
+    run_dir = p.run_dir or new_run_dir(p.device)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "params.json").exists():
+        raise ValueError(f"run_dir {str(run_dir)!r} already holds a sweep; allowed: a new or empty folder")
+    _atomic_json(run_dir / "env.json", capture(p.device))
+    checkpoint = p.checkpoint
+    if checkpoint is None:  # only the blocks up to `block`: the real config's 50 would be 65 GB
+        from h3lab.checkpoint import synthesize_checkpoint
+
+        config = H3Config.named(p.config)
+        checkpoint = synthesize_checkpoint(run_dir / "checkpoint", config, num_blocks=p.block + 1, seed=WEIGHTS_SEED)
+    record = {"format": SWEEP_FORMAT, **p.to_dict(), "checkpoint_path": str(Path(checkpoint).resolve())}
+    record["started"] = time.time()
+    _atomic_json(run_dir / "params.json", record)
+    return run_dir
+
+
+def planned(params: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """(mode, seed, layout) in the order the sweep runs them."""
+    return [(m, s, lay) for m in params["modes"] for s in params["seeds"] for lay in params["layouts"]]
+
+
+def run_sweep(run_dir: str | Path) -> Sweep:
+    """Run every (mode, seed) of params.json through h3lab.runner.run into <mode>/seed<s>/.
+
+    A layout that fails or mismatches does not stop the sweep: its record says which rank and log.
+    """
+    from h3lab.commands.run import format_summary
+
+    run_dir = Path(run_dir)
+    params = json.loads((run_dir / "params.json").read_text())
+    layouts = tuple(parse_layouts(params["layouts"]))
+    for mode in params["modes"]:
+        for seed in params["seeds"]:
+            problem = Problem(
+                synthetic=None, checkpoint=params["checkpoint_path"], block=params["block"], rows=params["rows"],
+                seed=seed, device=params["device"], backend=params["backend"], mode=mode, repeats=params["repeats"],
+            )  # fmt: skip
+            out = run_dir / mode / f"seed{seed}"
+            req = RunRequest(layouts=layouts, problem=problem, out=out, timeout_s=params["timeout"],
+                             command=["notebooks/reproduce.py", f"run_dir={run_dir}"])  # fmt: skip
+            summary = run(req)
+            print(f"== {mode}, batch seed {seed}: {out}\n{format_summary(summary)}", flush=True)
+    return load_sweep(run_dir)
+
+
+def accuracy(run_dir: str | Path) -> dict[str, Any]:
+    """canonical bf16 vs the FP64 oracle vs diffusers on the sweep's block and first seed -> accuracy.json."""
+    import torch
+
+    from h3lab.accuracy import block_accuracy, format_table
+    from h3lab.batch import packed_batch
+    from h3lab.checkpoint import load_block
+
+    run_dir = Path(run_dir)
+    params = json.loads((run_dir / "params.json").read_text())
+    device = torch.device(params["device"])
+    # diffusers imports tqdm.auto, which warns in a kernel without ipywidgets; the bars are not used here
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    weights = load_block(params["checkpoint_path"], params["block"]).to(device)
+    batch = packed_batch(weights.config, params["rows"], seed=params["seeds"][0]).to(device)
+    report = block_accuracy(weights, batch)
+    report |= {"rows": params["rows"], "seed": params["seeds"][0], "table": format_table(report)}
+    _atomic_json(run_dir / "accuracy.json", report)
+    return report
+
+
+def finish(run_dir: str | Path) -> Sweep:
+    """Write the parquet tables, then sweep.json (last, atomically) with the sweep's verdict.
+
+    The sweep passes when every deterministic layout is byte-equal to the single-process block, no
+    layout failed to run in any mode (a baseline mismatch is the expected finding, not a failure) and,
+    when the accuracy section ran, its two canonical runs were bitwise equal.
+    """
+    run_dir = Path(run_dir)
+    sweep = load_sweep(run_dir)
+    tables.write_parquet([sweep], run_dir)
+    layouts = tables.layout_frame([sweep])
+    det = layouts["mode"] == "deterministic"
+    bad = layouts[(det & (layouts["status"] != "passed")) | (layouts["status"] == "failed")]
+    acc = sweep.accuracy
+    acc_ok = acc is None or acc["determinism"]["bitwise_equal"]
+    expected = len(planned(sweep.params))
+    status = "passed" if len(layouts) == expected and bad.empty and acc_ok else "failed"
+    cols = ["mode", "seed", "layout", "status", "failed_rank", "failure", "log"]
+    runs = sweep.runs
+    record = {
+        "format": SWEEP_FORMAT,
+        "status": status,
+        "node_type": sweep.node_type,
+        "finished": time.time(),
+        "layouts_run": len(layouts),
+        "layouts_planned": expected,
+        "deterministic_all_equal": bool(det.any()) and bool((layouts[det]["status"] == "passed").all()),
+        "accuracy_bitwise_equal": None if acc is None else acc["determinism"]["bitwise_equal"],
+        "runs": [{"mode": r.mode, "seed": r.seed, "path": str(r.path), "status": r.summary["status"]} for r in runs],
+        "problems": bad[cols].astype(object).where(bad[cols].notna(), None).to_dict("records"),
+    }
+    _atomic_json(run_dir / "sweep.json", record)
+    return load_sweep(run_dir)
+
+
+def run_all(p: ReproduceParams) -> Sweep:
+    """prepare, run_sweep, accuracy (if p.accuracy) and finish: the whole reproduce notebook, for scripts."""
+    run_dir = prepare(p)
+    run_sweep(run_dir)
+    if p.accuracy:
+        accuracy(run_dir)
+    return finish(run_dir)

@@ -1,0 +1,219 @@
+"""Run directories as pandas frames, saved as parquet, and the per-node-type timing table.
+
+Frames (one row per ...):
+  verdicts     node type, run, mode, seed, layout, tensor: byte equality, differing elements, max ULP
+  layouts      node type, run, mode, seed, layout: status, tensors equal, failure (rank, reason, log)
+  ranks        node type, run, mode, seed, layout, rank: forward/backward/collective seconds, bytes moved
+  collectives  node type, run, mode, seed, layout, rank, collective site: op, algorithm, bytes, seconds
+Times are each rank's own clock around its forward and backward (collectives included); a layout's
+time is the median over its ranks (and seeds), its spread max - min.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+
+from h3lab.workbench.rundata import RunnerRun, Sweep
+
+KEYS = ["node_type", "run_id", "mode", "seed", "layout"]
+MODE_ORDER = ["deterministic", "baseline"]
+
+
+def _runs(sweeps: Iterable[Sweep]) -> Iterable[tuple[dict, RunnerRun, str, dict]]:
+    for sw in sweeps:
+        for run in sw.runs:
+            for layout, rec in run.summary["layouts"].items():
+                keys = {"node_type": sw.node_type, "run_id": sw.run_id, "mode": run.mode, "seed": run.seed}
+                yield keys | {"layout": layout}, run, layout, rec
+
+
+def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
+    """Per tensor of every layout: byte equality with the same mode's single-process block, max ULP.
+
+    A layout that failed (no result) gets one row per tensor with missing verdicts, so figures show it.
+    """
+    rows = []
+    for keys, run, _, rec in _runs(sweeps):
+        tensors = rec.get("tensors") or {name: None for name in run.tensor_names}
+        for name in run.tensor_names or list(tensors):
+            t = tensors.get(name)
+            rows.append(keys | {
+                "layout_status": rec["status"],
+                "tensor": name,
+                "dtype": t["dtype"] if t else None,
+                "bitwise_equal": t["bitwise_equal"] if t else None,
+                "num_elements": t["num_elements"] if t else None,
+                "num_differing": t["num_differing"] if t else None,
+                "frac_differing": t["frac_differing"] if t else None,
+                "max_ulp": t["max_ulp"] if t else None,
+                "nan_mismatches": t["nan_mismatches"] if t else None,
+            })  # fmt: skip
+    df = pd.DataFrame(rows)
+    for col, dtype in (("bitwise_equal", "boolean"), ("max_ulp", "Int64"), ("num_differing", "Int64")):
+        if col in df:
+            df[col] = df[col].astype(dtype)
+    return df
+
+
+def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
+    """Per layout of every run: status, how many tensors are byte-equal, the worst ULP, the failure."""
+    rows = []
+    for keys, _, _, rec in _runs(sweeps):
+        tensors = rec.get("tensors", {})
+        failure = rec.get("failure") or {}
+        rows.append(keys | {
+            "status": rec["status"],
+            "world": rec.get("world"),
+            "tensors_equal": sum(t["bitwise_equal"] for t in tensors.values()) if tensors else None,
+            "tensors": len(tensors) if tensors else None,
+            "max_ulp": max((t["max_ulp"] for t in tensors.values()), default=None),
+            "launch_s": rec.get("launch", {}).get("elapsed_s"),
+            "failed_rank": failure.get("rank"),
+            "failure": failure.get("reason"),
+            "log": failure.get("log"),
+        })  # fmt: skip
+    df = pd.DataFrame(rows)
+    for col in ("tensors_equal", "tensors", "max_ulp", "failed_rank"):
+        if col in df:
+            df[col] = df[col].astype("Int64")
+    return df
+
+
+def rank_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
+    """Per rank: its forward, backward and collective seconds and the bytes its collectives moved."""
+    rows = []
+    for keys, run, layout, rec in _runs(sweeps):
+        if "ranks" not in rec:
+            continue
+        for r in run.rank_records(layout):
+            dec = r.get("decisions", [])
+            rows.append(keys | {
+                "rank": r["rank"],
+                "device": r.get("device"),
+                "transport": r.get("transport"),
+                **{k: r["timings"].get(k) for k in ("forward_s", "backward_s", "collective_s")},
+                "collective_calls": sum(d.get("calls", 1) for d in dec),
+                "bytes_sent": sum(d.get("bytes_sent_total", 0) for d in dec),
+                "bytes_received": sum(d.get("bytes_received_total", 0) for d in dec),
+                "bytes_local": sum(d.get("bytes_local_total", 0) for d in dec),
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def collective_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
+    """Per collective site of every rank: the decision (op, algorithm, tree), its calls, bytes and seconds."""
+    rows = []
+    for keys, run, layout, rec in _runs(sweeps):
+        if "ranks" not in rec:
+            continue
+        for r in run.rank_records(layout):
+            rows += [keys | {"rank": r["rank"]} | _decision_row(d) for d in r.get("decisions", [])]
+    return pd.DataFrame(rows)
+
+
+def _decision_row(d: dict) -> dict:
+    group = d.get("group") or {}
+    return {
+        "site": d.get("site"),
+        "op": d.get("op"),
+        "algorithm": d.get("algorithm"),
+        "tree": d.get("tree"),
+        "group": str(group.get("ranks")),
+        "dtype": str(d.get("dtype", "")).removeprefix("torch."),
+        "numel": d.get("numel"),
+        "calls": d.get("calls"),
+        "bytes_sent": d.get("bytes_sent_total"),
+        "bytes_received": d.get("bytes_received_total"),
+        "seconds": d.get("seconds_total"),
+        "transport": d.get("transport"),
+        "reason": d.get("reason"),
+    }
+
+
+def decision_table(run: RunnerRun, layout: str, rank: int = 0) -> pd.DataFrame:
+    """The collective decisions one rank of one layout took: what each site did and why."""
+    records = run.rank_records(layout)
+    if not 0 <= rank < len(records):
+        raise ValueError(f"rank {rank} not in layout {layout!r}; allowed: 0..{len(records) - 1}")
+    return pd.DataFrame([_decision_row(d) for d in records[rank].get("decisions", [])])
+
+
+def timing_table(ranks: pd.DataFrame) -> pd.DataFrame:
+    """Per layout, each mode side by side: forward and backward median and spread over ranks (and seeds),
+    collective seconds, MiB sent by all ranks together (median over seeds), and deterministic / baseline."""
+    if ranks.empty:
+        return pd.DataFrame()
+    g = ranks.groupby(["layout", "mode"], sort=False)
+    per_seed_bytes = ranks.groupby(["layout", "mode", "run_id", "seed"], sort=False)["bytes_sent"].sum()
+    t = pd.DataFrame({
+        "fwd median s": g["forward_s"].median(),
+        "fwd spread s": g["forward_s"].max() - g["forward_s"].min(),
+        "bwd median s": g["backward_s"].median(),
+        "bwd spread s": g["backward_s"].max() - g["backward_s"].min(),
+        "coll median s": g["collective_s"].median(),
+        "MiB sent": per_seed_bytes.groupby(["layout", "mode"], sort=False).median() / 2**20,
+        "ranks": g["rank"].nunique(),
+    })  # fmt: skip
+    wide = t.unstack("mode").swaplevel(axis=1)  # columns (mode, metric)
+    modes = [m for m in MODE_ORDER if m in wide.columns.get_level_values("mode")]
+    wide = wide.reindex(columns=pd.MultiIndex.from_product([modes, t.columns], names=["mode", None]))
+    wide = wide.reindex(list(dict.fromkeys(ranks["layout"])))
+    if set(MODE_ORDER) <= set(modes):
+        total = lambda m: wide[(m, "fwd median s")] + wide[(m, "bwd median s")]  # noqa: E731
+        wide[("deterministic / baseline", "fwd+bwd")] = total("deterministic") / total("baseline")
+    return wide
+
+
+def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
+    """Layout x mode: 'passed 15/15', 'mismatch 0/15 (max 30232 ULP)' or 'failed rank 3', over seeds."""
+
+    def cell(rows: pd.DataFrame) -> str:
+        parts = []
+        for _, r in rows.iterrows():
+            if pd.isna(r["tensors"]):
+                parts.append(f"{r['status']} (rank {r['failed_rank']})")
+            else:
+                worst = "" if r["status"] == "passed" else f", max {r['max_ulp']} ULP"
+                parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst}")
+        return "; ".join(dict.fromkeys(parts))
+
+    table = layouts.groupby(["layout", "mode"], sort=False).apply(cell, include_groups=False).unstack("mode")
+    table = table.reindex(columns=[m for m in MODE_ORDER if m in table.columns])
+    return table.reindex(list(dict.fromkeys(layouts["layout"])))
+
+
+def write_parquet(sweeps: list[Sweep], out: Path) -> dict[str, Path]:
+    """verdicts/layouts/ranks/collectives.parquet under `out`; returns their paths."""
+    frames = {
+        "verdicts": verdict_frame(sweeps),
+        "layouts": layout_frame(sweeps),
+        "ranks": rank_frame(sweeps),
+        "collectives": collective_frame(sweeps),
+    }
+    paths = {}
+    for name, df in frames.items():
+        paths[name] = out / f"{name}.parquet"
+        df.to_parquet(paths[name], index=False)
+    return paths
+
+
+def terminal_summary(sweep: Sweep) -> str:
+    """The sweep in a fixed-width table: per layout and mode, the verdict and the slowest rank's fwd+bwd."""
+    layouts, ranks = layout_frame([sweep]), rank_frame([sweep])
+    verdicts = verdict_table(layouts)
+    step = (ranks.assign(step=ranks["forward_s"] + ranks["backward_s"]).groupby(["layout", "mode"])["step"].max()
+            if not ranks.empty else pd.Series(dtype=float))  # fmt: skip
+    modes = list(verdicts.columns)
+    width = max(28, *(len(str(v)) + 2 for v in verdicts.to_numpy().ravel()))
+    head = f"{'layout':<12}" + "".join(f"{m:<{width}}{'fwd+bwd s':>10}  " for m in modes)
+    lines = [head, "-" * len(head)]
+    for layout, row in verdicts.iterrows():
+        cells = []
+        for m in modes:
+            t = step.get((layout, m), float("nan"))
+            cells.append(f"{row[m]!s:<{width}}{t:>10.3f}  ")
+        lines.append(f"{layout:<12}" + "".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Explore one layout
+#
+# Per tensor and per element: where does this layout's result differ from the single-process block
+# of the same mode, how far is each from the FP64 oracle, and which collective did what. Give
+# `run_dir` (a sweep `runs/<id>` or an `h3lab run` folder), or leave it empty to run the layout now.
+
+# %% tags=["parameters"]
+run_dir = ""  # a run directory; "" runs `layout` now (config, rows, device, timeout below)
+layout = "tp4xcp2+sp"
+mode = "baseline"  # deterministic or baseline
+seed = 0  # batch seed
+tensor = "out"  # out, dx, dtemb or dw.<parameter>
+config = "tiny"
+rows = 64
+device = "cpu"
+timeout = 600.0
+
+# %%
+from h3lab.layouts import Layout
+from h3lab.runner import slug
+from h3lab.workbench import figures, tables, views
+from h3lab.workbench import sweep as sw
+from h3lab.workbench.params import ExploreParams
+from h3lab.workbench.rundata import load_sweep, oracle_tensors
+
+p = ExploreParams(run_dir=run_dir, layout=layout, mode=mode, seed=seed, tensor=tensor, config=config, rows=rows,
+                  device=device, timeout=timeout)  # fmt: skip
+
+# %%
+sweep = load_sweep(p.run_dir) if p.run_dir else sw.run_all(p.sweep_params(sw.new_run_dir(p.device)))
+run = sweep.run(p.mode, p.seed)
+ours, canonical, fp64 = run.tensors(p.layout), run.canonical(), oracle_tensors(run)
+print(f"{p.layout}, {p.mode} mode, batch seed {p.seed}: {run.record(p.layout)['status']} ({run.path})")
+
+# %% [markdown]
+# ## Per tensor: against the single-process block
+
+# %%
+per_tensor = views.tensor_table(run, p.layout)
+per_tensor
+
+# %%
+verdicts = tables.verdict_frame([sweep])
+figures.show(figures.verdict_heatmap(verdicts[verdicts["layout"] == p.layout], title=p.layout))
+
+# %% [markdown]
+# ## Per element: one tensor, against the single-process block and against FP64
+
+# %%
+figures.show(figures.element_map(ours[p.tensor], canonical[p.tensor], fp64[p.tensor], name=p.tensor))
+
+# %% [markdown]
+# ## Error against the FP64 oracle, every tensor
+
+# %%
+errors = views.fp64_table(ours, canonical, fp64)
+errors.style.format("{:.2e}").format("{:d}", subset=["layout max ULP", "single-process max ULP"])
+
+# %% [markdown]
+# ## Collective decisions (rank 0)
+
+# %%
+decisions = tables.decision_table(run, p.layout)
+decisions
+
+# %%
+record = views.save_record(run.path / "explore" / f"{slug(Layout.parse(p.layout))}.json",
+                           tensors=per_tensor, fp64=errors, decisions=decisions)  # fmt: skip
+print(f"key numbers: {record}")

@@ -1,0 +1,116 @@
+"""Each figure is drawn from its data: read the rendered pixels back and check the cells' colours."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import BoundaryNorm
+
+from h3lab.workbench import figures
+from h3lab.workbench.figures import FAILED, FRAC_EDGES, IDENTICAL, ULP_EDGES, binned_cmap
+
+
+def _pixels(fig) -> np.ndarray:
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())
+
+
+def _cell_rgba(fig, rgba: np.ndarray, title: str, row: int, col: int) -> np.ndarray:
+    """The rendered colour of cell (row, col) of the axes titled `title`, off-centre (labels sit in the centre)."""
+    (ax,) = [a for a in fig.axes if a.get_title().startswith(title)]
+    x, y = ax.transData.transform((col - 0.3, row - 0.3))
+    return rgba[round(float(rgba.shape[0] - y)), round(float(x))]
+
+
+def _rgba8(color) -> np.ndarray:
+    return np.round(np.asarray(color) * 255).astype(np.uint8)
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.abs(a.astype(int) - b.astype(int)).max() <= 1)
+
+
+def _verdicts() -> pd.DataFrame:
+    rows = []
+    for mode in ("deterministic", "baseline"):
+        for layout in ("tp2", "tp4"):
+            for tensor in ("out", "dx", "dw.norm1.weight"):
+                equal, ulp, frac, status = True, 0, 0.0, "passed"
+                if mode == "baseline" and layout == "tp2":  # out 3 ULP; dx +0 vs -0 (0 ULP, bits differ); dW equal
+                    status = "mismatch"
+                    equal, ulp, frac = {"out": (False, 3, 0.3), "dx": (False, 0, 0.01)}.get(tensor, (True, 0, 0.0))
+                if mode == "baseline" and layout == "tp4":  # a layout that failed: no verdicts
+                    equal, ulp, frac, status = None, None, None, "failed"
+                rows.append({"node_type": "CPU", "run_id": "r", "mode": mode, "seed": 0, "layout": layout,
+                             "layout_status": status, "tensor": tensor, "bitwise_equal": equal, "max_ulp": ulp,
+                             "frac_differing": frac})  # fmt: skip
+    df = pd.DataFrame(rows)
+    df["bitwise_equal"] = df["bitwise_equal"].astype("boolean")
+    df["max_ulp"] = df["max_ulp"].astype("Int64")
+    return df
+
+
+def test_binned_colormap_reserves_the_first_colour_for_bit_identical():
+    cmap, norm = binned_cmap(ULP_EDGES)
+    assert isinstance(norm, BoundaryNorm) and list(norm.boundaries[:5]) == [0, 1, 2, 4, 8]
+    colours = [tuple(cmap(i)) for i in range(cmap.N)]
+    assert colours[0] == IDENTICAL and IDENTICAL not in colours[1:]
+    assert norm(0) == 0 and norm(1) == 1 and norm(3) == 2 and norm(2**20) == cmap.N - 1
+
+
+def test_heatmap_cells_take_the_colour_of_their_bin():
+    fig = figures.verdict_heatmap(_verdicts())
+    rgba = _pixels(fig)
+    ulp_cmap, _ = binned_cmap(ULP_EDGES)
+    frac_cmap, frac_norm = binned_cmap(FRAC_EDGES)
+    cell = lambda title, r, c: _cell_rgba(fig, rgba, title, r, c)  # noqa: E731
+    # deterministic: every cell is bit-identical grey, in both rows
+    for r in range(2):
+        for c in range(3):
+            assert _close(cell("max ULP | deterministic", r, c), _rgba8(IDENTICAL))
+            assert _close(cell("fraction differing | deterministic", r, c), _rgba8(IDENTICAL))
+    # baseline tp2: out 3 ULP -> bin [2, 4); dx differs at 0 ULP (+0 vs -0) -> first non-grey bin; dW equal -> grey
+    assert _close(cell("max ULP | baseline", 0, 0), _rgba8(ulp_cmap(2)))
+    assert _close(cell("max ULP | baseline", 0, 1), _rgba8(ulp_cmap(1)))
+    assert _close(cell("max ULP | baseline", 0, 2), _rgba8(IDENTICAL))
+    assert _close(cell("fraction differing | baseline", 0, 0), _rgba8(frac_cmap(int(frac_norm(0.3)))))
+    assert not _close(cell("fraction differing | baseline", 0, 1), _rgba8(IDENTICAL))
+    # baseline tp4 failed: the reserved dark colour, not grey
+    assert _close(cell("max ULP | baseline", 1, 0), _rgba8(FAILED))
+    # nearest, never a blending filter
+    assert all(im.get_interpolation() == "nearest" for ax in fig.axes for im in ax.get_images())
+
+
+def test_element_map_marks_exactly_the_differing_elements():
+    torch.manual_seed(0)
+    ref = torch.randn(8, 16).to(torch.bfloat16)
+    t = ref.clone()
+    bits = t.view(torch.int16)
+    bits[2, 5] += 1  # one ULP
+    bits[6, 10] += 100  # 100 ULPs: bin [64, 128)
+    fig = figures.element_map(t, ref, fp64=t.double(), name="out")
+    rgba = _pixels(fig)
+    cmap, _ = binned_cmap(ULP_EDGES)
+    panel = "out vs single-process block"
+    assert _close(_cell_rgba(fig, rgba, panel, 2, 5), _rgba8(cmap(1)))
+    assert _close(_cell_rgba(fig, rgba, panel, 6, 10), _rgba8(cmap(7)))
+    assert _close(_cell_rgba(fig, rgba, panel, 0, 0), _rgba8(IDENTICAL))
+    # t against its own FP64 value rounded back: every element identical
+    assert _close(_cell_rgba(fig, rgba, "out vs FP64", 6, 10), _rgba8(IDENTICAL))
+
+
+def test_block_max_keeps_a_single_difference_visible():
+    values = np.zeros((2000, 10))
+    values[1234, 7] = 5.0
+    shown, (bh, bw) = figures.block_max(values, max_cells=512)
+    assert shown.shape[0] <= 512 and (bh, bw) == (4, 1)
+    assert shown.max() == 5.0 and shown[1234 // 4, 7] == 5.0
+
+
+def test_heatmap_refuses_empty_data():
+    with pytest.raises(ValueError, match="no verdicts"):
+        figures.verdict_heatmap(pd.DataFrame(columns=["mode", "layout", "tensor"]))
