@@ -8,7 +8,7 @@ does) with the gradient that block i+1 returned as its upstream gradient.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -36,11 +36,13 @@ def chain_step(
     *,
     backend: str | None = None,
     trace: Trace | None = None,
+    keep: Callable[[int, BlockStep], BlockStep] | None = None,
 ) -> ChainStep:
     """Blocks `blocks` (in order) on this rank's rows; `batch.grad_out` is the gradient at the last output.
 
     `trace` sees forward ops as `block{i}.{op}` during the forward pass and backward ops (`d.*`,
-    `dx`) during the backward pass; the recomputed forward is not traced twice.
+    `dx`) during the backward pass; the recomputed forward is not traced twice. `keep(i, step)`
+    reduces what is kept of block i (e.g. digests instead of 1.3 GB of real weight gradients).
     """
     if not blocks:
         raise ValueError("a chain needs at least one block")
@@ -59,7 +61,8 @@ def chain_step(
         b_i = dataclasses.replace(batch, hidden_states=inputs.pop(i), grad_out=g)
         step = block_step(uw(i), b_i, comm, backend=backend, trace=_traced(trace, i, forward=False))
         g, bwd_s = step.dx, bwd_s + step.timings["forward_s"] + step.timings["backward_s"]
-        per_block[i] = dataclasses.replace(step, out=step.out[:0], dx=None)
+        step = dataclasses.replace(step, out=step.out[:0], dx=None)
+        per_block[i] = keep(i, step) if keep is not None else step
     return ChainStep(out=out, dx=g, blocks=per_block, timings={"forward_s": fwd_s, "backward_s": bwd_s})
 
 

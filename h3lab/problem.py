@@ -40,6 +40,7 @@ class Problem:
     backend: str = "torch"  # kernels of the deterministic mode
     mode: str = "deterministic"
     repeats: int = 1
+    digests: bool = False  # compare weight gradients by sha256 per unit slice (runs too big to store them)
 
     def __post_init__(self) -> None:
         if (self.synthetic is None) == (self.checkpoint is None):
@@ -94,8 +95,8 @@ class Problem:
         """A lazy whole-model weight provider (h3lab.model.weights), for chains and trajectories."""
         from h3lab.model.weights import CheckpointWeights, SyntheticWeights
 
-        if self.synthetic is not None:
-            return SyntheticWeights(self.config(), seed=self.weights_seed, device=device)
+        if self.synthetic is not None:  # chains on a GPU draw their weights there: 50 real blocks in seconds
+            return SyntheticWeights(self.config(), seed=self.weights_seed, device=device, generator=device)
         return CheckpointWeights(self.checkpoint, device=device)  # type: ignore[arg-type]
 
     def batch(self, device: torch.device | str = "cpu") -> PackedBatch:

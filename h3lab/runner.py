@@ -137,10 +137,12 @@ def _canonical(req: RunRequest) -> dict:
     p = req.problem
     device = torch.device("cuda" if p.device == "cuda" else "cpu")
     t = time.perf_counter()
-    tensors, timings = tasks.canonical(p, device)
-    elapsed = time.perf_counter() - t
-    tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
+    result = tasks.canonical(p, device)
+    elapsed, timings = time.perf_counter() - t, result.timings
+    tensors = {k: v.contiguous().cpu() for k, v in result.tensors.items()}
     save_file(tensors, str(req.out / "canonical.safetensors"))
+    if p.digests:
+        _atomic_json(req.out / "canonical.digests.json", result.digests)
     if req.trace:  # a second, traced pass: the finder compares every op of every layout with it
         recorder = TraceRecorder()
         tasks.compute(p, LocalComm(), device, trace=recorder)
@@ -185,6 +187,14 @@ def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
     canon = load_file(str(req.out / "canonical.safetensors"))
     save_file(full, str(req.out / "layouts" / f"{slug(layout)}.safetensors"))
     tensors = {k: compare(full[k], canon[k], name=k).to_dict() for k in canon}
+    if req.problem.digests:  # every rank checked its digests; they must also agree across replicas
+        canon_digests = json.loads((req.out / "canonical.digests.json").read_text())
+        seen: dict[str, str] = {}
+        for r in ranks:
+            for k, v in r["digests"].items():
+                consistent &= seen.setdefault(k, v) == v
+        tensors |= {k: {"bitwise_equal": seen.get(k) == v, "sha256_a": seen.get(k), "sha256_b": v}
+                    for k, v in canon_digests.items()}  # fmt: skip
     ok = all(t["bitwise_equal"] for t in tensors.values()) and all(r["all_equal"] for r in ranks) and consistent
     record |= {
         "status": "passed" if ok else "mismatch",

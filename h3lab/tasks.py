@@ -11,18 +11,21 @@ Canonical tensors use the assembled names: `out`, `dx`, `[block{i}.]dtemb`, `[bl
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from h3lab.block import Trace, block_step
+from h3lab.block import BlockStep, Trace, block_step
 from h3lab.chain import chain_step
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.config import H3Config, block_param_shapes
 from h3lab.layouts import Layout
+from h3lab.metrics import sha256_tensor
 from h3lab.problem import Problem
 from h3lab.seqshard import SeqShard
 from h3lab.units import UNIT_GRAD_FIELDS, assemble_unit_grads, unit_slice, unit_weights
@@ -32,38 +35,68 @@ ROW_TENSORS = ("out", "dx")
 _UNIT = re.compile(r"^(?P<prefix>(?:block\d+\.)?)dw\.(?P<grad>[^@]+)@u(?P<unit>\d)$")
 
 
+@dataclass(frozen=True, eq=False)
+class Computed:
+    tensors: dict[str, Tensor]
+    digests: dict[str, str]  # digests-only runs: sha256 of every non-row tensor, instead of the tensor
+    timings: dict[str, float]
+
+
 def compute(problem: Problem, comm: BlockComm, device: torch.device, *, layout: Layout | None = None,
-            rank: int = 0, trace: Trace | None = None) -> tuple[dict[str, Tensor], dict[str, float]]:  # fmt: skip
-    """This rank's tensors (all of them for the canonical process, `layout=None`) and its timings."""
+            rank: int = 0, trace: Trace | None = None) -> Computed:  # fmt: skip
+    """This rank's tensors (all of them for the canonical process, `layout=None`) and its timings.
+
+    With `problem.digests` only the row tensors (out, dx) stay tensors; every other tensor becomes
+    its sha256 as soon as it exists — a 50-block real chain's weight gradients are 65 GB.
+    """
     shard = None if layout is None else _shard_fn(layout, rank)
     if problem.task == "trajectory":
-        return _trajectory(problem, comm, device, shard)
+        tensors, timings = _trajectory(problem, comm, device, shard)
+        return _split(tensors, problem.digests, timings)
     batch = problem.batch(device)
     local = batch if shard is None else shard(batch)
     if problem.task == "block":
         w = problem.weights(device)
         step = block_step(unit_weights(w, comm.units), local, comm, backend=problem.block_backend, trace=trace)
-        return _step_tensors(step, ""), step.timings
+        return _split(_step_tensors(step, ""), problem.digests, step.timings)
+    digests: dict[str, str] = {}
+
+    def keep(i: int, step: BlockStep) -> BlockStep:
+        if not problem.digests:
+            return step
+        digests.update(
+            {k: sha256_tensor(v) for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
+        )
+        return dataclasses.replace(step, dw_units={}, dw_replicated={}, dtemb=None)
+
     chain = chain_step(problem.model_weights(device), local, comm, problem.block_range, backend=problem.block_backend,
-                       trace=trace)  # fmt: skip
+                       trace=trace, keep=keep)  # fmt: skip
     tensors = {"out": chain.out, "dx": chain.dx}
-    for i, step in chain.blocks.items():
-        tensors |= {k: v for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
-    return tensors, chain.timings
+    if not problem.digests:
+        for i, step in chain.blocks.items():
+            tensors |= {k: v for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
+    return Computed(tensors, digests, chain.timings)
 
 
-def canonical(problem: Problem, device: torch.device) -> tuple[dict[str, Tensor], dict[str, float]]:
-    """The single-process result under assembled names."""
-    tensors, timings = compute(problem, LocalComm(), device)
-    return assemble_units(tensors, problem.config(), units=range(8)), timings
+def _split(tensors: dict[str, Tensor], digests: bool, timings: dict[str, float]) -> Computed:
+    if not digests:
+        return Computed(tensors, {}, timings)
+    rows = {k: v for k, v in tensors.items() if k in ROW_TENSORS}
+    return Computed(rows, {k: sha256_tensor(v) for k, v in tensors.items() if k not in ROW_TENSORS}, timings)
+
+
+def canonical(problem: Problem, device: torch.device) -> Computed:
+    """The single-process result: tensors under assembled names; digests under per-unit names (as ranks name them)."""
+    c = compute(problem, LocalComm(), device)
+    return Computed(assemble_units(c.tensors, problem.config(), units=range(8)), c.digests, c.timings)
 
 
 def _shard_fn(layout: Layout, rank: int) -> Callable:
     return lambda batch: SeqShard(layout, batch.num_rows).coshard(batch, rank)
 
 
-def _step_tensors(step, prefix: str) -> dict[str, Tensor]:
-    out = {"out": step.out, "dx": step.dx, f"{prefix}dtemb": step.dtemb}
+def _step_tensors(step: BlockStep, prefix: str) -> dict[str, Tensor]:
+    out = {k: v for k, v in (("out", step.out), ("dx", step.dx), (f"{prefix}dtemb", step.dtemb)) if v is not None}
     out |= {f"{prefix}dw.{k}": v for k, v in step.dw_replicated.items()}
     out |= {f"{prefix}dw.{k}@u{u}": t for k, per in step.dw_units.items() for u, t in per.items()}
     return out

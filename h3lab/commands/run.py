@@ -28,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser):
         help="a denoising trajectory of STEPS sampler steps through the whole model (blocks 0..B of --blocks)",
     )
     p.add_argument("--trace", action="store_true", help="record every op and name each layout's first divergence")
+    p.add_argument(
+        "--digests",
+        action="store_true",
+        help="compare weight gradients by sha256 per unit slice (for runs too big to store them)",
+    )
     p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
     p.add_argument("--rows", type=int, default=264)
     p.add_argument("--padding", type=int, default=0, help="padding rows inside the batch")
@@ -50,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser):
         task = "trajectory" if a.trajectory else ("chain" if a.blocks else "block")
         problem = Problem(
             synthetic=a.synthetic, checkpoint=str(a.checkpoint) if a.checkpoint else None, block=first,
-            last_block=last, task=task, steps=a.trajectory or 2,
+            last_block=last, task=task, steps=a.trajectory or 2, digests=a.digests,
             weights_seed=a.weights_seed, rows=a.rows, padding=a.padding, seed=a.seed, device=a.device,
             backend=a.backend, mode=a.mode, repeats=a.repeats,
         )  # fmt: skip

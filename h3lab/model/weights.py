@@ -107,16 +107,17 @@ class SyntheticWeights(_Cached):
         seed: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        generator: torch.device | str = "cpu",
     ) -> None:
-        self.config, self.seed = config, seed
+        self.config, self.seed, self.generator = config, seed, torch.device(generator)
         super().__init__(dtype, device)
 
     def block(self, index: int) -> BlockWeights:
         self._check_block(index)
-        return self._place_block(synthetic_block(self.config, index, seed=self.seed))
+        return self._place_block(synthetic_block(self.config, index, seed=self.seed, device=self.generator))
 
     def _load(self, names: list[str]) -> dict[str, Tensor]:
-        return {k: synthetic_tensor(self.config, k, self.seed) for k in names}
+        return {k: synthetic_tensor(self.config, k, self.seed, self.generator) for k in names}
 
 
 def refiner_tensors(weights: ModelWeights, index: int) -> dict[str, Tensor]:

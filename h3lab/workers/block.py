@@ -130,18 +130,24 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
     comm = build_comm(layout, rank, mode=problem.mode, algorithm=spec.get("algorithm", "auto"), device=device,
                       act_dtype=torch.bfloat16, progress=progress)  # fmt: skip
     recorder = TraceRecorder() if spec.get("trace") else None
-    tensors, timings = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder)
+    result = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder)
     for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
-        tensors, timings = compute(problem, comm, device, layout=layout, rank=rank)
+        result = compute(problem, comm, device, layout=layout, rank=rank)
+    tensors, timings = result.tensors, result.timings
     out_dir = Path(spec["layout_dir"])
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
     if recorder is not None:
         recorder.save(out_dir / f"rank{rank}.trace")
     verdicts = _compare_with_canonical(tensors, Path(spec["canonical"]), problem, layout, rank)
+    if result.digests:  # digests-only run: the same per-unit names as the canonical process
+        canon = json.loads(Path(spec["canonical"]).with_name("canonical.digests.json").read_text())
+        verdicts |= {k: {"bitwise_equal": canon.get(k) == v, "sha256_a": v, "sha256_b": canon.get(k)}
+                     for k, v in result.digests.items()}  # fmt: skip
     record = {
         "rank": rank, "layout": layout.name, "coords": layout.coords(rank), "units": list(comm.units),
         "host": socket.gethostname(), "pid": os.getpid(), "device": str(device), "transport": transport,
         "timings": {**timings, "collective_s": comm.seconds}, "decisions": comm.decisions(), "verdicts": verdicts,
+        "digests": result.digests,
         "all_equal": all(v["bitwise_equal"] for v in verdicts.values()),
     }  # fmt: skip
     if problem.task != "trajectory":
