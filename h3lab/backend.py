@@ -42,7 +42,7 @@ class Backend(Protocol):
     # GEMMs: a row's bits never depend on M, a column's never on N
     def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor: ...
     def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor: ...  # FP32 [M, N]: chains, then the tree
-    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor: ...  # sum_r a[r]^T b[r], key order
+    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32) -> Tensor: ...
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor: ...
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor: ...
@@ -143,9 +143,9 @@ class BaselineBackend(TorchBackend):
         b = torch.cat([b for _, b in pieces], dim=0)
         return self.mm(a, b)
 
-    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor:
+    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
         active = order.sort().values  # physical order, padding dropped
-        return torch.mm(a_RN[active].t(), b_RK[active].to(a_RN.dtype)).to(F32)
+        return torch.mm(a_RN[active].t(), b_RK[active].to(a_RN.dtype)).to(out_dtype)
 
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor:
         return x_R[order.sort().values].to(F32).sum(0)

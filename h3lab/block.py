@@ -139,7 +139,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
 
     # ---- F1 AdaLN table: silu(temb) in FP32, one cast to the projection dtype (diffusers) ----
     st = round_to(silu(b.temb), w_dt)
-    table_local = round_to(be.mm(st, loc["adaln_w"].t()) + loc["adaln_b"].to(torch.float32), w_dt)
+    table_local = be.round(be.mm(st, loc["adaln_w"].t()) + loc["adaln_b"].to(torch.float32), w_dt)
     table = tr("adaln.table", comm.gather_units(table_local, "adaln.table", dim=1).view(3 * T, 6, D), "replicated")
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table[idx].unbind(1)  # each [R_local, D]
 
@@ -190,9 +190,9 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     root = be.unit_reduce([(dh, loc["hidden"]), (dg, loc["gate"])], U)  # hidden, then gate
     dm2 = tr("d.norm2", be.round(comm.reduce_units(root, "ff.net.0.dx", scatter_rows=True), act), "local")
     dw_local = {
-        "ff.net.2.weight": be.row_mm(dy_seq, seq(a, "cp.gather.a"), order),  # [D, F_local]
-        "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order),  # [F_local, D]
-        "ff.gate": be.row_mm(seq(dg, "cp.gather.dg"), m2_seq, order),
+        "ff.net.2.weight": be.row_mm(dy_seq, seq(a, "cp.gather.a"), order, w_dt),  # [D, F_local]
+        "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order, w_dt),  # [F_local, D]
+        "ff.gate": be.row_mm(seq(dg, "cp.gather.dg"), m2_seq, order, w_dt),
     }
 
     # ---- B8-B6 norm2, residual 1, to_out --------------------------------------------------
@@ -202,7 +202,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     do = tr("d.attn.to_out.0", be.round(dx1 * gate_msa.to(torch.float32), act), "local")
     do_tp = comm.gather_tp_rows(do, "sp.gather.do")
     dattn = tr("d.attn.sdpa", be.mm(do_tp, loc["out"], act), "tp_units")  # [R_tp, A_local]
-    dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order)
+    dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order, w_dt)
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
     dO = heads(dattn)
@@ -222,7 +222,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     dm1 = tr("d.norm1", be.round(comm.reduce_units(root, "attn.qkv.dx", scatter_rows=True), act), "local")
     m1_seq = seq(m1_tp, "cp.gather.m1")
     for name, d in (("attn.to_q.weight", dq), ("attn.to_k.weight", dk), ("attn.to_v.weight", dv)):
-        dw_local[name] = be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order)  # [A_local, D]
+        dw_local[name] = be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order, w_dt)  # [A_local, D]
 
     # ---- B2 norm1, dx ------------------------------------------------------------------------
     dxn1, dw_norm1, d_scale_msa, d_shift_msa = be.rms_modulate_bwd(dm1, x, rep["norm1.weight"], scale_msa, eps)
@@ -232,19 +232,19 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     # ---- cross-row gradients of replicated weights: rows of the whole sequence in key order --
     p_dt = lambda name: rep[name].dtype  # noqa: E731
     dw_rep = {
-        "norm1.weight": round_to(be.row_sum(seq_local(dw_norm1, "cp.gather.dnorm1"), order), p_dt("norm1.weight")),
-        "norm2.weight": round_to(be.row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), p_dt("norm2.weight")),
+        "norm1.weight": be.round(be.row_sum(seq_local(dw_norm1, "cp.gather.dnorm1"), order), p_dt("norm1.weight")),
+        "norm2.weight": be.round(be.row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), p_dt("norm2.weight")),
     }
     for name, rows in (("attn.norm_q.weight", dwq_rows), ("attn.norm_k.weight", dwk_rows)):
         per_head = be.row_sum(seq(rows, f"cp.gather.{name}"), order)  # [H_local, Dh]
         per_unit = [chain_sum(per_head[i * H8 : (i + 1) * H8]) for i in range(len(units))]  # heads ascending
-        dw_rep[name] = round_to(comm.reduce_units(unit_tree(per_unit), name), p_dt(name))
+        dw_rep[name] = be.round(comm.reduce_units(unit_tree(per_unit), name), p_dt(name))
 
     # ---- B1 AdaLN table rows (segmented, key order), then its projection ---------------------
     d_rows = torch.stack([d_shift_msa, d_scale_msa, d_gate_msa, d_shift_mlp, d_scale_mlp, d_gate_mlp], dim=1)
     d_table = be.segment_sum(seq_local(d_rows, "cp.gather.dtable"), idx_seq, 3 * T, order).reshape(T, -1)
     d_cols = d_table[:, units.start * G8 : units.stop * G8]  # [T, 18D/8 * local units]
-    dw_local["adaln_proj.linear.weight"] = be.mm(d_cols.t(), st)  # timesteps ascending
+    dw_local["adaln_proj.linear.weight"] = be.mm(d_cols.t(), st, w_dt)  # timesteps ascending
     dw_local["adaln_proj.linear.bias"] = chain_sum(d_cols)
     dst = be.unit_reduce([(d_cols, loc["adaln_w"])], U)
     dtemb = silu_bwd(comm.reduce_units(dst, "adaln.dtemb"), b.temb)
@@ -261,7 +261,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     }
     dw: dict[str, dict[int, Tensor]] = {}
     for name, t in dw_local.items():
-        t = round_to(t, w_dt)
+        t = be.round(t, w_dt)  # a no-op for the GEMM results, which rounded in their epilogue
         if name in widths:  # unit-major rows
             n = widths[name]
             dw[name] = {u: t[(u - units.start) * n : (u - units.start + 1) * n] for u in units}

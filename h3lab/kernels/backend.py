@@ -58,8 +58,8 @@ class TritonBackend:
     def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
         return unit_gemm.unit_mm(pieces, num_units, node=self.node)
 
-    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor:
-        return rows.row_mm(a_RN, b_RK, order, node=self.node)
+    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
+        return rows.row_mm(a_RN, b_RK, order, out_dtype, node=self.node)
 
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor:
         return rows.row_sum(x_R, order, node=self.node)

@@ -111,12 +111,15 @@ def _take(x: Tensor, order: Tensor) -> Tensor:
     return x.index_select(0, order)
 
 
-def row_mm(a_RN: Tensor, b_RK: Tensor, order: Tensor, *, node: str | None = None) -> Tensor:
-    """sum over rows r in `order` of a[r]^T b[r]: [N, K] float32, by the GEMM over the rows in key order."""
+def row_mm(
+    a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32, *, node: str | None = None
+) -> Tensor:
+    """sum over rows r in `order` of a[r]^T b[r]: [N, K], by the GEMM over the rows in key order; the
+    GEMM's epilogue rounds once to `out_dtype` (the same bits as rounding its FP32 result afterwards)."""
     _check(a_RN, order, b_RK)
     if a_RN.dim() != 2 or b_RK.dim() != 2 or a_RN.shape[0] != b_RK.shape[0]:
         raise ValueError(f"row_mm: shapes {tuple(a_RN.shape)}, {tuple(b_RK.shape)}; allowed: [R, N], [R, K]")
     _bounds("order", order, a_RN.shape[0])
     if order.numel() == 0:  # no active row: the empty sum (the GEMM is not asked for K = 0)
-        return torch.zeros((a_RN.shape[1], b_RK.shape[1]), dtype=F32, device=a_RN.device)
-    return gemm.mm(_take(a_RN, order).t(), _take(b_RK, order), F32, node=node)
+        return torch.zeros((a_RN.shape[1], b_RK.shape[1]), dtype=out_dtype, device=a_RN.device)
+    return gemm.mm(_take(a_RN, order).t(), _take(b_RK, order), out_dtype, node=node)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from h3lab.ops.fixed import chain_mm
+from h3lab.ops.fixed import chain_mm, round_to
 
 
 def key_order(keys_R2: Tensor) -> Tensor:
@@ -33,9 +33,9 @@ def _take(x: Tensor, order: Tensor) -> Tensor:
     return x.index_select(0, order)
 
 
-def row_mm(a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor:
-    """sum over rows r in `order` of a[r]^T b[r]: [N, K] float32 (a weight gradient dY^T X)."""
-    return chain_mm(_take(a_RN, order).t(), _take(b_RK, order))
+def row_mm(a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """sum over rows r in `order` of a[r]^T b[r]: [N, K] (a weight gradient dY^T X), FP32 then one rounding."""
+    return round_to(chain_mm(_take(a_RN, order).t(), _take(b_RK, order)), out_dtype)
 
 
 def row_sum(x_RN: Tensor, order: Tensor) -> Tensor:
