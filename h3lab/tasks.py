@@ -65,7 +65,7 @@ def compute(problem: Problem, comm: BlockComm, device: torch.device, *, layout: 
         if not problem.digests:
             return step
         digests.update(
-            {k: sha256_tensor(v) for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
+            {k: digest(v) for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
         )
         return dataclasses.replace(step, dw_units={}, dw_replicated={}, dtemb=None)
 
