@@ -80,3 +80,18 @@ def test_the_finder_points_at_the_op_that_diverged_in_baseline_mode(tmp_path):
     assert all(r["bitwise_equal"] for r in rows[: hit["index"]]) and not rows[hit["index"]]["bitwise_equal"]
     # the first op whose bits move under TP2 is a reduction the library orders by shape: a GEMM or all_reduce
     assert hit["op"] in {"attn.to_q", "attn.to_k", "attn.to_v", "attn.sdpa", "attn.to_out.0"}, hit
+
+
+def test_the_device_checksum_sees_every_single_bit_flip(monkeypatch):
+    import h3lab.tasks as tasks
+
+    monkeypatch.setattr(tasks, "_CHUNK", 1000)  # several chunks on a small tensor
+    x = torch.randn(37, 101, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref = tasks.checksum64(x)
+    assert tasks.checksum64(x.clone()) == ref
+    bits = x.view(torch.int16).view(-1)
+    for index in (0, 999, 1000, 3736):  # chunk edges and the last element
+        for bit in (0, 7, 15):
+            y = bits.clone()
+            y[index] ^= torch.tensor(1 << bit, dtype=torch.int32).to(torch.int16)
+            assert tasks.checksum64(y.view(torch.bfloat16).view(37, 101)) != ref, (index, bit)
