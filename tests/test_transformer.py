@@ -186,7 +186,7 @@ def test_two_runs_and_a_checkpoint_give_identical_bytes_and_seeds_matter(tmp_pat
     weights, inputs, ref = tiny_model
     seen: dict[str, str] = {}
     again = transformer_forward(
-        SyntheticWeights(TINY, seed=5), inputs, trace=lambda n, t, space: seen.update({n: space})
+        SyntheticWeights(TINY, seed=5), inputs, trace=lambda n, t, space: seen.update({n: space}) or t
     )
     assert {"embed.temb", "embed.hidden", "block0.norm1", "block1.out", "stack.out", "head.audio"} <= seen.keys()
     assert seen["stack.out"] == "replicated" and seen["block1.out"] == "local"
