@@ -28,6 +28,7 @@ config = "tiny"
 rows = 64
 device = "cpu"
 timeout = 600.0
+trace = True  # a fresh run records every op (the first-divergence timeline)
 
 # %%
 from h3lab.layouts import Layout
@@ -38,7 +39,7 @@ from h3lab.workbench.params import ExploreParams
 from h3lab.workbench.rundata import load_sweep, oracle_tensors
 
 p = ExploreParams(run_dir=run_dir, layout=layout, mode=mode, seed=seed, tensor=tensor, config=config, rows=rows,
-                  device=device, timeout=timeout)  # fmt: skip
+                  device=device, timeout=timeout, trace=trace)  # fmt: skip
 
 # %%
 sweep = load_sweep(p.run_dir) if p.run_dir else sw.run_all(p.sweep_params(sw.new_run_dir(p.device)))
@@ -69,6 +70,12 @@ figures.show(figures.element_map(ours[p.tensor], canonical[p.tensor], fp64[p.ten
 # %%
 errors = views.fp64_table(ours, canonical, fp64)
 errors.style.format("{:.2e}").format("{:d}", subset=["layout max ULP", "single-process max ULP"])
+
+# %% [markdown]
+# ## The first divergence, op by op (traced runs)
+
+# %%
+first_divergence = views.show_divergence(run, p.layout)
 
 # %% [markdown]
 # ## Collective decisions (rank 0)

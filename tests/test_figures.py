@@ -114,3 +114,25 @@ def test_block_max_keeps_a_single_difference_visible():
 def test_heatmap_refuses_empty_data():
     with pytest.raises(ValueError, match="no verdicts"):
         figures.verdict_heatmap(pd.DataFrame(columns=["mode", "layout", "tensor"]))
+
+
+def test_divergence_timeline_is_drawn_from_the_trace():
+    from h3lab.trace import timeline
+
+    g = torch.Generator().manual_seed(4)
+    names = [f"block{b}.{op}" for b in range(2) for op in ("norm1", "attn.to_q", "ff.net.2")]
+    a = {n: torch.randn(8, 16, generator=g).bfloat16() for n in names}
+    b = {n: t.clone() for n, t in a.items()}
+    flipped = b["block1.attn.to_q"].view(torch.int16)
+    flipped.view(-1)[5] ^= 3  # 3 ULP in one element of op 4
+    rows = timeline(a, [(n, "local") for n in names], b)
+    fig = figures.divergence_timeline(rows, title="tp2")
+    rgba = _pixels(fig)
+    assert "first divergence at op 4, block1.attn.to_q" in fig.axes[0].get_title()
+    for i, row in enumerate(rows):
+        cell = _cell_rgba(fig, rgba, "tp2", 0, i)
+        if i == 4:  # 3 ULP falls in the [2, 4) bin
+            cmap, norm = binned_cmap(ULP_EDGES)
+            assert _close(cell, _rgba8(cmap(norm(3))))
+        else:
+            assert row["bitwise_equal"] and _close(cell, _rgba8(IDENTICAL)), i

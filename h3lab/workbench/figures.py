@@ -1,4 +1,5 @@
-"""The pictures: a layout x tensor heatmap of the verdicts and a per-element ULP map of one tensor.
+"""The pictures: a layout x tensor heatmap of the verdicts, a per-element ULP map of one tensor, and
+the op-by-op first-divergence timeline of a traced run.
 
 Both use discrete bins, never a continuous scale: ULP distances fall in power-of-two bins
 [0, 1, 2, 4, ..., 2^16, beyond) and fractions of differing elements in [0, <2^-12, 2^-12, ..., 1/2, 1].
@@ -210,3 +211,31 @@ def show(fig: Figure, path: str | Path | None = None) -> None:
             display(Image(data=data, format="png", metadata={"alt": alt_text(fig)}))
     except ImportError:  # a plain Python caller: the file is the output
         pass
+
+
+def divergence_timeline(rows: list[dict], title: str = "") -> Figure:
+    """Every traced op in execution order: grey when bit-identical, else its max-ULP bin; a line at the first.
+
+    `rows` is `h3lab.trace.timeline(...)`; the x axis is the op index, labelled at each block's start.
+    """
+    cmap, norm = binned_cmap(ULP_EDGES)
+    values = np.array([[_ulp_cell(r["bitwise_equal"], r.get("max_ulp", 0)) if r["present"] else np.nan
+                        for r in rows]])  # fmt: skip
+    fig = Figure(figsize=(min(14, 2 + 0.08 * len(rows)), 2.2))
+    ax = fig.subplots()
+    cmap = cmap.copy()
+    cmap.set_bad(FAILED)
+    im = ax.imshow(values, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    first = next((r["index"] for r in rows if not r["bitwise_equal"]), None)
+    if first is not None:
+        ax.axvline(first - 0.5, color="black", linewidth=1.2)
+        ax.set_title(f"{title}: first divergence at op {first}, {rows[first]['name']}", fontsize=9)
+    else:
+        ax.set_title(f"{title}: every op bit-identical", fontsize=9)
+    starts = [r["index"] for r in rows if r["block"] is not None and (r["index"] == 0 or rows[r["index"] - 1]["block"]
+              != r["block"])]  # fmt: skip
+    ax.set_xticks(starts, [f"b{rows[i]['block']}" for i in starts], fontsize=7)
+    ax.set_yticks([])
+    ax.set_xlabel("ops in execution order (forward, then backward)")
+    fig.colorbar(im, ax=ax, label="max ULP", pad=0.01)
+    return fig

@@ -60,6 +60,7 @@ class ReproduceParams:
     repeats: int = 1
     timeout: float = 600.0
     accuracy: bool = True
+    trace: bool = False  # record every op (h3lab.trace): the explore notebook's first-divergence timeline
     run_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
@@ -133,6 +134,7 @@ class ExploreParams:
     rows: int = 64
     device: str = "cpu"
     timeout: float = 600.0
+    trace: bool = True  # a fresh run records every op, for the first-divergence timeline
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", _path(self.run_dir))
@@ -160,7 +162,7 @@ class ExploreParams:
         """The one-layout, one-mode sweep that explore runs when no run_dir is given."""
         return ReproduceParams(
             device=self.device, layouts=[self.layout], config=self.config, rows=self.rows, seeds=[self.seed],
-            modes=[self.mode], timeout=self.timeout, accuracy=False, run_dir=run_dir,
+            modes=[self.mode], timeout=self.timeout, accuracy=False, run_dir=run_dir, trace=self.trace,
         )  # fmt: skip
 
 

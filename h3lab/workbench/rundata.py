@@ -23,6 +23,7 @@ from h3lab.env import KNOWN_GPUS
 from h3lab.layouts import Layout
 from h3lab.problem import Problem
 from h3lab.runner import slug
+from h3lab.trace import load_trace, timeline
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ class RunnerRun:
 
     def canonical(self) -> dict[str, Tensor]:
         return load_file(str(self.path / "canonical.safetensors"))
+
+    def divergence(self, layout: str) -> list[dict[str, Any]] | None:
+        """The layout's op-by-op comparison with the single process (h3lab.trace.timeline); None untraced."""
+        prefix = self.path / "layouts" / f"{slug(Layout.parse(layout))}.trace"
+        if not (self.path / "canonical.trace.json").is_file() or not Path(f"{prefix}.json").is_file():
+            return None
+        canon, order = load_trace(self.path / "canonical.trace")
+        return timeline(canon, order, load_trace(prefix)[0])
 
     def rank_records(self, layout: str) -> list[dict[str, Any]]:
         """Every rank's own record (timings, its collective decisions); the summary keeps rank 0's decisions only."""

@@ -96,6 +96,7 @@ def run_sweep(run_dir: str | Path) -> Sweep:
             )  # fmt: skip
             out = run_dir / mode / f"seed{seed}"
             req = RunRequest(layouts=layouts, problem=problem, out=out, timeout_s=params["timeout"],
+                             trace=params.get("trace", False),
                              command=["notebooks/reproduce.py", f"run_dir={run_dir}"])  # fmt: skip
             summary = run(req)
             print(f"== {mode}, batch seed {seed}: {out}\n{format_summary(summary)}", flush=True)

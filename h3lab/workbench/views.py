@@ -198,3 +198,17 @@ def save_record(path: str | Path, **frames: pd.DataFrame) -> Path:
     record = {k: json.loads(v.reset_index().to_json(orient="records")) for k, v in frames.items()}
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def show_divergence(run: RunnerRun, layout: str) -> dict[str, Any] | None:
+    """The layout's first divergence from the single process, op by op (a traced run), or a note."""
+    rows = run.divergence(layout)
+    if rows is None:
+        _md(f"*{layout}: this run recorded no op traces (run with `trace=True` / `h3lab run --trace`).*")
+        return None
+    _display(figures.divergence_timeline(rows, title=layout))
+    first = next((r for r in rows if not r["bitwise_equal"]), None)
+    _md("every op is bit-identical" if first is None else
+        f"first divergence: op {first['index']} `{first['name']}` — {first['num_differing']} elements differ, "
+        f"max {first['max_ulp']} ULP")  # fmt: skip
+    return first
