@@ -25,6 +25,8 @@ from h3lab.problem import Problem
 
 GOLDEN_DIR = KERNELS_DIR / "golden"
 REFERENCE = Problem(synthetic="tiny", weights_seed=0, block=0, rows=264, padding=0, seed=0)
+# the generation gate: 2 sampler steps through the whole tiny transformer (4 blocks), seed 0
+TRAJECTORY = Problem(synthetic="tiny", task="trajectory", block=0, last_block=3, steps=2, seed=0)
 
 
 def reference_digests(backend: str, device: str) -> dict[str, str]:
@@ -32,6 +34,16 @@ def reference_digests(backend: str, device: str) -> dict[str, str]:
     p = replace(REFERENCE, device=device, backend=backend)
     result = canonical_block(p.weights(device), p.batch(device), backend=backend)
     return {k: sha256_tensor(v) for k, v in result.tensors().items()}
+
+
+def trajectory_digests(backend: str, device: str) -> dict[str, str]:
+    """sha256 of the reference trajectory's latents after every step (`step{k}.video`, `step{k}.audio`)."""
+    from h3lab import tasks
+    from h3lab.comm import LocalComm
+
+    p = replace(TRAJECTORY, device=device, backend=backend)
+    tensors = tasks.compute(p, LocalComm(), torch.device(device)).tensors
+    return {k: sha256_tensor(v) for k, v in tensors.items()}
 
 
 def golden_path(node: str) -> Path:
@@ -46,8 +58,10 @@ def record(backend: str, device: str) -> Path:
     env = capture(device)
     data["contract"] = CONTRACT_ID
     data["problem"] = REFERENCE.to_dict() | {"device": None, "backend": None}
+    data["trajectory_problem"] = TRAJECTORY.to_dict() | {"device": None, "backend": None}
     data["backends"][backend] = {
         "digests": reference_digests(backend, device),
+        "trajectory": trajectory_digests(backend, device),
         "recorded": time.strftime("%Y-%m-%d"),
         "environment": {k: env[k] for k in ("torch", "triton", "cuda", "driver", "platform")} | {"gpus": env["gpus"]},
     }
@@ -72,7 +86,10 @@ def verify(backend: str, device: str) -> dict[str, Any]:
         raise ValueError(f"no golden digests for node type {node!r} and backend {backend!r} in {GOLDEN_DIR}; "
                          f"published node types: {have}")  # fmt: skip
     got = reference_digests(backend, device)
-    expected = published["digests"]
+    expected = dict(published["digests"])
+    if "trajectory" in published:  # the generation gate, when this node type has it recorded
+        got |= {f"trajectory.{k}": v for k, v in trajectory_digests(backend, device).items()}
+        expected |= {f"trajectory.{k}": v for k, v in published["trajectory"].items()}
     names = list(expected)  # the recorded order: out, dx, dtemb, dw.<parameter>...
     mismatched = [n for n in names if got.get(n) != expected[n]]
     return {
