@@ -3,6 +3,7 @@
 Run directory (nothing in it claims completion until `summary.json` says so; it is rewritten
 atomically with status "running" first and "passed" / "failed" last):
   request.json                      what was asked, the exact command
+  env.json                          versions, devices, node type, git commit and dirty flag
   canonical.safetensors             out, dx, dtemb, dw.<parameter> of the single-process block
   layouts/<slug>/                   spec.json, per-rank logs, status, json and safetensors
   layouts/<slug>.safetensors        the layout's reassembled out, dx, dtemb and dw.<parameter>
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from h3lab import tasks
 from h3lab.comm import LocalComm
 from h3lab.contract import describe
+from h3lab.env import capture
 from h3lab.launch import LaunchResult, launch
 from h3lab.layouts import Layout
 from h3lab.metrics import compare, sha256_tensor
@@ -101,6 +103,7 @@ def run(req: RunRequest) -> dict:
         "cwd": os.getcwd(),
     }
     _atomic_json(req.out / "request.json", request)
+    _atomic_json(req.out / "env.json", capture(req.problem.device))  # versions, node type, git state
     summary: dict = {
         "status": "running",
         "started": started,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from h3lab.layouts import ALL_LAYOUTS, parse_layouts
@@ -42,6 +43,8 @@ def _assert_all_bitwise(summary: dict, out: Path, layouts) -> None:
     assert summary["status"] == "passed", json.dumps({k: v.get("failure") for k, v in summary["layouts"].items()})
     canon = load_file(str(out / "canonical.safetensors"))
     assert set(canon) >= {"out", "dx", "dtemb", "dw.attn.to_q.weight", "dw.adaln_proj.linear.bias"}
+    env = json.loads((out / "env.json").read_text())
+    assert env["node_type"] == "CPU" and env["torch"] == torch.__version__ and env["git"]["commit"]
     for layout in parse_layouts(layouts):
         rec = summary["layouts"][layout.name]
         assert rec["ranks_all_equal"] and rec["replicas_consistent"]
