@@ -21,7 +21,7 @@
 # %% tags=["parameters"]
 run_dir = ""  # a run directory; "" runs `layout` now (config, rows, device, timeout below)
 layout = "tp4xcp2+sp"
-mode = "baseline"  # deterministic or baseline
+mode = ""  # deterministic or baseline; "": baseline when the run has it, else the run's mode
 seed = 0  # batch seed
 tensor = "out"  # out, dx, dtemb or dw.<parameter>
 config = "tiny"
@@ -62,7 +62,7 @@ figures.show(figures.verdict_heatmap(verdicts[verdicts["layout"] == p.layout], t
 # ## Per element: one tensor, against the single-process block and against FP64
 
 # %%
-figures.show(figures.element_map(ours[p.tensor], canonical[p.tensor], fp64[p.tensor], name=p.tensor))
+figures.show(figures.element_map(ours[p.tensor], canonical[p.tensor], fp64.get(p.tensor), name=p.tensor))
 
 # %% [markdown]
 # ## Error against the FP64 oracle, every tensor

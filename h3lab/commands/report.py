@@ -7,13 +7,15 @@ from pathlib import Path
 
 from h3lab.cli import Command, command
 
+REPORTS = Path(__file__).resolve().parents[2] / "reports"  # the checkout's published reports
+
 
 @command("report", help="render run directories into a self-contained HTML report (reports/<node type>/)")
 def add_arguments(p: argparse.ArgumentParser) -> Command:
     p.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="sweeps (runs/<id>) or `h3lab run` folders")
     p.add_argument("--out", type=Path, default=None,
                    help="one report of all RUNs here (default: one per node type in ROOT/<node type>/)")  # fmt: skip
-    p.add_argument("--root", type=Path, default=Path("reports"), help="reports folder holding index.html")
+    p.add_argument("--root", type=Path, default=REPORTS, help=f"reports folder holding index.html (default {REPORTS})")
     p.add_argument("--title", default="", help="the report's title")
     p.add_argument("--element-layout", default="", help="layout of the per-element maps (default: the last)")
     p.add_argument("--element-tensor", default="out", help="tensor of the per-element maps (default: out)")
@@ -40,7 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> Command:
                 status = 1
                 continue
             print(f"report: {page}")
-        print(f"index: {write_index(a.root)}")
+        root = a.root.resolve()
+        if all(out.resolve().is_relative_to(root) for out in groups):
+            print(f"index: {write_index(root)}")
+        else:  # a report written elsewhere (--out) is not listed in the repository's index
+            print(f"index: not updated ({root}/index.html lists reports under {root} only)")
         return status
 
     return handle

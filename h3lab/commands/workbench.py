@@ -2,7 +2,8 @@
 
 `h3lab workbench reproduce` (what `make reproduce` runs) executes notebooks/reproduce.py into
 runs/<id>/reproduce.ipynb with a progress bar over the sweep, publishes the report to
-reports/<node type>/ and prints the verdict table, the accuracy table and the report's path.
+runs/<id>/report/ (reports/<node type>/ with --publish) and prints the verdict table, the accuracy
+table and the report's path.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from h3lab.cli import Command, command
+from h3lab.commands.report import REPORTS
 
 
 @command("workbench", help="execute a notebook (reproduce, explore) through papermill into a run directory")
@@ -22,8 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> Command:
     p.add_argument("--out", type=Path, default=None,
                    help="reproduce: the run directory (default runs/<time>-<node>-<commit>-<hex>); "
                         "explore: the executed notebook (default runs/explore-<time>.ipynb)")  # fmt: skip
-    p.add_argument("--reports", type=Path, default=Path("reports"), help="reports folder (reproduce publishes here)")
-    p.add_argument("--no-report", action="store_true", help="reproduce: do not publish the report")
+    p.add_argument(
+        "--publish",
+        action="store_true",
+        help="reproduce: publish into REPORTS/<node type>/ (committed reports) instead of the run directory",
+    )
+    p.add_argument("--reports", type=Path, default=REPORTS, help=f"reports folder for --publish (default {REPORTS})")
+    p.add_argument("--no-report", action="store_true", help="reproduce: do not render the report")
 
     def handle(a: argparse.Namespace) -> int:
         import yaml
@@ -74,7 +81,11 @@ def _reproduce(a: argparse.Namespace, params: dict) -> int:
     every = {True: "yes", False: "no", None: "-"}[sweep.record.get("deterministic_all_equal")]
     print(f"sweep: {sweep.status}; every deterministic layout bit-identical: {every}")
     print(f"executed notebook: {run_dir / 'reproduce.ipynb'}")
-    if not a.no_report:
-        page = publish([run_dir], a.reports / sweep.node_type.lower())
+    if not a.no_report:  # into the run directory: a sweep never overwrites the committed reports/ unasked
+        from h3lab.workbench.publish import write_index
+
+        page = publish([run_dir], a.reports / sweep.node_type.lower() if a.publish else run_dir / "report")
+        if a.publish:
+            write_index(a.reports)
         print(f"report: {page.resolve()}")
     return 0 if sweep.status == "passed" else 1

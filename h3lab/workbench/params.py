@@ -127,7 +127,7 @@ class ExploreParams:
 
     run_dir: str | Path | None = None
     layout: str = "tp4xcp2+sp"
-    mode: str = "baseline"
+    mode: str = ""  # "": baseline when the run has it (where bits move), else the run's mode
     seed: int = 0
     tensor: str = "out"
     config: str = "tiny"
@@ -147,8 +147,10 @@ class ExploreParams:
             object.__setattr__(self, "layout", Layout.parse(self.layout).name)
         except ValueError as err:
             raise ValueError(f"parameter layout={self.layout!r}: {err}") from None
+        if self.mode == "":
+            object.__setattr__(self, "mode", self._default_mode())
         if self.mode not in MODES:
-            raise ValueError(f"parameter mode={self.mode!r}; allowed: {list(MODES)}")
+            raise ValueError(f"parameter mode={self.mode!r}; allowed: {list(MODES)} or '' (the run's)")
         if self.tensor not in TENSOR_NAMES and not self.tensor.startswith("dw."):
             raise ValueError(f"parameter tensor={self.tensor!r}; allowed: {list(TENSOR_NAMES)} or 'dw.<parameter>'")
         if self.run_dir is None:  # the fresh run's parameters go through the sweep's checks
@@ -157,6 +159,14 @@ class ExploreParams:
             from h3lab.workbench.rundata import load_sweep
 
             load_sweep(self.run_dir).run(self.mode, self.seed).record(self.layout)
+
+    def _default_mode(self) -> str:
+        if self.run_dir is None:
+            return "baseline"
+        from h3lab.workbench.rundata import load_sweep
+
+        modes = [r.mode for r in load_sweep(self.run_dir).runs]
+        return "baseline" if "baseline" in modes or not modes else modes[0]
 
     def sweep_params(self, run_dir: Path) -> ReproduceParams:
         """The one-layout, one-mode sweep that explore runs when no run_dir is given."""

@@ -163,9 +163,14 @@ def _node_type(environment: dict[str, Any]) -> str:
 
 
 def oracle_tensors(run: RunnerRun) -> dict[str, Tensor]:
-    """The FP64 oracle's out, dx, dtemb and dw.<parameter> for the run's block and batch (float64)."""
+    """The FP64 oracle's out, dx, dtemb and dw.<parameter> for the run's block and batch (float64).
+
+    The oracle is of one block: a chain or trajectory run gets {} (no FP64 comparison).
+    """
     from h3lab.oracle import oracle_block
 
     problem = run.problem()
+    if problem.task != "block":
+        return {}
     result = oracle_block(problem.weights(problem.device), problem.batch(problem.device)).tensors()
     return {k: v.detach().cpu() for k, v in result.items()}
