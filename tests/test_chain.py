@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from h3lab import canonical_block
+from h3lab.chain import canonical_chain
 from h3lab.comm import LocalComm
 from h3lab.layouts import parse_layouts
 from h3lab.problem import Problem
@@ -25,6 +26,8 @@ def test_a_one_block_chain_is_the_canonical_block():
     ref = canonical_block(p.weights(), p.batch())
     assert_bitwise(tensors["out"], ref.out, "out"), assert_bitwise(tensors["dx"], ref.dx, "dx")
     assert_bitwise(tensors["block0.dw.norm1.weight"], ref.dw["norm1.weight"], "dw")
+    chain = canonical_chain(p.model_weights(), p.batch(), [0])  # the public entry point, same bits
+    assert_bitwise(chain.out, ref.out, "out"), assert_bitwise(chain.blocks[0].dtemb, ref.dtemb, "dtemb")
 
 
 def test_a_four_block_chain_is_bitwise_under_layouts_with_every_op_traced(tmp_path):
