@@ -15,54 +15,15 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from h3lab.batch import PackedBatch, packed_batch
+from h3lab.bench.eager import eager_block
 from h3lab.block import canonical_block
-from h3lab.config import NUM_ADALN_CHUNKS, H3Config
+from h3lab.config import H3Config
 from h3lab.env import capture
 from h3lab.metrics import bitwise_equal, error_stats
 from h3lab.oracle import oracle_block, rope_cos_sin
 from h3lab.weights import BlockWeights, synthetic_block
-
-
-def eager_block(w: BlockWeights, b: PackedBatch, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> dict:
-    """diffusers' block math in plain bf16 torch ops: cuBLAS GEMMs, SDPA, autograd (no padding rows)."""
-    c = w.config
-    p = {k: v.detach().requires_grad_(backward) for k, v in w.items()}
-    x = b.hidden_states.detach().requires_grad_(backward)
-    temb = b.temb.detach().requires_grad_(backward)
-    H, Dh, D = c.num_attention_heads, c.attention_head_dim, c.hidden_size
-    with torch.enable_grad() if backward else torch.no_grad():
-        table = F.linear(F.silu(temb).to(torch.bfloat16), p["adaln_proj.linear.weight"], p["adaln_proj.linear.bias"])
-        mods = [t.index_select(0, b.adaln_indices) for t in table.view(-1, NUM_ADALN_CHUNKS * D).chunk(6, -1)]
-        sm, cm, gm, sf, cf, gf = mods
-        n1 = F.rms_norm(x, (D,), p["norm1.weight"], c.norm_eps) * (1 + cm) + sm
-        q, k, v = (F.linear(n1, p[f"attn.to_{n}.weight"]).unflatten(-1, (H, Dh)) for n in "qkv")
-        q = F.rms_norm(q, (Dh,), p["attn.norm_q.weight"], c.qk_norm_eps)
-        k = F.rms_norm(k, (Dh,), p["attn.norm_k.weight"], c.qk_norm_eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        o = o[0].transpose(0, 1).flatten(1)
-        x1 = x + gm * F.linear(o, p["attn.to_out.0.weight"])
-        n2 = F.rms_norm(x1, (D,), p["norm2.weight"], c.norm_eps) * (1 + cf) + sf
-        hid, gate = F.linear(n2, p["ff.net.0.proj.weight"]).chunk(2, -1)
-        out = x1 + gf * F.linear(hid * F.silu(gate), p["ff.net.2.weight"])
-        if not backward:
-            return {"out": out}
-        grads = torch.autograd.grad(out, [x, temb, *p.values()], b.grad_out)
-    return {
-        "out": out.detach(),
-        "dx": grads[0],
-        "dtemb": grads[1],
-        **{f"dw.{k}": g for k, g in zip(p, grads[2:], strict=True)},
-    }
-
-
-def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    C = cos.shape[-1]
-    rotated = torch.cat([-t[..., C // 2 : C], t[..., : C // 2]], -1)
-    return torch.cat([t[..., :C] * cos[:, None] + rotated * sin[:, None], t[..., C:]], -1)
 
 
 def _time(fn, reps: int) -> list[float]:

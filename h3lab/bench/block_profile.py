@@ -1,0 +1,108 @@
+"""Where the canonical GPU block's time goes: kernels, launches, host synchronisations, Python.
+
+`python -m h3lab.bench.block_profile --out DIR [--rows 264,4096] [--backend triton]` writes, per row
+count, `profile-<rows>.txt` (torch.profiler tables: CUDA kernels by total time, CPU ops by self
+time, runtime calls such as cudaStreamSynchronize by count; cProfile's top Python functions) and
+`profile.json` (wall time, summed kernel time, launch and synchronisation counts). The wall time
+minus the kernel time is what the host adds: launches the GPU waited for and synchronisations
+that drained its queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from h3lab.batch import packed_batch
+from h3lab.block import canonical_block
+from h3lab.config import H3Config
+from h3lab.weights import synthetic_block
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
+
+
+def _wall(fn, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def profile_rows(c: H3Config, rows: int, backend: str, reps: int) -> tuple[dict, str]:
+    dev = torch.device("cuda")
+    w = synthetic_block(c, 0, seed=0).to(dev)
+    b = packed_batch(c, rows, seed=1).to(dev)
+
+    def run() -> None:
+        canonical_block(w, b, backend=backend)
+
+    for _ in range(2):  # compile and warm every kernel
+        run()
+    wall = _wall(run, reps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx"))
+    syncs = {e.key: e.count for e in events if e.key in SYNC_CALLS}
+    pr = cProfile.Profile()
+    pr.enable()
+    run()
+    torch.cuda.synchronize()
+    pr.disable()
+    py = io.StringIO()
+    pstats.Stats(pr, stream=py).sort_stats("tottime").print_stats(40)
+    text = "\n\n".join([
+        f"rows {rows}, backend {backend}: wall median {statistics.median(wall) * 1e3:.2f} ms, "
+        f"kernels {kernel_s * 1e3:.2f} ms, launches {launches}, syncs {syncs}",
+        events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90),
+        events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
+        events.table(sort_by="count", row_limit=30, max_name_column_width=90),
+        py.getvalue(),
+    ])  # fmt: skip
+    record = {
+        "rows": rows, "backend": backend, "wall_median_s": statistics.median(wall), "wall_s": wall,
+        "kernel_s": kernel_s, "host_added_s": statistics.median(wall) - kernel_s, "launches": launches,
+        "syncs": syncs, "kernels": len(kernels),
+        "top_kernels": [{"name": e.key[:120], "count": e.count, "total_ms": e.self_device_time_total / 1e3}
+                        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]],
+    }  # fmt: skip
+    return record, text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="264,4096")
+    ap.add_argument("--backend", default="triton", choices=("triton", "torch"))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--config", default="real")
+    a = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for rows in (int(r) for r in a.rows.split(",")):
+        record, text = profile_rows(H3Config.named(a.config), rows, a.backend, a.reps)
+        records.append(record)
+        (a.out / f"profile-{rows}.txt").write_text(text)
+        (a.out / "profile.json").write_text(json.dumps(records, indent=1))
+        print(text.split("\n\n")[0], flush=True)
+
+
+if __name__ == "__main__":
+    main()
