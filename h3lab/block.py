@@ -11,6 +11,7 @@ drive it through a `BlockComm` and a `UnitWeights` slice, `canonical_block` with
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -110,7 +111,10 @@ def block_step(
     """
     _check(uw, b)
     be = get_backend(backend, b.device)
-    with strict_mode(), torch.no_grad():
+    # Triton launches on the current CUDA device: make it the batch's (rank 1 of a NCCL layout
+    # holds cuda:1 while the current device may still be cuda:0)
+    on_device = torch.cuda.device(b.device) if b.device.type == "cuda" else contextlib.nullcontext()
+    with strict_mode(), torch.no_grad(), on_device:
         return _block_step(uw, b, comm, be, backward, trace or _no_trace)
 
 
@@ -244,9 +248,9 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     d_rows = torch.stack([d_shift_msa, d_scale_msa, d_gate_msa, d_shift_mlp, d_scale_mlp, d_gate_mlp], dim=1)
     d_table = be.segment_sum(seq_local(d_rows, "cp.gather.dtable"), idx_seq, 3 * T, order).reshape(T, -1)
     d_cols = d_table[:, units.start * G8 : units.stop * G8]  # [T, 18D/8 * local units]
-    dw_local["adaln_proj.linear.weight"] = be.mm(d_cols.t(), st, w_dt)  # timesteps ascending
+    dw_local["adaln_proj.linear.weight"] = be.mm_few_k(d_cols, st, w_dt)  # timesteps ascending
     dw_local["adaln_proj.linear.bias"] = chain_sum(d_cols)
-    dst = be.unit_reduce([(d_cols, loc["adaln_w"])], U)
+    dst = be.unit_reduce_few_rows(d_cols, loc["adaln_w"], U)
     dtemb = silu_bwd(comm.reduce_units(dst, "adaln.dtemb"), b.temb)
 
     # ---- per-unit views of this rank's weight gradients, rounded once to the weights' dtype ---

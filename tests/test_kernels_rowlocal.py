@@ -308,6 +308,24 @@ def test_bad_inputs_raise():
             call()
 
 
+def test_index_checks_are_cached_but_never_stale():
+    """One host sync per order tensor (rows._facts), yet an in-place change or a new tensor is re-checked."""
+    x = torch.randn(5, 4, device=DEV)
+    order = torch.tensor([4, 0, 2], device=DEV)
+    ref = rows.row_sum(x, order, node=NODE)
+    _same(rows.row_sum(x, order, node=NODE), ref.cpu(), "cached")
+    order[0] = 5  # same tensor object, bumped version: must not pass on the cached bounds
+    with pytest.raises(ValueError, match=r"order: values in \[0, 5\]; allowed: \[0, 5\)"):
+        rows.row_sum(x, order, node=NODE)
+    ident = torch.arange(5, device=DEV)
+    in_place = rows.row_mm(x, x, ident, node=NODE)  # cached as the identity: x used in place
+    ident[4] = 0  # rows 0, 1, 2, 3, 0 now: row_mm must gather
+    repeated = x[[0, 1, 2, 3, 0]]
+    got = rows.row_mm(x, x, ident, node=NODE)
+    _same(got, rows.row_mm(repeated, repeated, torch.arange(5, device=DEV), node=NODE).cpu(), "re-checked")
+    assert not torch.equal(got, in_place)
+
+
 # ---- the backend --------------------------------------------------------------------------------
 
 

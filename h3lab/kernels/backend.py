@@ -2,8 +2,9 @@
 
 Every kernel runs the configuration pinned for this node type (kernels/<node>.json); `describe()`
 returns that file for run records. Which bits each family gives:
-- GEMMs (mm, unit_reduce, row_mm) and attention: tensor-core sums in pinned tile orders, their own
-  bits, equal across layouts on one GPU type (h3lab.kernels.gemm, unit_gemm, attention);
+- GEMMs (mm, unit_reduce, row_mm, the few-row AdaLN pair) and attention: tensor-core (or IEEE FP32)
+  sums in pinned tile orders, their own bits, equal across layouts on one GPU type
+  (h3lab.kernels.gemm, unit_gemm, few_rows, attention);
 - row-local ops (norms, RoPE, SwiGLU, gated residual) and the row chains (row_sum, segment_sum):
   the torch backend's bits, by construction (h3lab.kernels.norm, elementwise, rows).
 
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from h3lab.backend import Pieces
-from h3lab.kernels import attention, configs, elementwise, gemm, norm, rows, unit_gemm
+from h3lab.kernels import attention, configs, elementwise, few_rows, gemm, norm, rows, unit_gemm
 
 F32 = torch.float32
 
@@ -57,6 +58,12 @@ class TritonBackend:
 
     def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
         return unit_gemm.unit_mm(pieces, num_units, node=self.node)
+
+    def unit_reduce_few_rows(self, a_TK: Tensor, b_KN: Tensor, num_units: int) -> Tensor:
+        return few_rows.unit_mm_few_rows(a_TK, b_KN, num_units, node=self.node)
+
+    def mm_few_k(self, a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
+        return few_rows.mm_few_k(a_KM, b_KN, out_dtype, node=self.node)
 
     def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
         return rows.row_mm(a_RN, b_RK, order, out_dtype, node=self.node)

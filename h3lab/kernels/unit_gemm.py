@@ -1,8 +1,8 @@
 """Unit-tree GEMM: per-unit FP32 chains, then the contract's balanced tree, inside one kernel.
 
 Reference: h3lab.backend.TorchBackend.unit_reduce (chain_mm per unit, then h3lab.ops.fixed.unit_tree).
-Launcher: `unit_mm`. Serves the row-parallel forwards (to_out, ff.net.2), the column-parallel dX
-(q,k,v; hidden,gate) and d temb.
+Launcher: `unit_mm`. Serves the row-parallel forwards (to_out, ff.net.2) and the column-parallel dX
+(q,k,v; hidden,gate); d temb has its own few-row kernel (h3lab.kernels.few_rows).
 
 `pieces` = [(a [M, U*Kp], b [U*Kp, N]), ...] (1 to 3). Unit i is column block i of every piece's
 a and row block i of its b. Its partial is ONE FP32 chain: pieces in order, within a piece chunks

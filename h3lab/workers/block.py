@@ -123,6 +123,8 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
     problem = Problem.from_dict(spec["problem"])
     device = problem.rank_device(int(os.environ.get("LOCAL_RANK", 0)))
     transport = "nccl" if device.type == "cuda" and problem.one_gpu_per_rank(layout) else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
     dist.init_process_group(transport, device_id=device if transport == "nccl" else None)
     progress.tick("process group up")  # phases count as progress, so a hang names its straggler
     _inject_fault(rank)
