@@ -83,19 +83,44 @@ def unit_weights(weights: BlockWeights, units: range = range(NUM_UNITS)) -> Unit
     )
 
 
+def join(pieces: list[Tensor], dim: int) -> Tensor:
+    """torch.cat(pieces, dim), but a view when the pieces already lie end to end in one tensor.
+
+    block_step hands out each weight gradient as per-unit views of one GEMM output; copying them
+    back together cost 1.2 ms and 1.3 GB of peak memory per real-size block (H200, 4096 rows).
+    """
+    first = pieces[0]
+    step = first.stride(dim) * first.element_size()
+    offset = first.data_ptr()
+    adjacent = True
+    for p in pieces:
+        same_layout = p.dtype == first.dtype and p.stride() == first.stride() and p.device == first.device
+        other_dims = p.shape[:dim] + p.shape[dim + 1 :] == first.shape[:dim] + first.shape[dim + 1 :]
+        same_storage = p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (same_layout and other_dims and same_storage and p.data_ptr() == offset):
+            adjacent = False
+            break
+        offset += p.shape[dim] * step
+    if not adjacent:
+        return torch.cat(pieces, dim=dim)
+    shape = list(first.shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
 def assemble_unit_grads(grads: dict[str, dict[int, Tensor]], units: range) -> dict[str, Tensor]:
     """Per-unit weight gradients -> diffusers-shaped tensors covering `units` (the full tensor for all 8).
 
     ff.net.0.proj.weight stacks the hidden rows of `units`, then their gate rows.
     """
-    cat0 = lambda name: torch.cat([grads[name][u] for u in units], dim=0)  # noqa: E731
+    cat0 = lambda name: join([grads[name][u] for u in units], dim=0)  # noqa: E731
     return {
         "attn.to_q.weight": cat0("attn.to_q.weight"),
         "attn.to_k.weight": cat0("attn.to_k.weight"),
         "attn.to_v.weight": cat0("attn.to_v.weight"),
-        "attn.to_out.0.weight": torch.cat([grads["attn.to_out.0.weight"][u] for u in units], dim=1),
-        "ff.net.0.proj.weight": torch.cat([cat0("ff.hidden"), cat0("ff.gate")], dim=0),
-        "ff.net.2.weight": torch.cat([grads["ff.net.2.weight"][u] for u in units], dim=1),
+        "attn.to_out.0.weight": join([grads["attn.to_out.0.weight"][u] for u in units], dim=1),
+        "ff.net.0.proj.weight": join([cat0("ff.hidden"), cat0("ff.gate")], dim=0),
+        "ff.net.2.weight": join([grads["ff.net.2.weight"][u] for u in units], dim=1),
         "adaln_proj.linear.weight": cat0("adaln_proj.linear.weight"),
         "adaln_proj.linear.bias": cat0("adaln_proj.linear.bias"),
     }

@@ -11,7 +11,7 @@ from h3lab import H3Config, PackedBatch, canonical_block, packed_batch, syntheti
 from h3lab.batch import ROW_FIELDS
 from h3lab.contract import strict_mode
 from h3lab.ops.fixed import chain_mm, unit_tree
-from h3lab.units import unit_weights
+from h3lab.units import join, unit_weights
 from tests.conftest import assert_bitwise
 
 
@@ -169,3 +169,18 @@ def test_mismatched_shapes_and_devices_raise(tiny, tiny_weights, tiny_batch):
 def test_heads_not_divisible_by_8_raise():
     with pytest.raises(ValueError, match="num_attention_heads=12 is not divisible by the 8"):
         H3Config.tiny().replace(num_attention_heads=12)
+
+
+def test_unit_grads_join_without_copies_where_they_lie_end_to_end():
+    base = torch.randn(6, 10)
+    rows = [base[i * 2 : (i + 1) * 2] for i in range(3)]
+    cols = [base[:, i * 5 : (i + 1) * 5] for i in range(2)]
+    for pieces, dim in ((rows, 0), (cols, 1)):
+        got = join(pieces, dim)
+        assert got.data_ptr() == base.data_ptr() and torch.equal(got, base), f"dim {dim}: a view of the base"
+    apart = [base[0:2], base[3:5]]  # a gap: must copy
+    assert torch.equal(join(apart, 0), torch.cat(apart)) and join(apart, 0).data_ptr() != base.data_ptr()
+    swapped = [base[2:4], base[0:2]]
+    assert torch.equal(join(swapped, 0), torch.cat(swapped))
+    other = [base[0:2], base.clone()[2:4]]  # another storage that happens to follow in memory is still copied
+    assert torch.equal(join(other, 0), torch.cat(other))

@@ -104,7 +104,8 @@ def row_sum(x_RN: Tensor, order: Tensor, *, node: str | None = None) -> Tensor:
     """Sum over the rows in `order` of x[r], one FP32 chain per column: [N...] float32."""
     _check(x_RN, order)
     _bounds("order", order, x_RN.shape[0])
-    starts = torch.tensor([0, order.numel()], dtype=torch.int32, device=x_RN.device)
+    # [0, n] made on the device: torch.tensor(list, device=cuda) would copy from pageable memory, a host sync
+    starts = torch.arange(2, dtype=torch.int32, device=x_RN.device) * order.numel()
     return _chains(x_RN, order, starts, node).reshape(x_RN.shape[1:])
 
 

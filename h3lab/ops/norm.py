@@ -6,6 +6,8 @@ All arithmetic is FP32 with a fixed operation order; the caller rounds each op's
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -54,10 +56,16 @@ def rope_inv_freq(rope_freq_dim: int, theta: float) -> list[float]:
     return [1.0 / theta ** ((2 * k) / (2 * rope_freq_dim)) for k in range(rope_freq_dim)]
 
 
+@functools.cache
+def _inv_freq(rope_freq_dim: int, theta: float, device: torch.device) -> Tensor:
+    # once per device: a copy from host memory would wait for the GPU's queue at every block
+    return torch.tensor(rope_inv_freq(rope_freq_dim, theta), dtype=torch.float64).to(torch.float32).to(device)
+
+
 def rope_tables(position_ids_R3: Tensor, rope_freq_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos, sin [R, 6f] float32: per-axis angles (t | h | w) concatenated, then duplicated (diffusers)."""
-    inv_freq = torch.tensor(rope_inv_freq(rope_freq_dim, theta), dtype=torch.float64).to(torch.float32)
-    angles = position_ids_R3.to(torch.float32).unsqueeze(-1) * inv_freq.to(position_ids_R3.device)
+    inv_freq = _inv_freq(rope_freq_dim, theta, position_ids_R3.device)
+    angles = position_ids_R3.to(torch.float32).unsqueeze(-1) * inv_freq
     angles = angles.reshape(angles.shape[0], 3 * rope_freq_dim)
     return cos_sin(torch.cat([angles, angles], dim=-1))
 
