@@ -198,6 +198,8 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
         "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order, w_dt),  # [F_local, D]
         "ff.gate": be.row_mm(seq(dg, "cp.gather.dg"), m2_seq, order, w_dt),
     }
+    # dead from here on: the block's peak memory is at the end of the backward, so free as we go
+    del h, g, a, da, dh, dg, dy, dy_tp, dy_seq, m2, m2_tp, m2_seq, y, out
 
     # ---- B8-B6 norm2, residual 1, to_out --------------------------------------------------
     dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = be.rms_modulate_bwd(dm2, x1, rep["norm2.weight"], scale_mlp, eps)
@@ -207,6 +209,11 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     do_tp = comm.gather_tp_rows(do, "sp.gather.do")
     dattn = tr("d.attn.sdpa", be.mm(do_tp, loc["out"], act), "tp_units")  # [R_tp, A_local]
     dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order, w_dt)
+    # norm2's cross-row gradients now, so its four FP32 [R, D] row tensors go before the attention's
+    segment = lambda d, i: be.segment_sum(seq_local(d, f"cp.gather.dtable{i}"), idx_seq, 3 * T, order)  # noqa: E731
+    dnorm2 = be.round(be.row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), rep["norm2.weight"].dtype)
+    d_table_mlp = [segment(d, i) for i, d in enumerate((d_shift_mlp, d_scale_mlp, d_gate_mlp), start=3)]
+    del dxn2, dw_norm2, d_shift_mlp, d_scale_mlp, d_gate_mlp, dm2, x1, g_out, o_proj, do, do_tp
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
     dO = heads(dattn)
@@ -216,10 +223,12 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     q_c, dO_c = seq(qr, "cp.gather.q")[order], seq(dO, "cp.gather.dO")[order]
     stats_c = [gather_q(t, f"cp.gather.stats{i}") for i, t in enumerate(stats)]
     dk, dv = be.attention_bwd_kv(q_c, dO_c, stats_c, gather_q(delta, "cp.gather.delta"), kr, v, scale)
+    del q_c, dO_c, stats_c, k_c, v_c, dO, dattn, delta, stats, o_ref, attn3, attn, qr, kr, v
 
     # ---- B4-B3 RoPE + q/k norm, then q,k,v dX (unit tree) and dW -----------------------------
     dq, dwq_rows = be.qk_norm_rope_bwd(dq, heads(q), wq, cos, sin, qk_eps, act)
     dk, dwk_rows = be.qk_norm_rope_bwd(dk, heads(k), wk, cos, sin, qk_eps, act)
+    del q, k
     dq, dk, dv = dq.reshape(R_tp, -1), dk.reshape(R_tp, -1), be.round(dv, act).reshape(R_tp, -1)
     dq, dk, dv = (tr(f"d.attn.to_{n}", t, "tp_units") for n, t in (("q", dq), ("k", dk), ("v", dv)))
     root = be.unit_reduce([(dq, loc["q"]), (dk, loc["k"]), (dv, loc["v"])], U)  # q, k, v
@@ -227,6 +236,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     m1_seq = seq(m1_tp, "cp.gather.m1")
     for name, d in (("attn.to_q.weight", dq), ("attn.to_k.weight", dk), ("attn.to_v.weight", dv)):
         dw_local[name] = be.row_mm(seq(d, f"cp.gather.d{name[8]}"), m1_seq, order, w_dt)  # [A_local, D]
+    del dq, dk, dv, d, m1_seq, m1_tp, m1, root
 
     # ---- B2 norm1, dx ------------------------------------------------------------------------
     dxn1, dw_norm1, d_scale_msa, d_shift_msa = be.rms_modulate_bwd(dm1, x, rep["norm1.weight"], scale_msa, eps)
@@ -237,19 +247,18 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     p_dt = lambda name: rep[name].dtype  # noqa: E731
     dw_rep = {
         "norm1.weight": be.round(be.row_sum(seq_local(dw_norm1, "cp.gather.dnorm1"), order), p_dt("norm1.weight")),
-        "norm2.weight": be.round(be.row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), p_dt("norm2.weight")),
+        "norm2.weight": dnorm2,
     }
     for name, rows in (("attn.norm_q.weight", dwq_rows), ("attn.norm_k.weight", dwk_rows)):
         per_head = be.row_sum(seq(rows, f"cp.gather.{name}"), order)  # [H_local, Dh]
-        per_unit = [chain_sum(per_head[i * H8 : (i + 1) * H8]) for i in range(len(units))]  # heads ascending
-        dw_rep[name] = be.round(comm.reduce_units(unit_tree(per_unit), name), p_dt(name))
+        per_unit = chain_sum(per_head.view(U, H8, -1).transpose(0, 1))  # [U, Dh]: each unit's heads ascending
+        dw_rep[name] = be.round(comm.reduce_units(unit_tree(list(per_unit.unbind(0))), name), p_dt(name))
 
     # ---- B1 AdaLN table rows (segmented, key order), then its projection ---------------------
     # one chain per column, so six [R, D] calls give the bits of one stacked [R, 6, D] call
     # without its 6·R·D FP32 copy (0.5 GB at 4096 rows, at the block's peak memory)
-    d_parts = (d_shift_msa, d_scale_msa, d_gate_msa, d_shift_mlp, d_scale_mlp, d_gate_mlp)
-    d_table = torch.stack([be.segment_sum(seq_local(d, f"cp.gather.dtable{i}"), idx_seq, 3 * T, order)
-                           for i, d in enumerate(d_parts)], dim=1).reshape(T, -1)  # fmt: skip
+    d_table_msa = [segment(d, i) for i, d in enumerate((d_shift_msa, d_scale_msa, d_gate_msa))]
+    d_table = torch.stack(d_table_msa + d_table_mlp, dim=1).reshape(T, -1)  # [T, 3 modalities x 6 x D]
     d_cols = d_table[:, units.start * G8 : units.stop * G8]  # [T, 18D/8 * local units]
     dw_local["adaln_proj.linear.weight"] = be.mm_few_k(d_cols, st, w_dt)  # timesteps ascending
     dw_local["adaln_proj.linear.bias"] = chain_sum(d_cols)

@@ -324,6 +324,11 @@ def test_index_checks_are_cached_but_never_stale():
     got = rows.row_mm(x, x, ident, node=NODE)
     _same(got, rows.row_mm(repeated, repeated, torch.arange(5, device=DEV), node=NODE).cpu(), "re-checked")
     assert not torch.equal(got, in_place)
+    seg, every = torch.tensor([0, 1, 0, 1, 1], device=DEV), torch.arange(5, device=DEV)
+    rows.segment_sum(x, seg, 2, every, node=NODE)  # caches the segment layout of (seg, every)
+    seg[0] = 1  # rows 0, 1, 3, 4 now form segment 1: the layout must be rebuilt
+    got = rows.segment_sum(x, seg, 2, every, node=NODE)
+    _same(got[1], rows.row_sum(x, torch.tensor([0, 1, 3, 4], device=DEV), node=NODE).cpu(), "segment 1 re-grouped")
 
 
 # ---- the backend --------------------------------------------------------------------------------

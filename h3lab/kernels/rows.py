@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -56,24 +58,37 @@ def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
         raise ValueError(f"Triton kernels need CUDA tensors, got {device}; allowed: cuda (or TRITON_INTERPRET=1)")
 
 
-# (weakref, version, min, max, is 0..n-1) per index tensor: the block passes one `order` to ~20
-# row reductions, and each check is a host synchronisation that drains the GPU's queue (37 of
-# them cost ~10 ms of a 51 ms block at 4096 rows on the H200, reports/h200x2/README.md).
-_FACTS: dict[int, tuple[weakref.ref, int, int, int, bool]] = {}
+# Index facts per tensor (bounds, identity order, segment layout), computed once and reused while
+# the tensors are unmodified: the block passes one `order` to ~20 row reductions, and every check
+# is a host synchronisation that drains the GPU's queue (37 of them cost ~10 ms of a 51 ms block
+# at 4096 rows on the H200, reports/h200x2/README.md). Keys hold weak references and versions, so
+# an in-place change or a new tensor at a reused address is computed afresh.
+_CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], Any]] = {}
+
+
+def _cached(kind: str, tensors: tuple[Tensor, ...], extra: tuple, compute: Callable[[], Any]) -> Any:
+    key = (kind, *map(id, tensors), *extra)
+    versions = tuple(t._version for t in tensors)
+    hit = _CACHE.get(key)
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == versions:
+        return hit[2]
+    if len(_CACHE) > 256:  # entries of earlier blocks' tensors
+        for k in [k for k, v in _CACHE.items() if any(r() is None for r in v[0])]:
+            del _CACHE[k]
+    value = compute()
+    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
+    return value
 
 
 def _facts(t: Tensor) -> tuple[int, int, bool]:
-    """(min, max, t == arange(n)) of a 1-D index tensor: one host sync per tensor, cached while unmodified."""
-    hit = _FACTS.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return hit[2:]
-    if len(_FACTS) > 256:  # dead entries of earlier blocks
-        for key in [k for k, v in _FACTS.items() if v[0]() is None]:
-            del _FACTS[key]
-    arange = torch.arange(t.numel(), device=t.device)
-    lo, hi, ident = torch.stack([t.min(), t.max(), (t == arange).all().to(t.dtype)]).tolist()
-    _FACTS[id(t)] = (weakref.ref(t), t._version, lo, hi, bool(ident))
-    return lo, hi, bool(ident)
+    """(min, max, t == arange(n)) of a non-empty 1-D index tensor: one host sync, cached."""
+
+    def compute() -> tuple[int, int, bool]:
+        arange = torch.arange(t.numel(), device=t.device)
+        lo, hi, ident = torch.stack([t.min(), t.max(), (t == arange).all().to(t.dtype)]).tolist()
+        return lo, hi, bool(ident)
+
+    return _cached("facts", (t,), (), compute)
 
 
 def _bounds(name: str, t: Tensor, limit: int) -> None:
@@ -118,12 +133,21 @@ def segment_sum(x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tenso
     if num_segments < 0:
         raise ValueError(f"num_segments={num_segments}; allowed: >= 0")
     _bounds("order", order, x_RN.shape[0])
+    rows, starts = _cached("segments", (segment_R, order), (num_segments,),
+                           lambda: _segments(segment_R, order, num_segments))  # fmt: skip
+    return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
+
+
+def _segments(segment_R: Tensor, order: Tensor, num_segments: int) -> tuple[Tensor, Tensor]:
+    """The active rows grouped by segment (key order inside each) and each segment's start."""
     seg = segment_R.index_select(0, order).to(torch.int64)
     _bounds("segment_R[order]", seg, num_segments)  # active rows only: padding may carry any segment
-    rows = order.index_select(0, torch.argsort(seg, stable=True))  # by segment, key order inside each
-    starts = torch.zeros(num_segments + 1, dtype=torch.int32, device=x_RN.device)
-    starts[1:] = torch.cumsum(torch.bincount(seg, minlength=num_segments), 0)
-    return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
+    rows = order.index_select(0, torch.argsort(seg, stable=True))
+    counts = torch.zeros(num_segments, dtype=torch.int64, device=seg.device)
+    counts.scatter_add_(0, seg, torch.ones_like(seg))  # integer adds: exact in any order; bincount would sync
+    starts = torch.zeros(num_segments + 1, dtype=torch.int32, device=seg.device)
+    starts[1:] = torch.cumsum(counts, 0)
+    return rows, starts
 
 
 def _take(x: Tensor, order: Tensor) -> Tensor:

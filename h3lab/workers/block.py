@@ -134,6 +134,7 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
     recorder = TraceRecorder() if spec.get("trace") else None
     result = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder)
     for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
+        dist.barrier()  # every rank starts the step together: its forward_s then excludes the others' digests
         result = compute(problem, comm, device, layout=layout, rank=rank)
     tensors, timings = result.tensors, result.timings
     out_dir = Path(spec["layout_dir"])
