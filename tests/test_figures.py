@@ -136,3 +136,17 @@ def test_divergence_timeline_is_drawn_from_the_trace():
             assert _close(cell, _rgba8(cmap(norm(3))))
         else:
             assert row["bitwise_equal"] and _close(cell, _rgba8(IDENTICAL)), i
+
+
+def test_digest_only_verdicts_are_drawn_equal_or_differing_without_counts():
+    """`h3lab run --digests` verdicts carry no ULP or fraction: equal is grey, differing the first bin."""
+    rows = [{"node_type": "H200", "run_id": "r", "mode": "deterministic", "seed": 0, "layout": "tp2",
+             "layout_status": "mismatch", "tensor": t, "bitwise_equal": eq, "max_ulp": None, "frac_differing": None}
+            for t, eq in (("dw.attn.to_q.weight.u0", True), ("dw.attn.to_q.weight.u1", False))]  # fmt: skip
+    df = pd.DataFrame(rows).astype({"bitwise_equal": "boolean", "max_ulp": "Int64"})
+    fig = figures.verdict_heatmap(df)
+    rgba = _pixels(fig)
+    ulp_cmap, _ = binned_cmap(ULP_EDGES)
+    assert _close(_cell_rgba(fig, rgba, "max ULP | deterministic", 0, 0), _rgba8(IDENTICAL))
+    assert _close(_cell_rgba(fig, rgba, "max ULP | deterministic", 0, 1), _rgba8(ulp_cmap(1)))
+    assert _close(_cell_rgba(fig, rgba, "fraction differing | deterministic", 0, 0), _rgba8(IDENTICAL))

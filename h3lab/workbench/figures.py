@@ -41,11 +41,20 @@ def binned_cmap(edges: np.ndarray, sequential: str = "YlOrRd") -> tuple[ListedCo
     return cmap, BoundaryNorm(edges, n)
 
 
+def _frac_cell(equal: object, frac: object) -> float:
+    if pd.isna(equal):
+        return np.nan
+    return 0.0 if bool(equal) else (np.nan if pd.isna(frac) else float(frac))  # digest-only: unknown fraction
+
+
 def _ulp_cell(equal: object, max_ulp: object) -> float:
     if pd.isna(equal):
         return np.nan
-    # bits that differ by 0 ULP (+0 vs -0, a NaN payload) still differ: they go in the first non-identical bin
-    return 0.0 if bool(equal) else float(max(int(max_ulp), 1))
+    # bits that differ by 0 ULP (+0 vs -0, a NaN payload) still differ: they go in the first non-identical bin;
+    # so does a digest-only verdict (`h3lab run --digests`), which knows that bits differ but not by how much
+    if bool(equal):
+        return 0.0
+    return 1.0 if pd.isna(max_ulp) else float(max(int(max_ulp), 1))
 
 
 def _short(tensor: str) -> str:
@@ -98,7 +107,7 @@ def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
         eq = v["bitwise_equal"]
         cells = v.assign(
             ulp=[_ulp_cell(e, u) for e, u in zip(eq, v["max_ulp"], strict=True)],
-            frac=[np.nan if pd.isna(e) else float(f) for e, f in zip(eq, v["frac_differing"], strict=True)],
+            frac=[_frac_cell(e, f) for e, f in zip(eq, v["frac_differing"], strict=True)],
         )
         ulp, frac = (
             cells.pivot_table(index="layout", columns="tensor", values=c, aggfunc="max", dropna=False)

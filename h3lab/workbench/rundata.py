@@ -47,8 +47,15 @@ class RunnerRun:
 
     @property
     def tensor_names(self) -> list[str]:
-        """out, dx, dtemb, then the dW in the block's parameter order (the canonical result's order)."""
-        return list(self.summary.get("canonical", {}).get("sha256", {}))
+        """out, dx, dtemb, then the dW in the block's parameter order (the canonical result's order).
+
+        A digests run (`h3lab run --digests`) stores out and dx and digests of the rest per unit slice.
+        """
+        names = list(self.summary.get("canonical", {}).get("sha256", {}))
+        digests = self.path / "canonical.digests.json"
+        if digests.is_file():
+            names += [k for k in json.loads(digests.read_text()) if k not in names]
+        return names
 
     def problem(self) -> Problem:
         """The run's block and batch; a CUDA run read on a machine without CUDA rebuilds them on the CPU."""
@@ -61,6 +68,11 @@ class RunnerRun:
         if layout not in self.summary["layouts"]:
             raise ValueError(f"layout {layout!r} is not in run {str(self.path)!r}; allowed: {self.layouts}")
         return self.summary["layouts"][layout]
+
+    def has_tensors(self, layout: str) -> bool:
+        """Whether the layout's and the canonical tensors are on disk (real-size runs may keep digests only)."""
+        path = self.path / "layouts" / f"{slug(Layout.parse(layout))}.safetensors"
+        return path.is_file() and (self.path / "canonical.safetensors").is_file()
 
     def tensors(self, layout: str) -> dict[str, Tensor]:
         """The layout's reassembled out, dx, dtemb and dw.<parameter> (raises if the layout failed)."""

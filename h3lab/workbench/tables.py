@@ -43,13 +43,13 @@ def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
             rows.append(keys | {
                 "layout_status": rec["status"],
                 "tensor": name,
-                "dtype": t["dtype"] if t else None,
+                "dtype": t.get("dtype") if t else None,  # digest-only: absent
                 "bitwise_equal": t["bitwise_equal"] if t else None,
-                "num_elements": t["num_elements"] if t else None,
-                "num_differing": t["num_differing"] if t else None,
-                "frac_differing": t["frac_differing"] if t else None,
-                "max_ulp": t["max_ulp"] if t else None,
-                "nan_mismatches": t["nan_mismatches"] if t else None,
+                "num_elements": t.get("num_elements") if t else None,
+                "num_differing": t.get("num_differing") if t else None,
+                "frac_differing": t.get("frac_differing") if t else None,
+                "max_ulp": t.get("max_ulp") if t else None,
+                "nan_mismatches": t.get("nan_mismatches") if t else None,
             })  # fmt: skip
     df = pd.DataFrame(rows)
     for col, dtype in (("bitwise_equal", "boolean"), ("max_ulp", "Int64"), ("num_differing", "Int64")):
@@ -69,7 +69,7 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
             "world": rec.get("world"),
             "tensors_equal": sum(t["bitwise_equal"] for t in tensors.values()) if tensors else None,
             "tensors": len(tensors) if tensors else None,
-            "max_ulp": max((t["max_ulp"] for t in tensors.values()), default=None),
+            "max_ulp": max((t["max_ulp"] for t in tensors.values() if t.get("max_ulp") is not None), default=None),
             "launch_s": rec.get("launch", {}).get("elapsed_s"),
             "failed_rank": failure.get("rank"),
             "failure": failure.get("reason"),
