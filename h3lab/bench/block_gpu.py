@@ -26,7 +26,8 @@ from h3lab.oracle import oracle_block, rope_cos_sin
 from h3lab.weights import BlockWeights, synthetic_block
 
 
-def _time(fn, reps: int) -> list[float]:
+def cuda_times(fn, reps: int) -> list[float]:
+    """Wall seconds of `reps` CUDA-synchronised calls of `fn`, after 2 warm-up calls."""
     for _ in range(2):
         fn()
     times = []
@@ -77,9 +78,9 @@ def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> di
         return canonical_block(w, b, backend="triton").tensors()
 
     r = {
-        "eager_fwd_median_s": statistics.median(_time(lambda: eager(False), reps)),
-        "eager_fwd_bwd_median_s": statistics.median(_time(lambda: eager(True), reps)),
-        "canonical_fwd_bwd_median_s": statistics.median(_time(canonical, reps)),
+        "eager_fwd_median_s": statistics.median(cuda_times(lambda: eager(False), reps)),
+        "eager_fwd_bwd_median_s": statistics.median(cuda_times(lambda: eager(True), reps)),
+        "canonical_fwd_bwd_median_s": statistics.median(cuda_times(canonical, reps)),
         "eager_peak_extra_gib": _peak_extra(lambda: eager(True)),
         "canonical_peak_extra_gib": _peak_extra(canonical),
     }

@@ -16,29 +16,18 @@ import io
 import json
 import pstats
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from h3lab.batch import packed_batch
+from h3lab.bench.block_gpu import cuda_times
 from h3lab.block import canonical_block
 from h3lab.config import H3Config
 from h3lab.weights import synthetic_block
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
-
-
-def _wall(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return times
 
 
 def profile_rows(c: H3Config, rows: int, backend: str, reps: int) -> tuple[dict, str]:
@@ -49,9 +38,7 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int) -> tuple[dict,
     def run() -> None:
         canonical_block(w, b, backend=backend)
 
-    for _ in range(2):  # compile and warm every kernel
-        run()
-    wall = _wall(run, reps)
+    wall = cuda_times(run, reps)  # after 2 warm-up calls that compile every kernel
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
