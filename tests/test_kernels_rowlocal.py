@@ -421,3 +421,14 @@ def test_gpu_row_reductions_real_widths():
     torch.testing.assert_close(got.cpu(), ref_rows.row_mm(*_cpu(a, b), order), rtol=1e-4, atol=1e-3)  # tensor cores
     perm = torch.randperm(R, generator=g).to(DEV)
     _same(rows.row_mm(a[perm], b[perm], torch.argsort(perm)[od]), got.cpu(), "row_mm, rows permuted")
+
+
+def test_index_checks_work_on_inference_tensors():
+    """Tensors made under torch.inference_mode keep no version counter: checked every time, never cached."""
+    x = torch.randn(5, 4, device=DEV)
+    with torch.inference_mode():
+        order = torch.tensor([4, 0, 2], device=DEV)
+        got = rows.row_sum(x, order, node=NODE)
+        with pytest.raises(ValueError, match=r"allowed: \[0, 3\)"):
+            rows.row_sum(x[:3], order, node=NODE)
+    _same(got, rows.row_sum(x, torch.tensor([4, 0, 2], device=DEV), node=NODE).cpu(), "inference")

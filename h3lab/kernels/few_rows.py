@@ -3,7 +3,7 @@
 References: h3lab.backend.TorchBackend.unit_reduce_few_rows and mm_few_k (the torch chains).
 Launchers: `unit_mm_few_rows`, `mm_few_k`. The tiled GEMMs (h3lab.kernels.gemm, unit_gemm) are
 built for hundreds of rows; at real H3 shapes these two cost 16 of the block's 41 ms of kernel
-time at 4096 rows on the H200 (reports/h200x2/README.md), so each gets its own kernel:
+time at 4096 rows on the H200 (reports/h200/README.md), so each gets its own kernel:
 
 - d temb = unit tree over units of d_table[:, unit] @ W[unit]: T = 2 rows, K = 96768 (8 units of
   12096), N = 2688, W 0.52 GB bf16. Memory-bound: the tiled kernel ran 42 programs (one per

@@ -60,13 +60,15 @@ def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
 
 # Index facts per tensor (bounds, identity order, segment layout), computed once and reused while
 # the tensors are unmodified: the block passes one `order` to ~20 row reductions, and every check
-# is a host synchronisation that drains the GPU's queue (37 of them cost ~10 ms of a 51 ms block
-# at 4096 rows on the H200, reports/h200x2/README.md). Keys hold weak references and versions, so
-# an in-place change or a new tensor at a reused address is computed afresh.
+# is a host synchronisation that drains the GPU's queue (37 per block before, 5 after, on the H200:
+# reports/h200/README.md). Keys hold weak references and versions, so an in-place change or a new
+# tensor at a reused address is computed afresh.
 _CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], Any]] = {}
 
 
 def _cached(kind: str, tensors: tuple[Tensor, ...], extra: tuple, compute: Callable[[], Any]) -> Any:
+    if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter: never cached
+        return compute()
     key = (kind, *map(id, tensors), *extra)
     versions = tuple(t._version for t in tensors)
     hit = _CACHE.get(key)
