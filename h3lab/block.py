@@ -23,6 +23,7 @@ from h3lab.backend import Backend, get_backend
 from h3lab.batch import PackedBatch
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
+from h3lab.kernels.index_cache import index_cache
 from h3lab.ops.ffn import silu, silu_bwd
 from h3lab.ops.fixed import chain_sum, round_to, unit_tree
 from h3lab.ops.norm import rope_tables
@@ -114,7 +115,7 @@ def block_step(
     # Triton launches on the current CUDA device: make it the batch's (rank 1 of a NCCL layout
     # holds cuda:1 while the current device may still be cuda:0)
     on_device = torch.cuda.device(b.device) if b.device.type == "cuda" else contextlib.nullcontext()
-    with strict_mode(), torch.no_grad(), on_device:
+    with strict_mode(), torch.no_grad(), on_device, index_cache():
         return _block_step(uw, b, comm, be, backward, trace or _no_trace)
 
 

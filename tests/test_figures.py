@@ -11,6 +11,7 @@ from matplotlib.colors import BoundaryNorm
 
 from h3lab.workbench import figures
 from h3lab.workbench.figures import FAILED, FRAC_EDGES, IDENTICAL, ULP_EDGES, binned_cmap
+from h3lab.workbench.tables import _worst_ulp
 
 
 def _pixels(fig) -> np.ndarray:
@@ -150,3 +151,11 @@ def test_digest_only_verdicts_are_drawn_equal_or_differing_without_counts():
     assert _close(_cell_rgba(fig, rgba, "max ULP | deterministic", 0, 0), _rgba8(IDENTICAL))
     assert _close(_cell_rgba(fig, rgba, "max ULP | deterministic", 0, 1), _rgba8(ulp_cmap(1)))
     assert _close(_cell_rgba(fig, rgba, "fraction differing | deterministic", 0, 0), _rgba8(IDENTICAL))
+    frac_cmap, _ = binned_cmap(FRAC_EDGES)  # differing, fraction unknown: the first bin, not "no result"
+    assert _close(_cell_rgba(fig, rgba, "fraction differing | deterministic", 0, 1), _rgba8(frac_cmap(1)))
+    labels = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert labels == ["≠", "≠"], labels  # the differing cell in both panels; the equal one unlabelled
+    assert "digests differ" in fig._suptitle.get_text()
+    equal = {"bitwise_equal": True, "max_ulp": 0}
+    assert _worst_ulp({"out": equal, "dw.u1": {"bitwise_equal": False}}) is None  # unknown, not 0
+    assert _worst_ulp({"out": {"bitwise_equal": False, "max_ulp": 3}, "dw.u1": {"bitwise_equal": True}}) == 3

@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the kernels are Triton kernels)")
 
 from h3lab.backend import TorchBackend
-from h3lab.kernels import configs, few_rows
+from h3lab.kernels import configs, few_rows, gemm, unit_gemm
+from h3lab.kernels.backend import TritonBackend
 from h3lab.ops.fixed import unit_tree
 from tests.conftest import assert_bitwise
 
@@ -129,3 +130,17 @@ def test_gpu_mm_few_k_is_the_torch_chain(out_dtype):
     got = few_rows.mm_few_k(a, b, out_dtype)
     assert_bitwise(got, TorchBackend().mm_few_k(a, b, out_dtype), "dW adaln")
     assert_bitwise(few_rows.mm_few_k(a[:, 1000:5000], b[:, 100:300], out_dtype), got[1000:5000, 100:300], "slices")
+
+
+@interp
+def test_backend_takes_the_tiled_kernels_past_the_few_row_limit():
+    """More timesteps than the pinned limit: the tiled GEMMs, chosen by T alone (the same on every rank)."""
+    be = TritonBackend("cpu", node=NODE)
+    b = _randn(8 * 40, 70, seed=21)
+    for T in (3, 17):
+        a = _randn(T, 8 * 40, seed=20)
+        want = few_rows.unit_mm_few_rows(a, b, 8, node=NODE) if T <= 16 else unit_gemm.unit_mm([(a, b)], 8, node=NODE)
+        assert_bitwise(be.unit_reduce_few_rows(a, b, 8), want, f"d temb, T={T}")
+        k_a, k_b = _randn(T, 50, seed=22), _randn(T, 30, seed=23)
+        want = few_rows.mm_few_k(k_a, k_b, node=NODE) if T <= 16 else gemm.mm(k_a.t(), k_b, node=NODE)
+        assert_bitwise(be.mm_few_k(k_a, k_b), want, f"dW adaln, K={T}")

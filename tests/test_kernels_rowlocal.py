@@ -36,6 +36,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from h3lab.backend import Backend, get_backend  # noqa: E402
 from h3lab.kernels import configs, elementwise, norm, rows  # noqa: E402
 from h3lab.kernels.backend import TritonBackend  # noqa: E402
+from h3lab.kernels.index_cache import index_cache  # noqa: E402
 from h3lab.metrics import bit_pattern  # noqa: E402
 from h3lab.ops import ffn as ref_ffn  # noqa: E402
 from h3lab.ops import norm as ref_norm  # noqa: E402
@@ -309,26 +310,42 @@ def test_bad_inputs_raise():
 
 
 def test_index_checks_are_cached_but_never_stale():
-    """One host sync per order tensor (rows._facts), yet an in-place change or a new tensor is re-checked."""
+    """Inside index_cache() one host sync per index tensor, yet an in-place change or a new tensor is re-checked."""
+    x = torch.randn(5, 4, device=DEV)
+    with index_cache():
+        order = torch.tensor([4, 0, 2], device=DEV)
+        ref = rows.row_sum(x, order, node=NODE)
+        calls = []
+        real = torch.Tensor.tolist
+        with pytest.MonkeyPatch.context() as mp:  # a second check of the same tensor would sync again
+            mp.setattr(torch.Tensor, "tolist", lambda t: calls.append(1) or real(t))
+            _same(rows.row_sum(x, order, node=NODE), ref.cpu(), "cached")
+        assert calls == [], "the cached order was checked again"
+        order[0] = 5  # same tensor object, bumped version: must not pass on the cached bounds
+        with pytest.raises(ValueError, match=r"order: values in \[0, 5\]; allowed: \[0, 5\)"):
+            rows.row_sum(x, order, node=NODE)
+        ident = torch.arange(5, device=DEV)
+        in_place = rows.row_mm(x, x, ident, node=NODE)  # cached as the identity: x used in place
+        ident[4] = 0  # rows 0, 1, 2, 3, 0 now: row_mm must gather
+        repeated = x[[0, 1, 2, 3, 0]]
+        got = rows.row_mm(x, x, ident, node=NODE)
+        _same(got, rows.row_mm(repeated, repeated, torch.arange(5, device=DEV), node=NODE).cpu(), "re-checked")
+        assert not torch.equal(got, in_place)
+        seg, every = torch.tensor([0, 1, 0, 1, 1], device=DEV), torch.arange(5, device=DEV)
+        rows.segment_sum(x, seg, 2, every, node=NODE)  # caches the segment layout of (seg, every)
+        seg[0] = 1  # rows 0, 1, 3, 4 now form segment 1: the layout must be rebuilt
+        got = rows.segment_sum(x, seg, 2, every, node=NODE)
+        _same(got[1], rows.row_sum(x, torch.tensor([0, 1, 3, 4], device=DEV), node=NODE).cpu(), "segment 1")
+
+
+def test_index_checks_outside_a_block_see_writes_that_keep_the_version():
+    """Outside index_cache() nothing is cached: a write through .data (no version bump) is still caught."""
     x = torch.randn(5, 4, device=DEV)
     order = torch.tensor([4, 0, 2], device=DEV)
-    ref = rows.row_sum(x, order, node=NODE)
-    _same(rows.row_sum(x, order, node=NODE), ref.cpu(), "cached")
-    order[0] = 5  # same tensor object, bumped version: must not pass on the cached bounds
-    with pytest.raises(ValueError, match=r"order: values in \[0, 5\]; allowed: \[0, 5\)"):
+    rows.row_sum(x, order, node=NODE)
+    order.data[0] = 7
+    with pytest.raises(ValueError, match=r"order: values in \[0, 7\]; allowed: \[0, 5\)"):
         rows.row_sum(x, order, node=NODE)
-    ident = torch.arange(5, device=DEV)
-    in_place = rows.row_mm(x, x, ident, node=NODE)  # cached as the identity: x used in place
-    ident[4] = 0  # rows 0, 1, 2, 3, 0 now: row_mm must gather
-    repeated = x[[0, 1, 2, 3, 0]]
-    got = rows.row_mm(x, x, ident, node=NODE)
-    _same(got, rows.row_mm(repeated, repeated, torch.arange(5, device=DEV), node=NODE).cpu(), "re-checked")
-    assert not torch.equal(got, in_place)
-    seg, every = torch.tensor([0, 1, 0, 1, 1], device=DEV), torch.arange(5, device=DEV)
-    rows.segment_sum(x, seg, 2, every, node=NODE)  # caches the segment layout of (seg, every)
-    seg[0] = 1  # rows 0, 1, 3, 4 now form segment 1: the layout must be rebuilt
-    got = rows.segment_sum(x, seg, 2, every, node=NODE)
-    _same(got[1], rows.row_sum(x, torch.tensor([0, 1, 3, 4], device=DEV), node=NODE).cpu(), "segment 1 re-grouped")
 
 
 # ---- the backend --------------------------------------------------------------------------------

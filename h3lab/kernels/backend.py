@@ -59,11 +59,18 @@ class TritonBackend:
     def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
         return unit_gemm.unit_mm(pieces, num_units, node=self.node)
 
+    # The AdaLN pair: up to the pinned few-row limit (16 timesteps on sm90) the few-row kernels, past
+    # it the tiled ones. T is the batch's timestep count, the same on every rank, so a layout never
+    # changes which kernel (and which bits) a block gets.
     def unit_reduce_few_rows(self, a_TK: Tensor, b_KN: Tensor, num_units: int) -> Tensor:
-        return few_rows.unit_mm_few_rows(a_TK, b_KN, num_units, node=self.node)
+        if a_TK.shape[0] <= configs.pinned("few_rows", self.node)["max_rows"]:
+            return few_rows.unit_mm_few_rows(a_TK, b_KN, num_units, node=self.node)
+        return unit_gemm.unit_mm([(a_TK, b_KN)], num_units, node=self.node)
 
     def mm_few_k(self, a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
-        return few_rows.mm_few_k(a_KM, b_KN, out_dtype, node=self.node)
+        if a_KM.shape[0] <= configs.pinned("few_rows", self.node)["max_k"]:
+            return few_rows.mm_few_k(a_KM, b_KN, out_dtype, node=self.node)
+        return gemm.mm(a_KM.t(), b_KN, out_dtype, node=self.node)
 
     def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
         return rows.row_mm(a_RN, b_RK, order, out_dtype, node=self.node)

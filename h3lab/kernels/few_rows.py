@@ -105,7 +105,8 @@ def unit_mm_few_rows(a_TK: Tensor, b_KN: Tensor, num_units: int, *, node: str | 
         raise ValueError(f"unit_mm_few_rows: a {tuple(a_TK.shape)}, b {tuple(b_KN.shape)}; allowed: a.shape[1] == "
                          f"b.shape[0], a multiple of num_units={num_units}")  # fmt: skip
     if cfg["max_rows"] < T:
-        raise ValueError(f"unit_mm_few_rows: {T} rows; allowed: at most {cfg['max_rows']} (the tiled unit_mm above)")
+        raise ValueError(f"unit_mm_few_rows: {T} rows; allowed: at most {cfg['max_rows']} "
+                         "(more: h3lab.kernels.unit_gemm.unit_mm)")  # fmt: skip
     partials = torch.empty((num_units, T, N), dtype=torch.float32, device=device)
     if T and N:
         if K == 0:
@@ -135,7 +136,7 @@ def mm_few_k(a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32,
     if b_KN.shape[0] != K:
         raise ValueError(f"mm_few_k: a_KM {tuple(a_KM.shape)}, b_KN {tuple(b_KN.shape)}; allowed: the same K")
     if cfg["max_k"] < K:
-        raise ValueError(f"mm_few_k: K={K}; allowed: at most {cfg['max_k']} (the tiled mm above)")
+        raise ValueError(f"mm_few_k: K={K}; allowed: at most {cfg['max_k']} (more: h3lab.kernels.gemm.mm)")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"mm_few_k: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
     c = torch.empty((M, N), dtype=out_dtype, device=device)

@@ -14,9 +14,6 @@ Dimension legend: R rows (any order, padding included), N/K columns, G segments 
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import triton
@@ -24,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.kernels import configs, gemm
+from h3lab.kernels.index_cache import cached
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -58,43 +56,19 @@ def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
         raise ValueError(f"Triton kernels need CUDA tensors, got {device}; allowed: cuda (or TRITON_INTERPRET=1)")
 
 
-# Index facts per tensor (bounds, identity order, segment layout), computed once and reused while
-# the tensors are unmodified: the block passes one `order` to ~20 row reductions, and every check
-# is a host synchronisation that drains the GPU's queue (37 per block before, 5 after, on the H200:
-# reports/h200/README.md). Keys hold weak references and versions, so an in-place change or a new
-# tensor at a reused address is computed afresh.
-_CACHE: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], Any]] = {}
-
-
-def _cached(kind: str, tensors: tuple[Tensor, ...], extra: tuple, compute: Callable[[], Any]) -> Any:
-    if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter: never cached
-        return compute()
-    key = (kind, *map(id, tensors), *extra)
-    versions = tuple(t._version for t in tensors)
-    hit = _CACHE.get(key)
-    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == versions:
-        return hit[2]
-    if len(_CACHE) > 256:  # entries of earlier blocks' tensors
-        for k in [k for k, v in _CACHE.items() if any(r() is None for r in v[0])]:
-            del _CACHE[k]
-    value = compute()
-    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
-    return value
-
-
 def _facts(t: Tensor) -> tuple[int, int, bool]:
-    """(min, max, t == arange(n)) of a non-empty 1-D index tensor: one host sync, cached."""
+    """(min, max, t == arange(n)) of a non-empty 1-D index tensor: one host sync (h3lab.kernels.index_cache)."""
 
     def compute() -> tuple[int, int, bool]:
         arange = torch.arange(t.numel(), device=t.device)
         lo, hi, ident = torch.stack([t.min(), t.max(), (t == arange).all().to(t.dtype)]).tolist()
         return lo, hi, bool(ident)
 
-    return _cached("facts", (t,), (), compute)
+    return cached("facts", (t,), (), compute)
 
 
 def _bounds(name: str, t: Tensor, limit: int) -> None:
-    """Indices out of range would read outside x in the kernel: check them (cached, see _facts)."""
+    """Indices out of range would read outside x in the kernel: check them (see _facts)."""
     if t.numel():
         lo, hi, _ = _facts(t)
         if lo < 0 or hi >= limit:
@@ -135,7 +109,7 @@ def segment_sum(x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tenso
     if num_segments < 0:
         raise ValueError(f"num_segments={num_segments}; allowed: >= 0")
     _bounds("order", order, x_RN.shape[0])
-    rows, starts = _cached("segments", (segment_R, order), (num_segments,),
+    rows, starts = cached("segments", (segment_R, order), (num_segments,),
                            lambda: _segments(segment_R, order, num_segments))  # fmt: skip
     return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
 

@@ -44,7 +44,9 @@ def binned_cmap(edges: np.ndarray, sequential: str = "YlOrRd") -> tuple[ListedCo
 def _frac_cell(equal: object, frac: object) -> float:
     if pd.isna(equal):
         return np.nan
-    return 0.0 if bool(equal) else (np.nan if pd.isna(frac) else float(frac))  # digest-only: unknown fraction
+    if bool(equal):
+        return 0.0
+    return float(FRAC_EDGES[1]) if pd.isna(frac) else float(frac)  # digest-only: the first bin, labelled "≠"
 
 
 def _ulp_cell(equal: object, max_ulp: object) -> float:
@@ -55,6 +57,17 @@ def _ulp_cell(equal: object, max_ulp: object) -> float:
     if bool(equal):
         return 0.0
     return 1.0 if pd.isna(max_ulp) else float(max(int(max_ulp), 1))
+
+
+def _digest_only(verdicts: pd.DataFrame) -> pd.Series:
+    """Rows whose bits differ but whose verdict is a digest (`h3lab run --digests`): no ULP, no fraction."""
+    differs = verdicts["bitwise_equal"].eq(False).fillna(False).astype(bool)
+    return differs & verdicts["max_ulp"].isna()
+
+
+def _labels(values: np.ndarray, unknown: np.ndarray, label) -> list[list[str]]:
+    return [["≠" if u == 1 else label(x) for x, u in zip(row, urow, strict=True)]
+            for row, urow in zip(values, unknown, strict=True)]  # fmt: skip
 
 
 def _short(tensor: str) -> str:
@@ -108,15 +121,16 @@ def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
         cells = v.assign(
             ulp=[_ulp_cell(e, u) for e, u in zip(eq, v["max_ulp"], strict=True)],
             frac=[_frac_cell(e, f) for e, f in zip(eq, v["frac_differing"], strict=True)],
+            unknown=_digest_only(v).astype(float),  # differs, by how much unknown: first bin, labelled "≠"
         )
-        ulp, frac = (
+        ulp, frac, unknown = (
             cells.pivot_table(index="layout", columns="tensor", values=c, aggfunc="max", dropna=False)
             .reindex(index=layouts, columns=tensors)
             .to_numpy(dtype=float)
-            for c in ("ulp", "frac")
+            for c in ("ulp", "frac", "unknown")
         )
-        ulp_text = [[_ulp_label(x) if x > 0 else "" for x in row] for row in ulp]
-        frac_text = [["" if not x > 0 else "<1%" if x < 0.01 else f"{100 * x:.0f}%" for x in row] for row in frac]
+        ulp_text = _labels(ulp, unknown, lambda x: _ulp_label(x) if x > 0 else "")
+        frac_text = _labels(frac, unknown, lambda x: "" if not x > 0 else "<1%" if x < 0.01 else f"{100 * x:.0f}%")
         ims = [_panel(axes[0, col], ulp, ULP_EDGES, ulp_text), _panel(axes[1, col], frac, FRAC_EDGES, frac_text)]
         for row, what in enumerate(("max ULP", "fraction differing")):
             ax = axes[row, col]
@@ -130,7 +144,8 @@ def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
                 cb.set_label(label, fontsize=7)
     fig.suptitle(
         (title or "every layout against the single-process block of the same mode")
-        + "\ngrey: bit-identical; dark: no result; numbers: max ULP / % of elements that differ",
+        + "\ngrey: bit-identical; dark: no result; numbers: max ULP / % of elements that differ"
+        + ("; ≠: digests differ, by how much unknown" if _digest_only(verdicts).any() else ""),
         fontsize=9,
     )
     return fig

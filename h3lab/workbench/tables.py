@@ -58,6 +58,13 @@ def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     return df
 
 
+def _worst_ulp(tensors: dict[str, dict]) -> int | None:
+    """The largest ULP distance over the tensors; unknown (None) when a differing one is a digest only."""
+    if any(not t["bitwise_equal"] and t.get("max_ulp") is None for t in tensors.values()):
+        return None
+    return max((t["max_ulp"] for t in tensors.values() if t.get("max_ulp") is not None), default=None)
+
+
 def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     """Per layout of every run: status, how many tensors are byte-equal, the worst ULP, the failure."""
     rows = []
@@ -69,7 +76,7 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
             "world": rec.get("world"),
             "tensors_equal": sum(t["bitwise_equal"] for t in tensors.values()) if tensors else None,
             "tensors": len(tensors) if tensors else None,
-            "max_ulp": max((t["max_ulp"] for t in tensors.values() if t.get("max_ulp") is not None), default=None),
+            "max_ulp": _worst_ulp(tensors),
             "launch_s": rec.get("launch", {}).get("elapsed_s"),
             "failed_rank": failure.get("rank"),
             "failure": failure.get("reason"),
@@ -176,7 +183,8 @@ def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
             if pd.isna(r["tensors"]):
                 parts.append(f"{r['status']} (rank {r['failed_rank']})")
             else:
-                worst = "" if r["status"] == "passed" else f", max {r['max_ulp']} ULP"
+                worst = ("" if r["status"] == "passed" else ", digests differ" if pd.isna(r["max_ulp"])
+                         else f", max {r['max_ulp']} ULP")  # fmt: skip
                 parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst}")
         return "; ".join(dict.fromkeys(parts))
 
