@@ -31,16 +31,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
 from h3lab.batch import packed_batch
 from h3lab.block import canonical_block
 from h3lab.checkpoint import load_block
-from h3lab.config import H3Config, param_dtype
+from h3lab.config import H3Config
 from h3lab.metrics import bitwise_equal, error_stats
 from h3lab.oracle import oracle_block
 from h3lab.parity import diffusers_block
 from h3lab.weights import BlockWeights, synthetic_block
+from tests.conftest import random_diffusers_model
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 # (config, packed rows, padding rows); heads x head_dim differ, attention width != hidden, partial RoPE
@@ -75,24 +75,11 @@ GRAD_RTOL = 1e-4
 BF16_SEEDS = (0, 1)
 
 
-def _random_model(config: H3Config, seed: int) -> MiniMaxH3Transformer3DModel:
-    """The constructor's init (nn.Linear: U(+-1/sqrt(fan_in))), seeded; RMSNorm weights (init ones) 1 + 0.1 N(0, 1)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = MiniMaxH3Transformer3DModel(**config.to_dict())
-        for module in model.modules():
-            if isinstance(module, torch.nn.RMSNorm):
-                module.weight.data = 1.0 + 0.1 * torch.randn_like(module.weight)
-    for name, p in model.named_parameters():  # the real checkpoint's mixed precision, which load_block checks
-        p.data = p.data.to(param_dtype(name))
-    return model
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fp32_matches_diffusers_through_save_pretrained(tmp_path: Path, name: str, seed: int) -> None:
     config, rows, padding = CONFIGS[name]
-    model = _random_model(config, seed)
+    model = random_diffusers_model(config, seed)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(tmp_path, max_shard_size=total // 4)  # at least 4 shards
     assert len(json.loads((tmp_path / INDEX).read_text())["weight_map"]) == len(list(model.parameters()))

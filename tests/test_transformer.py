@@ -36,7 +36,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 
 from h3lab.checkpoint import synthesize_checkpoint
 from h3lab.comm import LocalComm
-from h3lab.config import H3Config, param_dtype
+from h3lab.config import H3Config
 from h3lab.layouts import Layout
 from h3lab.metrics import error_stats, ulp_distance
 from h3lab.model import (
@@ -57,7 +57,7 @@ from h3lab.model import (
 )
 from h3lab.model.layout import layout_positions
 from h3lab.seqshard import SeqShard
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, random_diffusers_model
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 CONFIGS = {
@@ -84,19 +84,6 @@ CONFIGS = {
 OUT_RTOL = 1e-5
 BF16_SEEDS = (0, 1)
 TINY = CONFIGS["tiny"]
-
-
-def _random_model(config: H3Config, seed: int) -> MiniMaxH3Transformer3DModel:
-    """The constructor's init, seeded; RMSNorm weights 1 + 0.1 N(0, 1); the real checkpoint's mixed precision."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = MiniMaxH3Transformer3DModel(**config.to_dict())
-        for module in model.modules():
-            if isinstance(module, torch.nn.RMSNorm):
-                module.weight.data = 1.0 + 0.1 * torch.randn_like(module.weight)
-    for name, p in model.named_parameters():
-        p.data = p.data.to(param_dtype(name))
-    return model
 
 
 def _as_dtype(model: MiniMaxH3Transformer3DModel, dtype: torch.dtype) -> MiniMaxH3Transformer3DModel:
@@ -133,7 +120,7 @@ def _diffusers(model: MiniMaxH3Transformer3DModel, inputs: ModelInputs) -> dict[
 def saved(tmp_path_factory):
     @functools.cache
     def make(name: str, seed: int) -> tuple[MiniMaxH3Transformer3DModel, Path]:
-        model = _random_model(CONFIGS[name], seed)
+        model = random_diffusers_model(CONFIGS[name], seed)
         folder = tmp_path_factory.mktemp(f"{name}-{seed}")
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         model.save_pretrained(folder, max_shard_size=total // 4)

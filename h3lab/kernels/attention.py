@@ -151,18 +151,24 @@ def attention_delta(do: Tensor, o_ref: Tensor, *, node: str | None = None,
     return delta
 
 
+def _bwd_operands(q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor,
+                  scale: float) -> tuple[Tensor, ...]:  # fmt: skip
+    """The backward kernels' checked operands: q, dO, k, v with unit last stride, lse and delta [H, Q]."""
+    _check_inputs(q, k, v)
+    _check_scale(scale)
+    if do.shape != q.shape or do.dtype != q.dtype:
+        raise ValueError(f"dO must match q: {q.dtype} {tuple(q.shape)}; got {do.dtype} {tuple(do.shape)}")
+    Q, H = q.shape[0], q.shape[1]
+    return _lastdim(q), _lastdim(do), _lastdim(k), _lastdim(v), _lse(stats, H, Q), _stat(delta, H, Q)
+
+
 def attention_bwd_q(
     q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float, *,
     node: str | None = None, config: Mapping[str, Any] | None = None,
 ) -> Tensor:  # fmt: skip
     """dq [Q, H, Dh] FP32 for these queries over all keys; scaled once, in the kernel epilogue."""
-    _check_inputs(q, k, v)
-    _check_scale(scale)
-    if do.shape != q.shape or do.dtype != q.dtype:
-        raise ValueError(f"dO must match q: {q.dtype} {tuple(q.shape)}; got {do.dtype} {tuple(do.shape)}")
-    q, do, k, v = _lastdim(q), _lastdim(do), _lastdim(k), _lastdim(v)
+    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
     (Q, H, Dh), K = q.shape, k.shape[0]
-    lse, delta = _lse(stats, H, Q), _stat(delta, H, Q)
     cfg = _launch_cfg("attention_bwd_q", q, node, config)
     dq = torch.empty((Q, H, Dh), dtype=F32, device=q.device)
     if Q == 0:
@@ -182,13 +188,8 @@ def attention_bwd_kv(
     node: str | None = None, config: Mapping[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """dk, dv [K, H, Dh] FP32 for these keys; q, dO, stats, delta must be every query in canonical order."""
-    _check_inputs(q, k, v)
-    _check_scale(scale)
-    if do.shape != q.shape or do.dtype != q.dtype:
-        raise ValueError(f"dO must match q: {q.dtype} {tuple(q.shape)}; got {do.dtype} {tuple(do.shape)}")
-    q, do, k, v = _lastdim(q), _lastdim(do), _lastdim(k), _lastdim(v)
+    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
     (Q, H, Dh), K = q.shape, k.shape[0]
-    lse, delta = _lse(stats, H, Q), _stat(delta, H, Q)
     cfg = _launch_cfg("attention_bwd_kv", q, node, config)
     dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)

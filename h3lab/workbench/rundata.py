@@ -69,14 +69,17 @@ class RunnerRun:
             raise ValueError(f"layout {layout!r} is not in run {str(self.path)!r}; allowed: {self.layouts}")
         return self.summary["layouts"][layout]
 
+    def _layout_path(self, layout: str, suffix: str = "") -> Path:
+        """The runner's file (or folder, without suffix) of a layout in this run directory."""
+        return self.path / "layouts" / f"{slug(Layout.parse(layout))}{suffix}"
+
     def has_tensors(self, layout: str) -> bool:
         """Whether the layout's and the canonical tensors are on disk (real-size runs may keep digests only)."""
-        path = self.path / "layouts" / f"{slug(Layout.parse(layout))}.safetensors"
-        return path.is_file() and (self.path / "canonical.safetensors").is_file()
+        return self._layout_path(layout, ".safetensors").is_file() and (self.path / "canonical.safetensors").is_file()
 
     def tensors(self, layout: str) -> dict[str, Tensor]:
         """The layout's reassembled out, dx, dtemb and dw.<parameter> (raises if the layout failed)."""
-        path = self.path / "layouts" / f"{slug(Layout.parse(layout))}.safetensors"
+        path = self._layout_path(layout, ".safetensors")
         if not path.is_file():
             raise ValueError(f"layout {layout!r} left no result ({self.record(layout)['status']}): {str(path)!r}")
         return load_file(str(path))
@@ -86,7 +89,7 @@ class RunnerRun:
 
     def divergence(self, layout: str) -> list[dict[str, Any]] | None:
         """The layout's op-by-op comparison with the single process (h3lab.trace.timeline); None untraced."""
-        prefix = self.path / "layouts" / f"{slug(Layout.parse(layout))}.trace"
+        prefix = self._layout_path(layout, ".trace")
         if not (self.path / "canonical.trace.json").is_file() or not Path(f"{prefix}.json").is_file():
             return None
         canon, order = load_trace(self.path / "canonical.trace")
@@ -95,7 +98,7 @@ class RunnerRun:
     def rank_records(self, layout: str) -> list[dict[str, Any]]:
         """Every rank's own record (timings, its collective decisions); the summary keeps rank 0's decisions only."""
         rec = self.record(layout)
-        d = self.path / "layouts" / slug(Layout.parse(layout))
+        d = self._layout_path(layout)
         out = []
         for r, summary_rank in enumerate(rec.get("ranks", [])):
             p = d / f"rank{r}.json"

@@ -30,6 +30,10 @@ def _runs(sweeps: Iterable[Sweep]) -> Iterable[tuple[dict, RunnerRun, str, dict]
                 yield keys | {"layout": layout}, run, layout, rec
 
 
+VERDICT_FIELDS = ("dtype", "bitwise_equal", "num_elements", "num_differing", "frac_differing", "max_ulp",
+                  "nan_mismatches")  # fmt: skip
+
+
 def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     """Per tensor of every layout: byte equality with the same mode's single-process block, max ULP.
 
@@ -40,17 +44,9 @@ def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
         tensors = rec.get("tensors") or {name: None for name in run.tensor_names}
         for name in run.tensor_names or list(tensors):
             t = tensors.get(name)
-            rows.append(keys | {
-                "layout_status": rec["status"],
-                "tensor": name,
-                "dtype": t.get("dtype") if t else None,  # digest-only: absent
-                "bitwise_equal": t["bitwise_equal"] if t else None,
-                "num_elements": t.get("num_elements") if t else None,
-                "num_differing": t.get("num_differing") if t else None,
-                "frac_differing": t.get("frac_differing") if t else None,
-                "max_ulp": t.get("max_ulp") if t else None,
-                "nan_mismatches": t.get("nan_mismatches") if t else None,
-            })  # fmt: skip
+            # a digest-only verdict (`h3lab run --digests`) has bitwise_equal alone: the rest stays missing
+            rows.append(keys | {"layout_status": rec["status"], "tensor": name}
+                        | {c: (t or {}).get(c) for c in VERDICT_FIELDS})  # fmt: skip
     df = pd.DataFrame(rows)
     for col, dtype in (("bitwise_equal", "boolean"), ("max_ulp", "Int64"), ("num_differing", "Int64")):
         if col in df:
