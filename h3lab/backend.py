@@ -18,7 +18,7 @@ Dimension legend: M rows, K reduced, N columns, R rows, H heads, Dh head_dim, G 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -47,6 +47,11 @@ class Backend(Protocol):
     def unit_reduce_few_rows(self, a_TK: Tensor, b_KN: Tensor, num_units: int) -> Tensor: ...
     def mm_few_k(self, a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor: ...
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor: ...
+    # the canonical row order (h3lab.ops.rows.key_order), as a function to call when it is needed:
+    # a GPU backend starts reading the metadata to the host now and checks every index its row
+    # reductions and RoPE will read when called (a host sync mid-block drains the GPU's queue)
+    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int,
+                  positions_R3: Tensor) -> Callable[[], Tensor]: ...  # fmt: skip
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor: ...
 
@@ -62,6 +67,9 @@ class Backend(Protocol):
     def swiglu_fwd(self, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> Tensor: ...
     def swiglu_bwd(self, da: Tensor, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]: ...
     def gated_residual(self, x: Tensor, gate: Tensor, y: Tensor, out_dtype: torch.dtype) -> Tensor: ...
+    def silu(self, x: Tensor, out_dtype: torch.dtype) -> Tensor: ...  # the AdaLN input silu(temb)
+    def silu_bwd(self, dy: Tensor, x: Tensor) -> Tensor: ...
+    def rope_tables(self, position_ids_R3: Tensor, rope_freq_dim: int, theta: float) -> tuple[Tensor, Tensor]: ...
 
     # attention over keys in canonical order; `stats` are per-(head, query) [H, Q] tensors that
     # replay the probabilities exactly (context parallelism gathers them with the queries)
@@ -103,6 +111,10 @@ class TorchBackend:
     segment_sum = staticmethod(rows.segment_sum)
     round = staticmethod(round_to)
 
+    def plan_rows(self, keys_R2, segment_R, num_segments, positions_R3):
+        order = rows.key_order(keys_R2)  # torch's ops check their indices as they go
+        return lambda: order
+
     def rms_modulate_fwd(self, x, w, scale, shift, eps, out_dtype):
         return round_to(norm.rms_modulate_fwd(x, w, scale, shift, eps), out_dtype)
 
@@ -124,6 +136,12 @@ class TorchBackend:
 
     def gated_residual(self, x, gate, y, out_dtype):
         return round_to(ffn.gated_residual(x, gate, y), out_dtype)
+
+    def silu(self, x, out_dtype):
+        return round_to(ffn.silu(x), out_dtype)
+
+    silu_bwd = staticmethod(ffn.silu_bwd)
+    rope_tables = staticmethod(norm.rope_tables)
 
     def attention_fwd(self, q, k, v, scale, out_dtype):
         o32, rowmax, denom = att.attention_fwd(q, k, v, scale)

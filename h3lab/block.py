@@ -24,10 +24,7 @@ from h3lab.batch import PackedBatch
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
 from h3lab.kernels.index_cache import index_cache
-from h3lab.ops.ffn import silu, silu_bwd
-from h3lab.ops.fixed import chain_sum, round_to, unit_tree
-from h3lab.ops.norm import rope_tables
-from h3lab.ops.rows import key_order
+from h3lab.ops.fixed import chain_sum, unit_tree
 from h3lab.result import BlockResult
 from h3lab.units import UnitWeights, assemble_unit_grads, unit_weights
 from h3lab.weights import BlockWeights
@@ -136,14 +133,16 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     keys_seq = comm.gather_seq_rows(comm.gather_tp_rows(keys, "meta.keys"), "meta.keys")
     idx_seq = comm.gather_seq_rows(comm.gather_tp_rows(idx, "meta.adaln"), "meta.adaln")
     pos_tp = comm.gather_tp_rows(b.position_ids, "meta.pos")
-    order = key_order(keys_seq)  # canonical order of every cross-row reduction
-    if order.numel() == 0:  # a rank's shard may be all padding, the sequence may not
-        raise ValueError("logical_keys: every row of the sequence is padding; need at least one active row")
+    # the canonical order of every cross-row reduction, with every index check of the block (RoPE's
+    # too), is read after the q/k/v GEMMs are queued: on the GPU a check is a host sync, which drains
+    # the queue (2.2 ms of idle GPU at the block start, 1.3 ms after norm1 and 0.7 ms after the
+    # attention backward at 4096 rows, when each check synced where it was needed: reports/h200/)
+    order_when_ready = be.plan_rows(keys_seq, idx_seq, 3 * T, pos_tp)
     seq = lambda t, site: comm.gather_seq_rows(t, site)  # noqa: E731
     seq_local = lambda t, site: seq(comm.gather_tp_rows(t, site), site)  # noqa: E731
 
     # ---- F1 AdaLN table: silu(temb) in FP32, one cast to the projection dtype (diffusers) ----
-    st = round_to(silu(b.temb), w_dt)
+    st = be.silu(b.temb, w_dt)
     table_local = be.round(be.mm(st, loc["adaln_w"].t()) + loc["adaln_b"].to(torch.float32), w_dt)
     table = tr("adaln.table", comm.gather_units(table_local, "adaln.table", dim=1).view(3 * T, 6, D), "replicated")
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table[idx].unbind(1)  # each [R_local, D]
@@ -153,10 +152,13 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     m1_tp = comm.gather_tp_rows(m1, "sp.gather.m1")
     R_tp = m1_tp.shape[0]
     heads = lambda t: t.view(R_tp, -1, Dh)  # noqa: E731
-    cos, sin = rope_tables(pos_tp, c.rope_freq_dim, c.rope_theta)
     q = tr("attn.to_q", be.mm(m1_tp, loc["q"].t(), act), "tp_units")  # [R_tp, A_local]
     k = tr("attn.to_k", be.mm(m1_tp, loc["k"].t(), act), "tp_units")
     v = tr("attn.to_v", heads(be.mm(m1_tp, loc["v"].t(), act)), "tp_units")
+    order = order_when_ready()
+    if order.numel() == 0:  # a rank's shard may be all padding, the sequence may not
+        raise ValueError("logical_keys: every row of the sequence is padding; need at least one active row")
+    cos, sin = be.rope_tables(pos_tp, c.rope_freq_dim, c.rope_theta)  # [R_tp, 6f] FP32
     wq, wk = rep["attn.norm_q.weight"], rep["attn.norm_k.weight"]
     qr = tr("attn.norm_q+rope", be.qk_norm_rope_fwd(heads(q), wq, cos, sin, qk_eps, act), "tp_units")
     kr = tr("attn.norm_k+rope", be.qk_norm_rope_fwd(heads(k), wk, cos, sin, qk_eps, act), "tp_units")
@@ -178,10 +180,10 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     root = be.unit_reduce([(a, loc["down"].t())], U)
     y = tr("ff.net.2", be.round(comm.reduce_units(root, "ff.net.2", scatter_rows=True), act), "local")
     out = tr("out", be.gated_residual(x1, gate_mlp, y, act), "local")
-    forward_s = clock.lap()
+    clock.lap()
     active_out = torch.where(active, out, torch.zeros((), dtype=out.dtype, device=out.device))
     if not backward:
-        return BlockStep(active_out, None, None, None, None, {"forward_s": forward_s, "backward_s": 0.0})
+        return BlockStep(active_out, None, None, None, None, {"forward_s": clock.seconds()[0], "backward_s": 0.0})
 
     # ---- B11-B9 backward through ff: padding rows carry no gradient --------------------------
     g_out = torch.where(active, b.grad_out.to(torch.float32), 0.0)
@@ -264,7 +266,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     dw_local["adaln_proj.linear.weight"] = be.mm_few_k(d_cols, st, w_dt)  # timesteps ascending
     dw_local["adaln_proj.linear.bias"] = chain_sum(d_cols)
     dst = be.unit_reduce_few_rows(d_cols, loc["adaln_w"], U)
-    dtemb = silu_bwd(comm.reduce_units(dst, "adaln.dtemb"), b.temb)
+    dtemb = be.silu_bwd(comm.reduce_units(dst, "adaln.dtemb"), b.temb)
 
     # ---- per-unit views of this rank's weight gradients, rounded once to the weights' dtype ---
     widths = {
@@ -285,23 +287,34 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
         else:  # unit-major columns: to_out.0, ff.net.2
             n = A8 if name.startswith("attn") else F8
             dw[name] = {u: cols(t, u, n) for u in units}
-    timings = {"forward_s": forward_s, "backward_s": clock.lap()}
+    clock.lap()
+    forward_s, backward_s = clock.seconds()
+    timings = {"forward_s": forward_s, "backward_s": backward_s}
     return BlockStep(out=active_out, dx=dx, dw_units=dw, dw_replicated=dw_rep, dtemb=dtemb, timings=timings)
 
 
 class _Clock:
-    """Wall-clock laps; synchronises CUDA first so a lap covers the kernels it launched."""
+    """Seconds between laps of one block step. On CUDA, events on the current stream, read once at the
+    end (where the caller waits for the results anyway): the step is timed as the GPU ran it, and no
+    lap drains the GPU's queue mid-block, as a synchronising wall clock did. On CPU, wall-clock laps."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.t = self._now()
+        self.marks = [self._mark()]
 
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def _mark(self) -> torch.cuda.Event | float:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def lap(self) -> float:
-        now = self._now()
-        lap, self.t = now - self.t, now
-        return lap
+    def lap(self) -> None:
+        self.marks.append(self._mark())
+
+    def seconds(self) -> list[float]:
+        """Each lap's seconds; waits for the last one on CUDA."""
+        if not self.cuda:
+            return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        self.marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]

@@ -34,7 +34,7 @@ triton = pytest.importorskip(
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from h3lab.backend import Backend, get_backend  # noqa: E402
-from h3lab.kernels import configs, elementwise, norm, rows  # noqa: E402
+from h3lab.kernels import configs, elementwise, norm, plan, rope, rows  # noqa: E402
 from h3lab.kernels.backend import TritonBackend  # noqa: E402
 from h3lab.kernels.index_cache import index_cache  # noqa: E402
 from h3lab.metrics import bit_pattern  # noqa: E402
@@ -154,6 +154,42 @@ def test_swiglu_and_gated_residual_equal_reference(R, N):
     _same(dh, ref_dh, "dh")
     _same(dg, ref_dg, "dg")
     _same(elementwise.gated_residual(h, gate, y, F32, node=NODE), ref_ffn.gated_residual(*_cpu(h, gate, y)), "residual")
+
+
+@pytest.mark.parametrize(("T", "E"), [(1, 100), (3, 192)])
+def test_silu_and_its_backward_equal_reference(T, E):
+    x = _randn(T, E, seed=15, scale=12.0)  # temb: through sigmoid's saturation on both sides
+    x[0, : len(_EDGES)] = torch.tensor(_EDGES[:E])
+    dy = _randn(T, E, seed=16, scale=3.0)
+    x, dy = x.to(DEV), dy.to(DEV)
+    _same(elementwise.silu(x, F32, node=NODE), ref_ffn.silu(x.cpu()), "silu")
+    _same(elementwise.silu_bwd(dy, x, node=NODE), ref_ffn.silu_bwd(*_cpu(dy, x)), "silu_bwd")
+    if CUDA:  # the interpreter's bf16 casts are not RNE (module docstring); CUDA's are
+        _same(elementwise.silu(x, BF16, node=NODE), round_to(ref_ffn.silu(x.cpu()), BF16), "silu bf16")
+
+
+@pytest.mark.parametrize("R", [1, 3, 37])
+@pytest.mark.parametrize(("f", "theta"), [(4, 10000.0), (16, 256.0)])
+def test_rope_tables_equal_reference(R, f, theta):
+    g = torch.Generator().manual_seed(17 + R)
+    pos = torch.randint(-3000, 3000, (R, 3), generator=g)
+    pos[0] = torch.tensor([999_999, -999_999, 0])  # the largest angles the reference allows
+    frac = pos.double() + torch.rand(R, 3, generator=g, dtype=torch.float64)  # the pipeline's fractional grid
+    for p in (pos, frac, pos.t().contiguous().t()):  # int64, float64, a column-major [R, 3] view
+        cos, sin = rope.rope_tables(p.to(DEV), f, theta, node=NODE)
+        want_cos, want_sin = ref_norm.rope_tables(p, f, theta)
+        _same(cos, want_cos, f"cos {p.dtype}")
+        _same(sin, want_sin, f"sin {p.dtype}")
+
+
+def test_rope_tables_refuse_what_the_reference_refuses():
+    pos = torch.tensor([[1_000_000, 0, 0]])
+    with pytest.raises(ValueError, match="allowed below 1e6"):
+        ref_norm.rope_tables(pos, 4, 10000.0)
+    for p, match in ((pos, "allowed below 1e6"), (-pos, "allowed below 1e6"), (pos[:, :2], r"\[R, 3\]"),
+                     (pos.int(), "int64 or float64")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            rope.rope_tables(p.to(DEV), 4, 10000.0, node=NODE)
 
 
 def test_nan_propagates_and_round_is_rne():
@@ -336,6 +372,43 @@ def test_index_checks_are_cached_but_never_stale():
         seg[0] = 1  # rows 0, 1, 3, 4 now form segment 1: the layout must be rebuilt
         got = rows.segment_sum(x, seg, 2, every, node=NODE)
         _same(got[1], rows.row_sum(x, torch.tensor([0, 1, 3, 4], device=DEV), node=NODE).cpu(), "segment 1")
+
+
+def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
+    """plan_rows gives the reference's key order; after it, the block's reductions with that order and
+    those segments, and RoPE with those positions, check nothing again (no host sync) and give the
+    bits they give without it."""
+    R, G = 37, 5
+    x, _, segment = _rows_case(R, seed=90)
+    g = torch.Generator().manual_seed(91)
+    keys = torch.stack([torch.randint(-1, 3, (R,), generator=g), torch.randperm(R, generator=g)], dim=1)
+    pos = torch.randint(-500, 500, (R, 3), generator=g)
+    x, keys, segment, pos = x.to(DEV), keys.to(DEV), segment.to(DEV), pos.to(DEV)
+    with index_cache():
+        order = plan.plan_rows(keys, segment, G, pos)()
+        assert torch.equal(order.cpu(), ref_rows.key_order(keys.cpu()))
+        calls = []
+        real = torch.Tensor.tolist
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "tolist", lambda t: calls.append(1) or real(t))
+            got_seg = rows.segment_sum(x, segment, G, order, node=NODE)
+            got_sum = rows.row_sum(x, order, node=NODE)
+            got_cos, _ = rope.rope_tables(pos, 4, 10000.0, node=NODE)
+        assert calls == [], "the plan's facts were computed again"
+    _same(got_seg, rows.segment_sum(x, segment, G, order, node=NODE).cpu(), "segment_sum")
+    _same(got_sum, rows.row_sum(x, order, node=NODE).cpu(), "row_sum")
+    _same(got_cos, ref_norm.rope_tables(pos.cpu(), 4, 10000.0)[0], "rope")
+    dup = keys.clone()
+    dup[1] = dup[0] = torch.tensor([2, 7])
+    for call, match in (
+        (lambda: plan.plan_rows(dup, segment, G, pos)(), "duplicate active key"),
+        (lambda: plan.plan_rows(keys, segment, 2, pos)(), r"allowed: \[0, 2\)"),
+        (lambda: plan.plan_rows(keys, segment[:3], G, pos)(), "segment_R"),
+        (lambda: plan.plan_rows(keys.int(), segment, G, pos)(), "logical_keys"),
+        (lambda: plan.plan_rows(keys, segment, G, pos * 3000)(), "allowed below 1e6"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
 
 
 def test_index_checks_outside_a_block_see_writes_that_keep_the_version():

@@ -5,7 +5,9 @@ count, `profile-<rows>.txt` (torch.profiler tables: CUDA kernels by total time, 
 time, runtime calls such as cudaStreamSynchronize by count; cProfile's top Python functions) and
 `profile.json` (wall time, summed kernel time, launch and synchronisation counts). The wall time
 minus the kernel time is what the host adds: launches the GPU waited for and synchronisations
-that drained its queue.
+that drained its queue. A second profiled run marks every op on the host timeline and splits the
+GPU's idle time into gaps, each charged to the op the host had last passed (h3lab.bench.gaps):
+`gaps-<rows>.json`, and the totals in `profile.json`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import io
 import json
 import pstats
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -23,14 +26,17 @@ from torch.profiler import ProfilerActivity, profile
 
 from h3lab.batch import packed_batch
 from h3lab.bench.block_gpu import cuda_times
-from h3lab.block import canonical_block
+from h3lab.bench.gaps import gaps, marker_trace
+from h3lab.block import block_step, canonical_block
+from h3lab.comm import LocalComm
 from h3lab.config import H3Config
+from h3lab.units import unit_weights
 from h3lab.weights import synthetic_block
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
 
 
-def profile_rows(c: H3Config, rows: int, backend: str, reps: int) -> tuple[dict, str]:
+def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> tuple[dict, str]:
     dev = torch.device("cuda")
     w = synthetic_block(c, 0, seed=0).to(dev)
     b = packed_batch(c, rows, seed=1).to(dev)
@@ -54,9 +60,30 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int) -> tuple[dict,
     pr.disable()
     py = io.StringIO()
     pstats.Stats(pr, stream=py).sort_stats("tottime").print_stats(40)
+    uw = unit_weights(w)
+    # wall against the block's own event laps (first to last GPU mark inside block_step): what the
+    # host adds before the block's first launch and after its last mark, outside the GPU's span
+    walls, laps = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step = block_step(uw, b, LocalComm(), backend=backend)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        laps.append(step.timings["forward_s"] + step.timings["backward_s"])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as marked:
+        block_step(uw, b, LocalComm(), backend=backend, trace=marker_trace)
+        torch.cuda.synchronize()
+    marked.export_chrome_trace(str(out / f"trace-{rows}.json"))
+    idle = gaps(out / f"trace-{rows}.json")
+    (out / f"gaps-{rows}.json").write_text(json.dumps(idle, indent=1))
     text = "\n\n".join([
         f"rows {rows}, backend {backend}: wall median {statistics.median(wall) * 1e3:.2f} ms, "
-        f"kernels {kernel_s * 1e3:.2f} ms, launches {launches}, syncs {syncs}",
+        f"kernels {kernel_s * 1e3:.2f} ms, launches {launches}, syncs {syncs}; block_step wall "
+        f"{statistics.median(walls) * 1e3:.2f} ms, its event laps {statistics.median(laps) * 1e3:.2f} ms; "
+        f"marked run: GPU span {idle['span_us'] / 1e3:.2f} ms, idle {idle['idle_us'] / 1e3:.2f} ms in "
+        f"{idle['gaps']} gaps, most after "
+        + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in list(idle["idle_by_op_us"].items())[:6]),
         events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90),
         events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
         events.table(sort_by="count", row_limit=30, max_name_column_width=90),
@@ -66,6 +93,9 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int) -> tuple[dict,
         "rows": rows, "backend": backend, "wall_median_s": statistics.median(wall), "wall_s": wall,
         "kernel_s": kernel_s, "host_added_s": statistics.median(wall) - kernel_s, "launches": launches,
         "syncs": syncs, "kernels": len(kernels),
+        "block_step_wall_median_s": statistics.median(walls), "block_step_laps_median_s": statistics.median(laps),
+        "marked_run": {k: idle[k] for k in ("span_us", "busy_us", "idle_us", "gaps")}
+                      | {"idle_by_op_us": dict(list(idle["idle_by_op_us"].items())[:12])},
         "top_kernels": [{"name": e.key[:120], "count": e.count, "total_ms": e.self_device_time_total / 1e3}
                         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]],
     }  # fmt: skip
@@ -84,7 +114,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     records = []
     for rows in (int(r) for r in a.rows.split(",")):
-        record, text = profile_rows(H3Config.named(a.config), rows, a.backend, a.reps)
+        record, text = profile_rows(H3Config.named(a.config), rows, a.backend, a.reps, a.out)
         records.append(record)
         (a.out / f"profile-{rows}.txt").write_text(text)
         (a.out / "profile.json").write_text(json.dumps(records, indent=1))

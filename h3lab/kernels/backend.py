@@ -5,8 +5,9 @@ returns that file for run records. Which bits each family gives:
 - GEMMs (mm, unit_reduce, row_mm, the few-row AdaLN pair) and attention: tensor-core (or IEEE FP32)
   sums in pinned tile orders, their own bits, equal across layouts on one GPU type
   (h3lab.kernels.gemm, unit_gemm, few_rows, attention);
-- row-local ops (norms, RoPE, SwiGLU, gated residual) and the row chains (row_sum, segment_sum):
-  the torch backend's bits, by construction (h3lab.kernels.norm, elementwise, rows).
+- row-local ops (norms, RoPE and its tables, SwiGLU, silu, gated residual) and the row chains
+  (row_sum, segment_sum):
+  the torch backend's bits, by construction (h3lab.kernels.norm, elementwise, rope, rows).
 
 Constructed for a CUDA device (`get_backend("triton", device)`); interpreter runs on CPU
 (TRITON_INTERPRET=1) name the node type explicitly: `TritonBackend("cpu", node="sm90")`.
@@ -14,14 +15,14 @@ Constructed for a CUDA device (`get_backend("triton", device)`); interpreter run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from h3lab.backend import Pieces
-from h3lab.kernels import attention, configs, elementwise, few_rows, gemm, norm, rows, unit_gemm
+from h3lab.kernels import attention, configs, elementwise, few_rows, gemm, norm, plan, rope, rows, unit_gemm
 
 F32 = torch.float32
 
@@ -81,6 +82,10 @@ class TritonBackend:
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor:
         return rows.segment_sum(x_R, segment_R, num_segments, order, node=self.node)
 
+    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int,
+                  positions_R3: Tensor) -> Callable[[], Tensor]:  # fmt: skip
+        return plan.plan_rows(keys_R2, segment_R, num_segments, positions_R3)
+
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         return elementwise.round(x, dtype)
 
@@ -109,6 +114,15 @@ class TritonBackend:
 
     def gated_residual(self, x: Tensor, gate: Tensor, y: Tensor, out_dtype: torch.dtype) -> Tensor:
         return elementwise.gated_residual(x, gate, y, out_dtype, node=self.node)
+
+    def silu(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+        return elementwise.silu(x, out_dtype, node=self.node)
+
+    def silu_bwd(self, dy: Tensor, x: Tensor) -> Tensor:
+        return elementwise.silu_bwd(dy, x, node=self.node)
+
+    def rope_tables(self, position_ids_R3: Tensor, rope_freq_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+        return rope.rope_tables(position_ids_R3, rope_freq_dim, theta, node=self.node)
 
     # ---- attention over keys in canonical order ----------------------------------------------
     def attention_fwd(self, q: Tensor, k: Tensor, v: Tensor, scale: float,

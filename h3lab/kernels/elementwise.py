@@ -1,4 +1,4 @@
-"""SwiGLU forward/backward, the gated residual and the storage rounding as Triton kernels.
+"""SwiGLU forward/backward, silu, the gated residual and the storage rounding as Triton kernels.
 
 Reference: h3lab.ops.ffn, bit for bit. Every result depends on its own operands only (one element,
 one chain of IEEE operations), never on its position, the tensor's size or the launch config.
@@ -77,23 +77,30 @@ def _sigmoid(x):
 @triton.jit
 def _elementwise_kernel(a_ptr, b_ptr, c_ptr, out_ptr, out2_ptr, N, sa, sb, sc, sout,
                         OP: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    # OP 0 swiglu_fwd(a=h, b=g); 1 swiglu_bwd(a=da, b=h, c=g); 2 gated_residual(a=x, b=gate, c=y)
+    # OP 0 swiglu_fwd(a=h, b=g); 1 swiglu_bwd(a=da, b=h, c=g); 2 gated_residual(a=x, b=gate, c=y);
+    # 3 silu(a=x); 4 silu_bwd(a=dy, b=x)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     a = tl.load(a_ptr + r * sa + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + r * sb + cols, mask=mask, other=0.0).to(tl.float32)
-    if OP == 0:
-        out = a * (b * _sigmoid(b))
+    if OP == 3:
+        out = a * _sigmoid(a)
     else:
-        c = tl.load(c_ptr + r * sc + cols, mask=mask, other=0.0).to(tl.float32)
-        if OP == 1:
-            s = _sigmoid(c)
-            out = a * (c * s)
-            tl.store(out2_ptr + r * sout + cols, ((a * b) * (s * (1.0 + c * (1.0 - s)))).to(out2_ptr.dtype.element_ty),
-                     mask=mask)  # fmt: skip
+        b = tl.load(b_ptr + r * sb + cols, mask=mask, other=0.0).to(tl.float32)
+        if OP == 0:
+            out = a * (b * _sigmoid(b))
+        elif OP == 4:
+            s = _sigmoid(b)
+            out = a * (s * (1.0 + b * (1.0 - s)))
         else:
-            out = a + b * c
+            c = tl.load(c_ptr + r * sc + cols, mask=mask, other=0.0).to(tl.float32)
+            if OP == 1:
+                s = _sigmoid(c)
+                out = a * (c * s)
+                dg = (a * b) * (s * (1.0 + c * (1.0 - s)))
+                tl.store(out2_ptr + r * sout + cols, dg.to(out2_ptr.dtype.element_ty), mask=mask)
+            else:
+                out = a + b * c
     tl.store(out_ptr + r * sout + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -141,6 +148,16 @@ def gated_residual(x_RD: Tensor, gate_RD: Tensor, y_RD: Tensor, out_dtype: torch
                    *, node: str | None = None) -> Tensor:  # fmt: skip
     """x + gate * y in FP32, rounded once; `gate` may be a strided AdaLN table slice."""
     return _launch(2, [("x", x_RD), ("gate", gate_RD), ("y", y_RD)], out_dtype, 1, node)[0]
+
+
+def silu(x_RN: Tensor, out_dtype: torch.dtype, *, node: str | None = None) -> Tensor:
+    """x * sigmoid(x) in FP32, rounded once (the AdaLN input silu(temb), rows = timesteps)."""
+    return _launch(3, [("x", x_RN)], out_dtype, 1, node)[0]
+
+
+def silu_bwd(dy_RN: Tensor, x_RN: Tensor, *, node: str | None = None) -> Tensor:
+    """dy * silu'(x), silu'(x) = s * (1 + x * (1 - s)), float32 (d temb)."""
+    return _launch(4, [("dy", dy_RN), ("x", x_RN)], F32, 1, node)[0]
 
 
 def round(x: Tensor, dtype: torch.dtype) -> Tensor:  # the Backend method's name; shadows builtins.round here

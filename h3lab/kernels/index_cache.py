@@ -42,10 +42,23 @@ def cached(kind: str, tensors: tuple[Tensor, ...], extra: tuple, compute: Callab
     if cache is None or any(t.is_inference() for t in tensors):  # inference tensors keep no version counter
         return compute()
     key = (kind, *map(id, tensors), *extra)
-    versions = tuple(t._version for t in tensors)
     hit = cache.get(key)
-    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == versions:
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == _versions(tensors):
         return hit[2]
     value = compute()
-    cache[key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
+    seed(kind, tensors, extra, value)
     return value
+
+
+def seed(kind: str, tensors: tuple[Tensor, ...], extra: tuple, value: Any) -> None:
+    """Record `value` as what `cached` would compute for these tensors, in this scope (none: dropped).
+
+    For facts computed elsewhere: from the host copy a device index tensor was made from.
+    """
+    cache = _SCOPE.get()
+    if cache is not None and not any(t.is_inference() for t in tensors):
+        cache[(kind, *map(id, tensors), *extra)] = (tuple(weakref.ref(t) for t in tensors), _versions(tensors), value)
+
+
+def _versions(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors)

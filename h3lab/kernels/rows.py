@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.kernels import configs, gemm
-from h3lab.kernels.index_cache import cached
+from h3lab.kernels.index_cache import cached, seed
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -58,13 +58,13 @@ def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
 
 def _facts(t: Tensor) -> tuple[int, int, bool]:
     """(min, max, t == arange(n)) of a non-empty 1-D index tensor: one host sync (h3lab.kernels.index_cache)."""
+    return cached("facts", (t,), (), lambda: _facts_of(t))
 
-    def compute() -> tuple[int, int, bool]:
-        arange = torch.arange(t.numel(), device=t.device)
-        lo, hi, ident = torch.stack([t.min(), t.max(), (t == arange).all().to(t.dtype)]).tolist()
-        return lo, hi, bool(ident)
 
-    return cached("facts", (t,), (), compute)
+def _facts_of(t: Tensor) -> tuple[int, int, bool]:
+    arange = torch.arange(t.numel(), device=t.device)
+    lo, hi, ident = torch.stack([t.min(), t.max(), (t == arange).all().to(t.dtype)]).tolist()
+    return lo, hi, bool(ident)
 
 
 def _bounds(name: str, t: Tensor, limit: int) -> None:
@@ -104,14 +104,31 @@ def segment_sum(x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tenso
                 *, node: str | None = None) -> Tensor:  # fmt: skip
     """Per segment g, the chain over its rows in `order`: [G, N...] float32 (empty segments are 0)."""
     _check(x_RN, order, segment_R)
-    if segment_R.shape != x_RN.shape[:1] or segment_R.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"segment_R: {segment_R.dtype} {tuple(segment_R.shape)}; allowed: int [R={x_RN.shape[0]}]")
+    rows, starts = _segment_layout(segment_R, num_segments, order, x_RN.shape[0])
+    return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
+
+
+def seed_plan(order: Tensor, order_host: Tensor, segment_R: Tensor, num_segments: int,
+              layout: tuple[Tensor, Tensor]) -> None:  # fmt: skip
+    """Record, for this block step, the facts of `order` and the segment layout of (segment_R, order),
+    decided on the host (h3lab.kernels.plan): the reductions then make no host sync for them."""
+    if order_host.numel():
+        seed("facts", (order,), (), _facts_of(order_host))
+    seed("segments", (segment_R, order), (num_segments,), layout)
+
+
+def check_segments(segment_R: Tensor, num_segments: int, R: int) -> None:
+    """segment_R must be one int per row of an R-row tensor; its values are checked where they are read."""
+    if segment_R.shape != (R,) or segment_R.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"segment_R: {segment_R.dtype} {tuple(segment_R.shape)}; allowed: int [R={R}]")
     if num_segments < 0:
         raise ValueError(f"num_segments={num_segments}; allowed: >= 0")
-    _bounds("order", order, x_RN.shape[0])
-    rows, starts = cached("segments", (segment_R, order), (num_segments,),
-                           lambda: _segments(segment_R, order, num_segments))  # fmt: skip
-    return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
+
+
+def _segment_layout(segment_R: Tensor, num_segments: int, order: Tensor, R: int) -> tuple[Tensor, Tensor]:
+    check_segments(segment_R, num_segments, R)
+    _bounds("order", order, R)
+    return cached("segments", (segment_R, order), (num_segments,), lambda: _segments(segment_R, order, num_segments))
 
 
 def _segments(segment_R: Tensor, order: Tensor, num_segments: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,69 @@
+"""The row-chain kernels (row_sum, segment_sum) against their launch settings, at the block's shapes.
+
+`python -m h3lab.bench.rows_bench --out FILE.json [--rows 4096]` times row_sum over [R, 5376] and
+[R, 7168] FP32 rows and segment_sum into 6 segments for every (block_n, unroll) candidate, and
+checks that each candidate gives the bits of the pinned one (the chains' bits depend on neither).
+A chain is serial over rows, so a program's speed is the loads it keeps in flight (unroll) and the
+kernel's is programs x unroll x block_n x 4 bytes in flight against the memory latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from h3lab.bench.block_gpu import cuda_times
+from h3lab.kernels import configs, rows
+from h3lab.kernels.index_cache import index_cache
+from h3lab.metrics import bitwise_equal
+
+CANDIDATES = [(32, 16), (32, 32), (32, 64), (32, 128), (16, 64), (64, 64)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    node = configs.node_of(dev)
+    pinned = configs.pinned("rows", node)
+    g = torch.Generator(device=dev).manual_seed(0)
+    R = a.rows
+    order = torch.randperm(R, device=dev, generator=g)
+    segment = torch.randint(0, 6, (R,), device=dev, generator=g)
+    cases = {
+        "row_sum_5376": lambda: rows.row_sum(x5, order, node=node),
+        "row_sum_7168": lambda: rows.row_sum(x7, order, node=node),
+        "segment_sum_5376": lambda: rows.segment_sum(x5, segment, 6, order, node=node),
+    }
+    x5 = torch.randn(R, 5376, device=dev, generator=g)
+    x7 = torch.randn(R, 7168, device=dev, generator=g)
+    records, reference = [], {name: fn() for name, fn in cases.items()}
+    with index_cache():  # index facts once, as inside a block step: the times are the kernels'
+        for block_n, unroll in CANDIDATES:
+            _sweep(block_n, unroll, pinned, cases, reference, records, a.reps)
+    a.out.write_text(json.dumps({"rows": R, "pinned": pinned, "records": records}, indent=1))
+
+
+def _sweep(block_n: int, unroll: int, pinned: dict, cases: dict, reference: dict, records: list, reps: int) -> None:
+    real = configs.pinned
+    cfg = pinned | {"block_n": block_n, "unroll": unroll}
+    configs.pinned = lambda kernel, n: dict(cfg) if kernel == "rows" else real(kernel, n)
+    try:
+        for name, fn in cases.items():
+            same = bitwise_equal(fn(), reference[name])
+            ms = statistics.median(cuda_times(fn, reps)) * 1e3
+            records.append({"case": name, "block_n": block_n, "unroll": unroll, "ms": ms, "same_bits": same})
+            print(name, block_n, unroll, f"{ms:.3f} ms", "same bits" if same else "BITS DIFFER", flush=True)
+    finally:
+        configs.pinned = real
+
+
+if __name__ == "__main__":
+    main()
