@@ -111,7 +111,8 @@ class TorchBackend:
     segment_sum = staticmethod(rows.segment_sum)
     round = staticmethod(round_to)
 
-    def plan_rows(self, keys_R2, segment_R, num_segments, positions_R3):
+    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int,
+                  positions_R3: Tensor) -> Callable[[], Tensor]:  # fmt: skip
         order = rows.key_order(keys_R2)  # torch's ops check their indices as they go
         return lambda: order
 

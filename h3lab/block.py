@@ -39,7 +39,9 @@ class BlockStep:
     dw_units: dict[str, dict[int, Tensor]] | None  # unit-sharded parameters, per unit
     dw_replicated: dict[str, Tensor] | None  # norm1, norm2, norm_q, norm_k (every rank holds all)
     dtemb: Tensor | None  # [T, E] float32
-    timings: dict[str, float]  # forward_s, backward_s (this rank, collectives included)
+    # forward_s, backward_s (this rank, collectives included): on CUDA the GPU's own clock (events),
+    # so a stretch where the GPU waits for the host, e.g. in a gloo collective, counts; on CPU wall time
+    timings: dict[str, float]
 
 
 class Trace(Protocol):

@@ -378,7 +378,7 @@ def test_gpu_unit_mm_scratch_modes_agree():
     # needs 256 KiB of shared memory, past the H200's 227 KiB: that variant runs 2 stages, which
     # moves no bit either (the K order is the chunk order, whatever the pipeline depth)
     store = {"TMA_STORE": not pinned.get("TMA_STORE"), "num_stages": 2}
-    for over in ({"PENDING_IN_REGS": False}, {"SCRATCH_TMA": False}, store):
+    for over in ({"PENDING_IN_REGS": False}, {"SCRATCH_TMA": False}, {"num_stages": 2}, store):
         assert_bitwise(unit_gemm.unit_mm(pieces, 8, config=pinned | over), ref, f"scratch {over}")
 
 

@@ -174,7 +174,9 @@ def test_rope_tables_equal_reference(R, f, theta):
     g = torch.Generator().manual_seed(17 + R)
     pos = torch.randint(-3000, 3000, (R, 3), generator=g)
     pos[0] = torch.tensor([999_999, -999_999, 0])  # the largest angles the reference allows
-    frac = pos.double() + torch.rand(R, 3, generator=g, dtype=torch.float64)  # the pipeline's fractional grid
+    # the pipeline's fractional grid (below 0.9 past the integer: 999_999.97 would round to 1e6 in float32)
+    frac = pos.double() + 0.9 * torch.rand(R, 3, generator=g, dtype=torch.float64)
+    frac[-1] = torch.tensor([-0.0, -1e-60, -0.2])  # signed zeros: torch.round(-0.2) is -0, sin(-0) is -0
     for p in (pos, frac, pos.t().contiguous().t()):  # int64, float64, a column-major [R, 3] view
         cos, sin = rope.rope_tables(p.to(DEV), f, theta, node=NODE)
         want_cos, want_sin = ref_norm.rope_tables(p, f, theta)
@@ -382,19 +384,18 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
     x, _, segment = _rows_case(R, seed=90)
     g = torch.Generator().manual_seed(91)
     keys = torch.stack([torch.randint(-1, 3, (R,), generator=g), torch.randperm(R, generator=g)], dim=1)
+    segment = torch.where(keys[:, 0] < 0, 99, segment).int()  # padding may carry any segment; int32 allowed
     pos = torch.randint(-500, 500, (R, 3), generator=g)
     x, keys, segment, pos = x.to(DEV), keys.to(DEV), segment.to(DEV), pos.to(DEV)
     with index_cache():
         order = plan.plan_rows(keys, segment, G, pos)()
         assert torch.equal(order.cpu(), ref_rows.key_order(keys.cpu()))
-        calls = []
-        real = torch.Tensor.tolist
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(torch.Tensor, "tolist", lambda t: calls.append(1) or real(t))
+        with pytest.MonkeyPatch.context() as mp:  # every way these facts are computed (each a host sync)
+            for module, name in ((rows, "_facts_of"), (rows, "_segments"), (rope, "max_abs_position_tensor")):
+                mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: the plan's fact computed again"))
             got_seg = rows.segment_sum(x, segment, G, order, node=NODE)
             got_sum = rows.row_sum(x, order, node=NODE)
             got_cos, _ = rope.rope_tables(pos, 4, 10000.0, node=NODE)
-        assert calls == [], "the plan's facts were computed again"
     _same(got_seg, rows.segment_sum(x, segment, G, order, node=NODE).cpu(), "segment_sum")
     _same(got_sum, rows.row_sum(x, order, node=NODE).cpu(), "row_sum")
     _same(got_cos, ref_norm.rope_tables(pos.cpu(), 4, 10000.0)[0], "rope")
@@ -406,9 +407,15 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
         (lambda: plan.plan_rows(keys, segment[:3], G, pos)(), "segment_R"),
         (lambda: plan.plan_rows(keys.int(), segment, G, pos)(), "logical_keys"),
         (lambda: plan.plan_rows(keys, segment, G, pos * 3000)(), "allowed below 1e6"),
+        (lambda: plan.plan_rows(keys[0], segment, G, pos)(), "logical_keys"),
     ):
         with pytest.raises(ValueError, match=match):
             call()
+    with index_cache():  # a write between the plan and its read would leave its facts stale: refused
+        read = plan.plan_rows(keys, segment, G, pos)
+        segment[3:] = 1
+        with pytest.raises(ValueError, match="written between plan_rows and reading its order"):
+            read()
 
 
 def test_index_checks_outside_a_block_see_writes_that_keep_the_version():

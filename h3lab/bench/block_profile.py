@@ -33,7 +33,7 @@ from h3lab.config import H3Config
 from h3lab.units import unit_weights
 from h3lab.weights import synthetic_block
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # not the async copies
 
 
 def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> tuple[dict, str]:

@@ -24,7 +24,9 @@ from torch.profiler import record_function
 
 MARK = "h3lab:"
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+# cudaMemcpyAsync is not one: the plan's copies are asynchronous, and a blocking copy shows up as
+# cudaStreamSynchronize anyway
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def marker_trace(name: str, t: Tensor, space: str) -> Tensor:
@@ -55,7 +57,8 @@ def gaps(trace_path: Path | str, min_gap_us: float = 5.0) -> dict[str, Any]:
     }
     syncs = sorted((e for e in events if e.get("name") in SYNCS and e.get("cat") in ("cuda_runtime", "cuda_driver")),
                    key=lambda e: e["ts"])  # fmt: skip
-    marks = sorted((e["ts"], e["name"][len(MARK) :]) for e in events if e.get("name", "").startswith(MARK))
+    marks = sorted((e["ts"], e["name"][len(MARK) :]) for e in events
+                   if e.get("cat") == "user_annotation" and e.get("name", "").startswith(MARK))  # fmt: skip
     mark_ts = [t for t, _ in marks]
 
     def last_mark(ts: float) -> str:

@@ -25,9 +25,9 @@ from h3lab.kernels import rope, rows
 def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor) -> Callable[[], Tensor]:
     """Queue the metadata's copy to the host; the returned function gives the canonical order (on the
     keys' device) once the copy is done, after checking every index (ValueError as the kernels raise)."""
-    R = keys_R2.shape[0]
-    if keys_R2.shape != (R, 2) or keys_R2.dtype != torch.int64:
+    if keys_R2.dim() != 2 or keys_R2.shape[1] != 2 or keys_R2.dtype != torch.int64:
         raise ValueError(f"logical_keys: {keys_R2.dtype} {tuple(keys_R2.shape)}; allowed: torch.int64 [R, 2]")
+    R = keys_R2.shape[0]
     rows.check_segments(segment_R, num_segments, R)
     device = keys_R2.device
     if {segment_R.device, positions_R3.device} != {device}:
@@ -42,12 +42,16 @@ def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R
         biggest_h = torch.empty(1, dtype=biggest.dtype, pin_memory=True).copy_(biggest, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
+    versions = _versions(keys_R2, segment_R, positions_R3)
 
     def order() -> Tensor:
+        if _versions(keys_R2, segment_R, positions_R3) != versions:  # the facts below would be stale
+            raise ValueError("keys, segments or positions were written between plan_rows and reading its order; "
+                             "allowed: read the order before writing them")  # fmt: skip
         if done is not None:
             done.synchronize()  # this copy only, not the GEMMs queued behind it
+        order_h, rows_h, starts_h = _decide(meta_h, num_segments)  # the keys first, as the torch backend
         rope.check_max_abs_position(positions_R3, float(biggest_h[0]))
-        order_h, rows_h, starts_h = _decide(meta_h, num_segments)
         packed = torch.from_numpy(np.concatenate([order_h, rows_h, starts_h]))  # one copy to the device
         if device.type != "cpu":  # from pinned memory: a copy from pageable memory would wait for the GPU's queue
             packed = packed.pin_memory().to(device, non_blocking=True)
@@ -57,6 +61,10 @@ def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R
         return order_d
 
     return order
+
+
+def _versions(*tensors: Tensor) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors)
 
 
 def _decide(meta_h: Tensor, num_segments: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -68,6 +68,9 @@ def _rope_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, R, sp0, sp1, F: tl.constexp
     angle = p.to(tl.float32) * tl.load(inv_ptr + k, mask=cols < C, other=0.0)[None, :]
     x = angle.to(tl.float64)
     n = (x * _f64(_INV_PIO2) + _f64(_ROUND_MAGIC)) - _f64(_ROUND_MAGIC)  # torch.round: half to even
+    # ... and torch.round keeps the sign of a zero result (round(-0.3) = -0): for x = -0 it decides
+    # r's sign, so sin(-0) = -0 in the reference, where the magic sum alone gives +0
+    n = tl.where(n == 0.0, x * _f64(0.0), n)
     r = ((x - n * _f64(_PIO2_1)) - n * _f64(_PIO2_2)) - n * _f64(_PIO2_3)
     r2 = r * r
     s = r * _poly10(r2, _S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7, _S8, _S9)

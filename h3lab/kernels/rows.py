@@ -96,7 +96,7 @@ def row_sum(x_RN: Tensor, order: Tensor, *, node: str | None = None) -> Tensor:
     _check(x_RN, order)
     _bounds("order", order, x_RN.shape[0])
     # [0, n] made on the device: torch.tensor(list, device=cuda) would copy from pageable memory, a host sync
-    starts = torch.arange(2, dtype=torch.int32, device=x_RN.device) * order.numel()
+    starts = torch.arange(2, dtype=torch.int64, device=x_RN.device) * order.numel()  # one kernel build
     return _chains(x_RN, order, starts, node).reshape(x_RN.shape[1:])
 
 
@@ -138,7 +138,7 @@ def _segments(segment_R: Tensor, order: Tensor, num_segments: int) -> tuple[Tens
     rows = order.index_select(0, torch.argsort(seg, stable=True))
     counts = torch.zeros(num_segments, dtype=torch.int64, device=seg.device)
     counts.scatter_add_(0, seg, torch.ones_like(seg))  # integer adds: exact in any order; bincount would sync
-    starts = torch.zeros(num_segments + 1, dtype=torch.int32, device=seg.device)
+    starts = torch.zeros(num_segments + 1, dtype=torch.int64, device=seg.device)  # int64 as the plan's
     starts[1:] = torch.cumsum(counts, 0)
     return rows, starts
 
