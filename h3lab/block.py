@@ -12,6 +12,7 @@ drive it through a `BlockComm` and a `UnitWeights` slice, `canonical_block` with
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -317,6 +318,6 @@ class _Clock:
     def seconds(self) -> list[float]:
         """Each lap's seconds; waits for the last one on CUDA."""
         if not self.cuda:
-            return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+            return [b - a for a, b in itertools.pairwise(self.marks)]
         self.marks[-1].synchronize()
-        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]

@@ -18,7 +18,6 @@ import io
 import json
 import pstats
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -26,14 +25,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from h3lab.batch import packed_batch
 from h3lab.bench.block_gpu import cuda_times
-from h3lab.bench.gaps import gaps, marker_trace
+from h3lab.bench.gaps import SYNCS, gaps, marker_trace
 from h3lab.block import block_step, canonical_block
 from h3lab.comm import LocalComm
 from h3lab.config import H3Config
 from h3lab.units import unit_weights
 from h3lab.weights import synthetic_block
-
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # not the async copies
 
 
 def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> tuple[dict, str]:
@@ -52,7 +49,7 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> 
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6
     launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx"))
-    syncs = {e.key: e.count for e in events if e.key in SYNC_CALLS}
+    syncs = {e.key: e.count for e in events if e.key in SYNCS}
     pr = cProfile.Profile()
     pr.enable()
     run()
@@ -63,14 +60,9 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> 
     uw = unit_weights(w)
     # wall against the block's own event laps (first to last GPU mark inside block_step): what the
     # host adds before the block's first launch and after its last mark, outside the GPU's span
-    walls, laps = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        step = block_step(uw, b, LocalComm(), backend=backend)
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t)
-        laps.append(step.timings["forward_s"] + step.timings["backward_s"])
+    laps: list[float] = []
+    walls = cuda_times(lambda: laps.append(sum(block_step(uw, b, LocalComm(), backend=backend).timings.values())), reps)
+    laps = laps[-reps:]  # not the warm-up calls
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as marked:
         block_step(uw, b, LocalComm(), backend=backend, trace=marker_trace)
         torch.cuda.synchronize()

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.kernels import configs
+from h3lab.kernels.fp64 import f64, horner, rint
 from h3lab.ops import fixed
 from h3lab.ops.fixed import round_to
 
@@ -30,38 +31,26 @@ F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
-# the reference's constants, exactly: float64 literals must be built with tl.full(.., tl.float64),
-# as a bare Python float in a Triton kernel may become a float32 constant first
+# the reference's constants, exactly (float64 literals through fp64.f64)
 _LN2_HI = tl.constexpr(fixed._LN2_HI)
 _LN2_LO = tl.constexpr(fixed._LN2_LO)
 _INV_LN2 = tl.constexpr(fixed._INV_LN2)
-_ROUND_MAGIC = tl.constexpr(1.5 * 2.0**52)  # (t + M) - M is t rounded half-to-even for |t| < 2^51
 _T = [tl.constexpr(c) for c in fixed._EXP_TAYLOR]  # 1/k!, k = 0..13
 _T0, _T1, _T2, _T3, _T4, _T5, _T6, _T7, _T8, _T9, _T10, _T11, _T12, _T13 = _T
 assert len(_T) == 14, "the reference's exp polynomial changed degree; port it again"
 
 
 @triton.jit
-def _f64(value: tl.constexpr):
-    return tl.full((), value, tl.float64)
-
-
-@triton.jit
-def _horner(p, r, c: tl.constexpr):
-    return p * r + _f64(c)  # a separate multiply and add, as torch's `p * r + c`
-
-
-@triton.jit
 def _exp(x):
     """h3lab.ops.fixed.exp: float32 in, float32 out, every step an IEEE float64 op in the same order."""
     x64 = x.to(tl.float64)
-    xc = tl.minimum(tl.maximum(x64, _f64(-1000.0)), _f64(1000.0))  # NaN is restored at the end
-    n = (xc * _f64(_INV_LN2) + _f64(_ROUND_MAGIC)) - _f64(_ROUND_MAGIC)  # torch.round: half to even
-    r = (xc - n * _f64(_LN2_HI)) - n * _f64(_LN2_LO)
+    xc = tl.minimum(tl.maximum(x64, f64(-1000.0)), f64(1000.0))  # NaN is restored at the end
+    n = rint(xc * f64(_INV_LN2))
+    r = (xc - n * f64(_LN2_HI)) - n * f64(_LN2_LO)
     p = tl.full(r.shape, _T13, tl.float64)  # Horner from 1/13! down to 1/0!, as the reference's loop
-    p = _horner(_horner(_horner(_horner(_horner(p, r, _T12), r, _T11), r, _T10), r, _T9), r, _T8)
-    p = _horner(_horner(_horner(_horner(p, r, _T7), r, _T6), r, _T5), r, _T4)
-    p = _horner(_horner(_horner(_horner(p, r, _T3), r, _T2), r, _T1), r, _T0)
+    p = horner(horner(horner(horner(horner(p, r, _T12), r, _T11), r, _T10), r, _T9), r, _T8)
+    p = horner(horner(horner(horner(p, r, _T7), r, _T6), r, _T5), r, _T4)
+    p = horner(horner(horner(horner(p, r, _T3), r, _T2), r, _T1), r, _T0)
     ni = n.to(tl.int64)
     h1 = ni >> 1  # floor(n / 2), as torch's `n // 2` (arithmetic shift)
     h2 = ni - h1

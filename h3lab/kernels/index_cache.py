@@ -43,7 +43,7 @@ def cached(kind: str, tensors: tuple[Tensor, ...], extra: tuple, compute: Callab
         return compute()
     key = (kind, *map(id, tensors), *extra)
     hit = cache.get(key)
-    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == _versions(tensors):
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == versions(tensors):
         return hit[2]
     value = compute()
     seed(kind, tensors, extra, value)
@@ -57,8 +57,9 @@ def seed(kind: str, tensors: tuple[Tensor, ...], extra: tuple, value: Any) -> No
     """
     cache = _SCOPE.get()
     if cache is not None and not any(t.is_inference() for t in tensors):
-        cache[(kind, *map(id, tensors), *extra)] = (tuple(weakref.ref(t) for t in tensors), _versions(tensors), value)
+        cache[(kind, *map(id, tensors), *extra)] = (tuple(weakref.ref(t) for t in tensors), versions(tensors), value)
 
 
-def _versions(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
+def versions(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
+    """torch's in-place write counters of `tensors`: a fact holds while they are unchanged."""
     return tuple(t._version for t in tensors)

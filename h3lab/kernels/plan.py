@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from h3lab.kernels import rope, rows
+from h3lab.kernels.index_cache import versions
 
 
 def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor) -> Callable[[], Tensor]:
@@ -42,10 +43,10 @@ def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R
         biggest_h = torch.empty(1, dtype=biggest.dtype, pin_memory=True).copy_(biggest, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-    versions = _versions(keys_R2, segment_R, positions_R3)
+    read_versions = versions((keys_R2, segment_R, positions_R3))
 
     def order() -> Tensor:
-        if _versions(keys_R2, segment_R, positions_R3) != versions:  # the facts below would be stale
+        if versions((keys_R2, segment_R, positions_R3)) != read_versions:  # the facts below would be stale
             raise ValueError("keys, segments or positions were written between plan_rows and reading its order; "
                              "allowed: read the order before writing them")  # fmt: skip
         if done is not None:
@@ -61,10 +62,6 @@ def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R
         return order_d
 
     return order
-
-
-def _versions(*tensors: Tensor) -> tuple[int, ...]:
-    return tuple(t._version for t in tensors)
 
 
 def _decide(meta_h: Tensor, num_segments: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

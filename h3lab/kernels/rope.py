@@ -23,14 +23,13 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.kernels import configs
-from h3lab.kernels.elementwise import _f64
+from h3lab.kernels.fp64 import f64, horner, rint
 from h3lab.kernels.index_cache import cached, seed
 from h3lab.ops import fixed
-from h3lab.ops.norm import _inv_freq, rope_inv_freq
+from h3lab.ops.norm import _inv_freq
 
 F32 = torch.float32
 MAX_ANGLE = 1e6  # h3lab.ops.fixed.cos_sin's bound
-_ROUND_MAGIC = tl.constexpr(1.5 * 2.0**52)  # (t + M) - M is t rounded half-to-even for |t| < 2^51
 _INV_PIO2 = tl.constexpr(fixed._INV_PIO2)
 _PIO2_1, _PIO2_2, _PIO2_3 = (tl.constexpr(c) for c in (fixed._PIO2_1, fixed._PIO2_2, fixed._PIO2_3))
 _S = [tl.constexpr(c) for c in fixed._SIN_TAYLOR]
@@ -44,15 +43,8 @@ _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _C8, _C9 = _C
 def _poly10(r2, c0: tl.constexpr, c1: tl.constexpr, c2: tl.constexpr, c3: tl.constexpr, c4: tl.constexpr,
             c5: tl.constexpr, c6: tl.constexpr, c7: tl.constexpr, c8: tl.constexpr, c9: tl.constexpr):  # fmt: skip
     p = tl.full(r2.shape, c9, tl.float64)  # Horner from the highest coefficient, as fixed._poly
-    p = p * r2 + _f64(c8)
-    p = p * r2 + _f64(c7)
-    p = p * r2 + _f64(c6)
-    p = p * r2 + _f64(c5)
-    p = p * r2 + _f64(c4)
-    p = p * r2 + _f64(c3)
-    p = p * r2 + _f64(c2)
-    p = p * r2 + _f64(c1)
-    return p * r2 + _f64(c0)
+    p = horner(horner(horner(horner(p, r2, c8), r2, c7), r2, c6), r2, c5)
+    return horner(horner(horner(horner(horner(p, r2, c4), r2, c3), r2, c2), r2, c1), r2, c0)
 
 
 @triton.jit
@@ -67,11 +59,8 @@ def _rope_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, R, sp0, sp1, F: tl.constexp
     p = tl.load(pos_ptr + rows[:, None].to(tl.int64) * sp0 + axis[None, :] * sp1, mask=mask, other=0)
     angle = p.to(tl.float32) * tl.load(inv_ptr + k, mask=cols < C, other=0.0)[None, :]
     x = angle.to(tl.float64)
-    n = (x * _f64(_INV_PIO2) + _f64(_ROUND_MAGIC)) - _f64(_ROUND_MAGIC)  # torch.round: half to even
-    # ... and torch.round keeps the sign of a zero result (round(-0.3) = -0): for x = -0 it decides
-    # r's sign, so sin(-0) = -0 in the reference, where the magic sum alone gives +0
-    n = tl.where(n == 0.0, x * _f64(0.0), n)
-    r = ((x - n * _f64(_PIO2_1)) - n * _f64(_PIO2_2)) - n * _f64(_PIO2_3)
+    n = rint(x * f64(_INV_PIO2))  # its signed zero makes sin(-0) = -0, as the reference's
+    r = ((x - n * f64(_PIO2_1)) - n * f64(_PIO2_2)) - n * f64(_PIO2_3)
     r2 = r * r
     s = r * _poly10(r2, _S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7, _S8, _S9)
     c = _poly10(r2, _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _C8, _C9)
@@ -109,7 +98,6 @@ def rope_tables(position_ids_R3: Tensor, rope_freq_dim: int, theta: float,
     if pos.device.type != "cuda" and not configs.interpreting():
         raise ValueError(f"Triton kernels need CUDA tensors, got {pos.device}; allowed: cuda (or TRITON_INTERPRET=1)")
     inv = _inv_freq(rope_freq_dim, theta, pos.device)
-    assert rope_inv_freq(rope_freq_dim, theta)[0] == 1.0  # so the largest angle is the largest position
     biggest = cached("max_abs_f32", (pos,), (), lambda: float(max_abs_position_tensor(pos)[0]))  # a host sync
     check_max_abs_position(pos, biggest)
     R, C = pos.shape[0], 6 * rope_freq_dim
