@@ -402,3 +402,55 @@ def test_gpu_unit_mm_d_temb():
         assert_bitwise(root, roots[1], f"d temb TP{tp}")
     assert_bitwise(unit_gemm.unit_mm([(a[1:2], b)], 8), roots[1][1:2], "d temb one row")
     _assert_close_to_chain(roots[1], TorchBackend().unit_reduce([(a, b)], 8), [(a, b.float())], "d temb")
+
+
+def test_unit_mm_gluon_supports_says_why_not():
+    """Which calls the Gluon kernel takes (host logic, no GPU): the rest run the Triton kernel."""
+    from h3lab.kernels import unit_gemm_sm90
+
+    cfg = gemm.kernel_config("unit_gemm", NODE, ieee=False)
+    a = _randn(5, 8 * 64, seed=1, dtype=BF16)
+    w = _randn(16, 8 * 64, seed=2, dtype=BF16)
+    assert unit_gemm_sm90.supports([(a, w.t())], 8, cfg) is None  # forward: b = W.T
+    assert unit_gemm_sm90.supports([(a, w.t().contiguous())] * 3, 8, cfg) is None  # dX: [K, N] rows
+    why = {
+        "fp32": unit_gemm_sm90.supports([(a.float(), w.t())], 8, cfg),
+        "width": unit_gemm_sm90.supports([(a[:, :256], w.t()[:256])], 8, cfg),
+        "mixed": unit_gemm_sm90.supports([(a, w.t()), (a, w.t().contiguous())], 8, cfg),
+        "N": unit_gemm_sm90.supports([(a, w.t()[:, :10])], 8, cfg),
+        "misaligned": unit_gemm_sm90.supports([(a, w.t().contiguous()[:, 1:9])], 8, cfg),
+        "a": unit_gemm_sm90.supports([(a.t().contiguous().t(), w.t())], 8, cfg),
+        "BLOCK_K": unit_gemm_sm90.supports([(a, w.t())], 8, cfg | {"BLOCK_K": 32}),
+    }
+    assert "fp32" in why["fp32"] and "unit width 32" in why["width"] and "mixed" in why["mixed"]
+    assert "N = 10" in why["N"] and "16-byte" in why["misaligned"] and "row-major" in why["a"]
+    assert "BLOCK_K 32" in why["BLOCK_K"]
+
+
+@gpu
+@pytest.mark.parametrize("name", list(REAL))
+def test_gpu_unit_mm_gluon_equals_triton(name):
+    """The Gluon Hopper kernel (unit_gemm_sm90) and the Triton kernel give the same bytes: every row
+    count, every TP rank's subtree (units [r*per, (r+1)*per) of 8), both places for level 2."""
+    if configs.node_of("cuda") != "sm90":
+        pytest.skip("the Gluon unit-tree kernel is written for sm90 (wgmma, TMA)")
+    from h3lab.kernels import unit_gemm_sm90
+
+    kps, N, w_major = REAL[name]
+    pieces = _pieces(4111, kps, N, 8, seed=75, device="cuda", dtype=BF16, w_major=w_major)
+    base = gemm.kernel_config("unit_gemm", "sm90", ieee=False)
+    variants = {
+        "gluon_s4_l2": base | {"IMPL": "gluon", "num_stages": 4, "LVL2_SMEM": False},
+        "gluon_s3_smem": base | {"IMPL": "gluon", "num_stages": 3, "LVL2_SMEM": True},
+    }
+    ref_cfg = base | {"IMPL": "triton"}
+    for rows in (1, 3, 17, 264, 4111):
+        for tp in (1, 2, 4, 8):
+            per = 8 // tp
+            for r in range(tp):
+                part = [(a[:rows], b) for a, b in _slice_units(pieces, r * per, (r + 1) * per, 8)]
+                assert unit_gemm_sm90.supports(part, per, ref_cfg) is None, f"{name}: the Gluon kernel must take it"
+                ref = unit_gemm.unit_mm(part, per, config=ref_cfg)
+                for label, cfg in variants.items():
+                    got = unit_gemm.unit_mm(part, per, config=cfg)
+                    assert_bitwise(got, ref, f"{name} {label}: rows {rows}, TP{tp} rank {r}")

@@ -43,9 +43,9 @@ def _mm(bm: int, bn: int, w: int, s: int, split: int = 1, **kw: Any) -> dict[str
             **kw}  # fmt: skip
 
 
-def _unit(bm: int, bn: int, w: int, s: int, pending: bool, tma_store: bool = False) -> dict[str, Any]:
+def _unit(bm: int, bn: int, w: int, s: int, pending: bool, tma_store: bool = False, **kw: Any) -> dict[str, Any]:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": w, "num_stages": s,
-            "TMA": True, "TMA_STORE": tma_store, "PENDING_IN_REGS": pending, "SCRATCH_TMA": True}  # fmt: skip
+            "TMA": True, "TMA_STORE": tma_store, "PENDING_IN_REGS": pending, "SCRATCH_TMA": True, **kw}  # fmt: skip
 
 
 # BLOCK_K stays 64 everywhere: it divides every real unit width (896, 1792, 12096) and keeps the
@@ -69,6 +69,12 @@ UNIT_CANDIDATES = {
     "m128n128w8s4p": _unit(128, 128, 8, 4, pending=True),
     "m128n128w8s4": _unit(128, 128, 8, 4, pending=False),  # every level in scratch: fewer registers
     "m128n128w8s3p_tmastore": _unit(128, 128, 8, 3, pending=True, tma_store=True),
+    # the entries above run unit_gemm.unit_mm_kernel (Triton; m128n128w8s4p was pinned before session
+    # 10); IMPL gluon: h3lab.kernels.unit_gemm_sm90, one pipeline across unit and tile boundaries (sm90
+    # compile, Triton 3.6: 208 registers, no spill, 192 KiB; 3 stages + level 2 in shared memory: 224
+    # KiB); the calls the Gluon kernel cannot take run the Triton kernel of the same config
+    "gluon_s4": _unit(128, 128, 8, 4, pending=True, IMPL="gluon", LVL2_SMEM=False),
+    "gluon_s3_smem": _unit(128, 128, 8, 3, pending=True, IMPL="gluon", LVL2_SMEM=True),
 }
 # name: (K, N, b layout): "WT" = a weight [N, K] seen as b = W.T (forward), "KN" = [K, N] rows (dX);
 # K = 0: the weight-gradient form dW = dY^T X (h3lab.kernels.rows.row_mm): [5376, M] @ [M, N], K = M rows
@@ -174,6 +180,11 @@ def contract_unit(cfg: dict[str, Any], mm_cfg: dict[str, Any]) -> dict[str, Any]
         checks[f"{name}_rows"] = _same(run([(a[17:20], b) for a, b in pieces], 8), full[17:20])
         checks[f"{name}_cols"] = _same(run([(a, b[:, 3:31]) for a, b in pieces], 8), full[:, 3:31])
         checks[f"{name}_repeat"] = _same(run(pieces, 8), full)
+        if cfg.get("IMPL") == "gluon":  # the Gluon kernel against the Triton kernel of the same tiles
+            triton_cfg = cfg | {"IMPL": "triton"}
+            for m in (1, 17, SMALL):
+                p = [(a[:m], b) for a, b in pieces]
+                checks[f"{name}_gluon_eq_triton_M{m}"] = _same(run(p, 8), unit_gemm.unit_mm(p, 8, config=triton_cfg))
         rel[name], shas[name] = _rel64(full, pieces), _sha(full)
         if len(kps) == 1:  # partial i == mm(a[:, unit i], b[unit i]): same tiles (must), pinned mm tiles (informative)
             for label, c in (("tree_of_mm_same_tiles", tile_mm), ("tree_of_mm_pinned_mm", mm_cfg)):

@@ -34,7 +34,9 @@ from h3lab.kernels import configs
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "TMA")  # required
-OPTIONAL_KEYS = ("TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE", "PENDING_IN_REGS", "SCRATCH_TMA")
+OPTIONAL_KEYS = (
+    "TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE", "PENDING_IN_REGS", "SCRATCH_TMA", "IMPL", "LVL2_SMEM",
+)  # fmt: skip
 INTERPRETER_PROGRAMS = 3  # fewer programs than tiles in the tests, so the persistent loop is exercised
 
 

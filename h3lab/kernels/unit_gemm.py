@@ -51,6 +51,7 @@ from h3lab.kernels.gemm import (
     tile_coords,
 )
 
+IMPLS = ("triton", "gluon")  # the same bits; gluon (unit_gemm_sm90) pipelines across unit boundaries
 UNIT_COUNTS = (1, 2, 4, 8)  # subtrees of the 8-unit tree (TP 8, 4, 2, 1)
 MAX_PIECES = 3  # q, k, v
 LEVELS = 3  # log2(8): tree levels that can hold a pending left sibling
@@ -178,6 +179,10 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
         node: node type whose pinned "unit_gemm" config runs (default: the operands' CUDA device's).
         config: an explicit configuration instead of the pinned one (benchmarks and tests only).
 
+    With "IMPL": "gluon" (sm90) every call the Hopper kernel can take (bf16, TMA-aligned, unit widths
+    a multiple of 64: h3lab.kernels.unit_gemm_sm90.supports) runs there, the rest here; both give
+    the same bits (tests/test_kernels_gemm.py compares them byte for byte on the GPU).
+
     Raises:
         ValueError: wrong unit count, piece count, rank, dtype, device or shapes; a node without
             a pinned "unit_gemm" entry.
@@ -209,6 +214,16 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
     if M == 0 or N == 0:
         return out_MN
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    impl = cfg.get("IMPL", "triton")
+    if impl not in IMPLS:
+        raise ValueError(f"unit_mm config IMPL={impl!r}; allowed: {list(IMPLS)}")
+    if impl == "gluon" and not configs.interpreting():
+        from h3lab.kernels import unit_gemm_sm90  # Gluon (Hopper only): imported where it runs
+
+        if unit_gemm_sm90.supports(pieces, num_units, cfg) is None:
+            grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+            unit_gemm_sm90.launch(pieces, num_units, out_MN, grid, cfg)
+            return out_MN
     kps = [a.shape[1] // num_units for a, _ in pieces]
     # TMA zero-fills only at a tensor's end: unit ends must fall on chunk boundaries to use it
     tma = cfg["TMA"] and all(kp % BK == 0 for kp in kps)

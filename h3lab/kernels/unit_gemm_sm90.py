@@ -1,0 +1,349 @@
+"""Unit-tree GEMM for Hopper in Gluon: the bits of `unit_gemm.unit_mm_kernel`, one pipeline across units.
+
+Reference: h3lab.kernels.unit_gemm.unit_mm_kernel (Triton, runs in the interpreter too), and behind
+it h3lab.backend.TorchBackend.unit_reduce. Launcher: h3lab.kernels.unit_gemm.unit_mm, when the
+pinned config says "IMPL": "gluon" and the operands allow TMA (see `supports`).
+
+Why a second kernel. The Triton kernel computes each unit's chain in its own software-pipelined
+loop, so at each of the 8 unit boundaries its loads drain and restart (14 chunks per unit for
+to_out): on the H200 it lost 13-26% between one unit and eight, and ran at 0.53-0.82 of cuBLAS at
+M = 4096. Triton's pipeliner gives up on one loop over all chunks (the tree insert reads the
+accumulator, so every wgmma is waited for and no load runs ahead). Here the pipeline is written
+out: a producer cursor issues the TMA loads STAGES-1 chunks ahead of the wgmma that consumes them,
+through unit and tile boundaries; only the accumulator waits at a unit's end. The cursors move by
+increments (a flat index's divisions cost ~500 issue cycles per chunk, as long as its wgmma: 0.35 of
+cuBLAS in the first version). Measured and left out: the tree under a branch inside one loop over
+all chunks (8-13% slower, at one unit too) and two accumulators per unit pair (252 registers,
+slower still); see reports/h200/README.md.
+
+Same bits, by construction: per unit the same chain (acc = +0, then wgmma m64nBNk16 over 64-wide
+chunks, pieces in order, chunks ascending; BLOCK_K 64 = 4 k16 steps, as Triton lowers tl.dot), the
+same tree ((u0+u1)+(u2+u3))+((u4+u5)+(u6+u7)) with the same IEEE FP32 adds, and the same FP32
+output. Where a pending sibling waits (registers, shared memory, L2) moves no bit. Checked byte for
+byte against the Triton kernel on the GPU (tests/test_kernels_gemm.py, h3lab.bench.gemm_bench) and
+through the golden digests of the whole block.
+
+Pending left siblings: level 0 in registers, level 1 in shared memory (its slot also stages the
+tile's FP32 output for the TMA store), level 2 in shared memory (LVL2_SMEM, STAGES <= 3: 3 x 32 KiB
++ 2 x 64 KiB = 224 KiB of the H200's 227) or in a per-program L2 slab written and read back by the
+same threads (4 stages). The binary counter over units is that of unit_gemm._tree_insert.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_K = 64  # the K chunk: the contract's chain order, the Triton kernel's pinned BLOCK_K
+BK = gl.constexpr(BLOCK_K)  # the same, as the kernels see it
+
+
+@gluon.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """gemm.tile_coords: GROUP_M row-tiles share a column-tile's b in L2 before moving on."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _issue(s, q, u, m0, n0, CH0, CH1, KP0, KP1, KP2, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
+           PIECES: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
+    """TMA loads of chunk q of unit u (pieces in order) of the tile at (m0, n0) into stage s."""
+    bar = bars.index(s)
+    mbarrier.expect(bar, ad0.block_type.nbytes + bd0.block_type.nbytes)
+    a_s = a_bufs.index(s)
+    b_s = b_bufs.index(s)
+    if q < CH0:
+        k = u * KP0 + q * BK
+        tma.async_copy_global_to_shared(ad0, [m0, k], bar, a_s)
+        if B_KN:
+            tma.async_copy_global_to_shared(bd0, [k, n0], bar, b_s)
+        else:
+            tma.async_copy_global_to_shared(bd0, [n0, k], bar, b_s)
+    if PIECES > 1:  # noqa: SIM102  (constexpr, then a runtime branch)
+        if (q >= CH0) & (q < CH0 + CH1):
+            k = u * KP1 + (q - CH0) * BK
+            tma.async_copy_global_to_shared(ad1, [m0, k], bar, a_s)
+            if B_KN:
+                tma.async_copy_global_to_shared(bd1, [k, n0], bar, b_s)
+            else:
+                tma.async_copy_global_to_shared(bd1, [n0, k], bar, b_s)
+    if PIECES > 2:  # noqa: SIM102
+        if q >= CH0 + CH1:
+            k = u * KP2 + (q - CH0 - CH1) * BK
+            tma.async_copy_global_to_shared(ad2, [m0, k], bar, a_s)
+            if B_KN:
+                tma.async_copy_global_to_shared(bd2, [k, n0], bar, b_s)
+            else:
+                tma.async_copy_global_to_shared(bd2, [n0, k], bar, b_s)
+
+
+@gluon.jit
+def _advance(s, q, u, t, m0, n0, CHU, U, pid, num_programs, num_pid_m, num_pid_n,
+             BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The next chunk's cursor (stage, chunk in unit, unit, tile, tile origin), by increments only:
+    the divisions of a flat index cost ~500 issue cycles per chunk, as long as the chunk's wgmma."""
+    s += 1
+    if s == STAGES:
+        s = 0
+    q += 1
+    if q == CHU:
+        q = 0
+        u += 1
+        if u == U:
+            u = 0
+            t += 1
+            pid_m, pid_n = _tile_coords(pid + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
+            m0 = pid_m * BM
+            n0 = pid_n * BN
+    return s, q, u, t, m0, n0
+
+
+@gluon.jit
+def _slot(slab, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    """Pointers to a BM x BN FP32 slot in the accumulator's layout (built where used: 128 registers live)."""
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    return slab + rows[:, None] * BN + cols[None, :]
+
+
+@gluon.jit
+def _step(acc, cs, phase, ps, pq, pu, pt, pm0, pn0, total, CH0, CH1, CHU, KP0, KP1, KP2, U, pid, num_programs,
+          num_pid_m, num_pid_n, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
+          BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PIECES: gl.constexpr,
+          B_KN: gl.constexpr):  # fmt: skip
+    """One chunk: wait for its stage, acc += a @ b (async wgmma), then load STAGES-1 chunks ahead into the
+    stage the previous wgmma has released (wait(1)), whatever unit or tile that chunk belongs to."""
+    mbarrier.wait(bars.index(cs), phase)
+    if B_KN:
+        b = b_bufs.index(cs)
+    else:
+        b = b_bufs.index(cs).permute((1, 0))
+    acc = warpgroup_mma(a_bufs.index(cs), b, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    if (pt * U + pu) * CHU + pq < total:  # the producer has chunks left
+        _issue(ps, pq, pu, pm0, pn0, CH0, CH1, KP0, KP1, KP2, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
+               PIECES, B_KN)  # fmt: skip
+        ps, pq, pu, pt, pm0, pn0 = _advance(ps, pq, pu, pt, pm0, pn0, CHU, U, pid, num_programs, num_pid_m,
+                                            num_pid_n, BM, BN, GROUP_M, STAGES)  # fmt: skip
+    cs += 1
+    if cs == STAGES:
+        cs = 0
+        phase ^= 1
+    return acc, cs, phase, ps, pq, pu, pt, pm0, pn0
+
+
+@gluon.jit
+def _tree_insert(acc, pending, u, t, U, LOG2U, num_programs, num_pid_m, num_pid_n, M, lvl_bufs, lvl2_slab,
+                 c_desc, mma: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+                 LVL2_SMEM: gl.constexpr):  # fmt: skip
+    """Unit u's finished partial (acc) takes its place in the tree: the binary counter of
+    unit_gemm._tree_insert, level 0 pending in registers, level 1 in lvl_bufs[0], level 2 in lvl_bufs[1]
+    or the L2 slab. The tile's last unit leaves the root in acc, stored (FP32) through lvl_bufs[0] by
+    TMA. Returns the next chain's +0 start and the pending sibling."""
+    if LOG2U > 0:
+        if (u & 1) == 0:
+            pending = acc
+        else:
+            acc = pending + acc
+            if LOG2U > 1:  # level 1: node u >> 1
+                gl.thread_barrier()
+                if ((u >> 1) & 1) == 0:
+                    tma.store_wait(pendings=0)  # the previous root's TMA store may still read lvl_bufs[0]
+                    gl.thread_barrier()
+                    lvl_bufs.index(0).store(acc)
+                else:
+                    acc = lvl_bufs.index(0).load(mma) + acc
+                    if LOG2U > 2:  # level 2: node u >> 2
+                        if ((u >> 2) & 1) == 0:
+                            if LVL2_SMEM:
+                                lvl_bufs.index(1).store(acc)
+                            else:
+                                gl.store(_slot(lvl2_slab, BM, BN, mma), acc)  # read back by the same threads
+                        else:
+                            if LVL2_SMEM:
+                                acc = lvl_bufs.index(1).load(mma) + acc
+                            else:
+                                acc = gl.load(_slot(lvl2_slab, BM, BN, mma)) + acc
+    if u == U - 1:  # the root
+        _store_root(acc, t, num_programs, num_pid_m, num_pid_n, lvl_bufs, c_desc, BM, BN, GROUP_M)
+    # the next chain starts from +0, as tl.zeros in the Triton kernel. A select on a runtime-false
+    # condition, not gl.zeros: a zeros constant stays live in 64 registers across the loop (sm90
+    # compile: 255 registers + 40 B of spills, against 223 and none)
+    return gl.where(M < 0, acc, 0.0), pending
+
+
+@gluon.jit
+def _store_root(acc, t, num_programs, num_pid_m, num_pid_n, lvl_bufs, c_desc, BM: gl.constexpr, BN: gl.constexpr,
+                GROUP_M: gl.constexpr):  # fmt: skip
+    """The tile's root, FP32, through lvl_bufs[0] and a TMA store (rows and columns past the end clipped)."""
+    pid_m, pid_n = _tile_coords(gl.program_id(0) + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    lvl_bufs.index(0).store(acc)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(c_desc, [pid_m * BM, pid_n * BN], lvl_bufs.index(0))
+
+
+# fmt: off
+@gluon.jit(do_not_specialize=["M", "N", "U", "LOG2U", "KP0", "KP1", "KP2", "num_programs"])
+def unit_mm_sm90_kernel(
+    ad0, bd0, ad1, bd1, ad2, bd2, c_desc, s_ptr,
+    M, N, U, LOG2U, KP0, KP1, KP2, num_programs,
+    GROUP_M: gl.constexpr, PIECES: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr,
+    LVL2_SMEM: gl.constexpr, num_warps: gl.constexpr,
+):
+    # fmt: on
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    # wgmma m64nBNk16 per warpgroup, warpgroups stacked along M: Triton's choice for tl.dot here
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, BN, 16])  # fmt: skip
+    a_bufs = gl.allocate_shared_memory(ad0.dtype, [STAGES] + ad0.block_type.shape, ad0.layout)  # noqa: RUF005
+    b_bufs = gl.allocate_shared_memory(bd0.dtype, [STAGES] + bd0.block_type.shape, bd0.layout)  # noqa: RUF005
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    NLVL: gl.constexpr = 2 if LVL2_SMEM else 1
+    lvl_bufs = gl.allocate_shared_memory(gl.float32, [NLVL, BM, BN], c_desc.layout)  # [0] also stages the output
+    pid = gl.program_id(0)
+    lvl2_slab = s_ptr + pid.to(gl.int64) * (BM * BN)  # this program's level-2 slot (unless LVL2_SMEM)
+
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    my_tiles = (num_pid_m * num_pid_n - pid + num_programs - 1) // num_programs
+    CH0 = KP0 // BK
+    CH1 = KP1 // BK
+    CHU = CH0 + CH1 + KP2 // BK  # chunks per unit, pieces in order
+    total = my_tiles * U * CHU
+
+    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
+    # producer cursor: the next chunk to load (stage, chunk in unit, unit, tile, tile origin)
+    ps = 0
+    pq = 0
+    pu = 0
+    pt = 0
+    pm0 = pid_m * BM
+    pn0 = pid_n * BN
+    for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES-1 chunks in flight
+        if i < total:
+            _issue(ps, pq, pu, pm0, pn0, CH0, CH1, KP0, KP1, KP2, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
+                   PIECES, B_KN)  # fmt: skip
+            ps, pq, pu, pt, pm0, pn0 = _advance(ps, pq, pu, pt, pm0, pn0, CHU, U, pid, num_programs, num_pid_m,
+                                                num_pid_n, BM, BN, GROUP_M, STAGES)  # fmt: skip
+
+    acc = gl.zeros((BM, BN), gl.float32, mma)
+    pending = gl.zeros((BM, BN), gl.float32, mma)  # level-0 left sibling
+    cs = 0  # consumer cursor: stage and its phase
+    phase = 0
+    # A loop per unit that holds nothing but the chain (with the tree under a branch inside one loop
+    # over all chunks, the H200 ran it 8-13% slower, at U = 1 too); the tree between units. The
+    # producer's cursor still loads across unit and tile boundaries, so no loop restarts its loads.
+    for t in range(my_tiles):
+        for u in range(U):
+            for _ in range(CHU):
+                acc, cs, phase, ps, pq, pu, pt, pm0, pn0 = _step(
+                    acc, cs, phase, ps, pq, pu, pt, pm0, pn0, total, CH0, CH1, CHU, KP0, KP1, KP2, U, pid,
+                    num_programs, num_pid_m, num_pid_n, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
+                    BM, BN, GROUP_M, STAGES, PIECES, B_KN)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc, pending = _tree_insert(acc, pending, u, t, U, LOG2U, num_programs, num_pid_m, num_pid_n, M,
+                                        lvl_bufs, lvl2_slab, c_desc, mma, BM, BN, GROUP_M, LVL2_SMEM)  # fmt: skip
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+# ---- host side -----------------------------------------------------------------------------------
+
+def supports(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, cfg: dict[str, Any]) -> str | None:
+    """None when this kernel can run the call, else why not (the caller then runs the Triton kernel, same bits).
+
+    Needs: bf16 operands, every unit width a multiple of 64 (TMA boxes end on unit ends), a [M, K]
+    row-major (TMA-aligned), every b the same layout ([K, N] rows or a weight [N, K] seen as b = W.T),
+    N a multiple of 4 (the FP32 output's rows 16-byte aligned for the TMA store).
+    """
+    if pieces[0][1].shape[1] % 4:
+        return f"N = {pieces[0][1].shape[1]} not a multiple of 4"
+    if cfg["BLOCK_K"] != BLOCK_K:
+        return f"BLOCK_K {cfg['BLOCK_K']} (the Gluon kernel is written for {BLOCK_K})"
+    modes = set()
+    for a, b in pieces:
+        if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+            return "an fp32 operand"
+        if (a.shape[1] // num_units) % BLOCK_K:
+            return f"unit width {a.shape[1] // num_units} not a multiple of {BLOCK_K}"
+        if not (a.stride(1) == 1 and _aligned(a, a.stride(0))):
+            return "a not row-major with 16-byte aligned rows"
+        if b.stride(1) == 1 and _aligned(b, b.stride(0)):
+            modes.add("KN")
+        elif b.stride(0) == 1 and _aligned(b, b.stride(1)):
+            modes.add("WT")
+        else:
+            return "b neither [K, N] rows nor W.T with 16-byte aligned rows"
+    if len(modes) != 1:
+        return f"b layouts {sorted(modes)} mixed"
+    return None
+
+
+def _aligned(t: Tensor, major_stride: int) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and (major_stride * size) % 16 == 0 and major_stride > 0
+
+
+@functools.cache
+def _layouts(BM: int, BN: int, b_kn: bool) -> tuple[Any, Any, Any]:
+    """Shared-memory layouts of a, b (as the descriptor walks it) and the FP32 output tile (cached: host time)."""
+    b_block = [BLOCK_K, BN] if b_kn else [BN, BLOCK_K]
+    return (gl.NVMMASharedLayout.get_default_for([BM, BLOCK_K], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32))  # fmt: skip
+
+
+def launch(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, out_MN: Tensor, grid: int,
+           cfg: dict[str, Any]) -> None:  # fmt: skip
+    """Run the kernel into out_MN (FP32 [M, N], TMA-aligned); `supports` must have said yes."""
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    lvl2_smem = bool(cfg.get("LVL2_SMEM", False))
+    b_kn = pieces[0][1].stride(1) == 1 and _aligned(pieces[0][1], pieces[0][1].stride(0))
+    b_block = [BLOCK_K, BN] if b_kn else [BN, BLOCK_K]
+    a_layout, b_layout, c_layout = _layouts(BM, BN, b_kn)
+    descs: list[Any] = []
+    kps: list[int] = []
+    for a, b in pieces:
+        descs.append(TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [BM, BLOCK_K], a_layout))
+        if b_kn:
+            descs.append(TensorDescriptor(b, list(b.shape), [b.stride(0), 1], b_block, b_layout))
+        else:  # b = W.T: the descriptor walks W [N, K]
+            descs.append(TensorDescriptor(b.t(), [b.shape[1], b.shape[0]], [b.stride(1), 1], b_block, b_layout))
+        kps.append(a.shape[1] // num_units)
+    descs += [None, None] * (3 - len(pieces))
+    kps += [0] * (3 - len(pieces))
+    c_desc = TensorDescriptor(out_MN, list(out_MN.shape), [out_MN.stride(0), 1], [BM, BN], c_layout)
+    scratch = out_MN if lvl2_smem or num_units < 8 else torch.empty((grid, BM * BN), dtype=torch.float32,
+                                                                    device=out_MN.device)  # fmt: skip
+    M, N = out_MN.shape
+    unit_mm_sm90_kernel[(grid,)](
+        *descs, c_desc, scratch, M, N, num_units, num_units.bit_length() - 1, *kps, grid,
+        GROUP_M=cfg["GROUP_M"], PIECES=len(pieces), B_KN=b_kn, STAGES=cfg["num_stages"], LVL2_SMEM=lvl2_smem,
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
