@@ -408,23 +408,65 @@ def test_unit_mm_gluon_supports_says_why_not():
     """Which calls the Gluon kernel takes (host logic, no GPU): the rest run the Triton kernel."""
     from h3lab.kernels import unit_gemm_sm90
 
-    cfg = gemm.kernel_config("unit_gemm", NODE, ieee=False)
     a = _randn(5, 8 * 64, seed=1, dtype=BF16)
     w = _randn(16, 8 * 64, seed=2, dtype=BF16)
-    assert unit_gemm_sm90.supports([(a, w.t())], 8, cfg) is None  # forward: b = W.T
-    assert unit_gemm_sm90.supports([(a, w.t().contiguous())] * 3, 8, cfg) is None  # dX: [K, N] rows
+    assert unit_gemm_sm90.supports([(a, w.t())], 8) is None  # forward: b = W.T
+    assert unit_gemm_sm90.supports([(a, w.t().contiguous())] * 3, 8) is None  # dX: [K, N] rows
     why = {
-        "fp32": unit_gemm_sm90.supports([(a.float(), w.t())], 8, cfg),
-        "width": unit_gemm_sm90.supports([(a[:, :256], w.t()[:256])], 8, cfg),
-        "mixed": unit_gemm_sm90.supports([(a, w.t()), (a, w.t().contiguous())], 8, cfg),
-        "N": unit_gemm_sm90.supports([(a, w.t()[:, :10])], 8, cfg),
-        "misaligned": unit_gemm_sm90.supports([(a, w.t().contiguous()[:, 1:9])], 8, cfg),
-        "a": unit_gemm_sm90.supports([(a.t().contiguous().t(), w.t())], 8, cfg),
-        "BLOCK_K": unit_gemm_sm90.supports([(a, w.t())], 8, cfg | {"BLOCK_K": 32}),
+        "fp32": unit_gemm_sm90.supports([(a.float(), w.t())], 8),
+        "width": unit_gemm_sm90.supports([(a[:, :256], w.t()[:256])], 8),
+        "mixed": unit_gemm_sm90.supports([(a, w.t()), (a, w.t().contiguous())], 8),
+        "N": unit_gemm_sm90.supports([(a, w.t()[:, :10])], 8),
+        "misaligned": unit_gemm_sm90.supports([(a, w.t().contiguous()[:, 1:9])], 8),
+        "a": unit_gemm_sm90.supports([(a.t().contiguous().t(), w.t())], 8),
     }
     assert "fp32" in why["fp32"] and "unit width 32" in why["width"] and "mixed" in why["mixed"]
     assert "N = 10" in why["N"] and "16-byte" in why["misaligned"] and "row-major" in why["a"]
-    assert "BLOCK_K 32" in why["BLOCK_K"]
+
+
+def test_unit_mm_gluon_config_errors_name_the_allowed_set():
+    """An explicit IMPL that cannot be honoured raises (never a silent fallback): wrong device, tiles, stages."""
+    from h3lab.kernels import unit_gemm_sm90
+
+    cfg = gemm.kernel_config("unit_gemm", NODE, ieee=False) | {"IMPL": "gluon"}
+    unit_gemm_sm90.check_config(cfg, (9, 0))  # the pinned sm90 config passes
+    cases = [
+        ({}, (10, 0), r"capability \(10, 0\); allowed: \(9, 0\)"),
+        ({"num_stages": 1}, (9, 0), r"num_stages=1; allowed: \[3, 4\]"),
+        ({"num_stages": 4, "LVL2_SMEM": True}, (9, 0), r"num_stages=4; allowed: \[3\]"),
+        ({"BLOCK_K": 32}, (9, 0), r"BLOCK_K=32; allowed: \[64\]"),
+        ({"BLOCK_N": 256}, (9, 0), r"BLOCK_N=256; allowed: \[128\]"),
+        ({"num_warps": 4}, (9, 0), r"num_warps=4; allowed: \[8\]"),
+    ]
+    for over, cap, match in cases:
+        with pytest.raises(ValueError, match=match):
+            unit_gemm_sm90.check_config(cfg | over, cap)
+    a = _randn(5, 8 * 32, seed=3)
+    with pytest.raises(ValueError, match=r"IMPL='cuda'; allowed: \['triton', 'gluon'\]"):
+        unit_gemm.unit_mm([(a, a.t())], 8, node=NODE, config=_tc("unit_gemm") | {"IMPL": "cuda"})
+
+
+def test_unit_mm_gluon_compiles_for_sm90_without_spills():
+    """No GPU needed: the Gluon kernel builds for sm90 with the installed Triton (its API moves between
+    releases), every variant the launcher picks keeps both FP32 tiles in registers (no stack), fits
+    the 227 KiB of shared memory and keeps one wgmma in flight in the chunk loop (waits 1, then 0).
+    A subprocess: this module runs under TRITON_INTERPRET=1, under which Gluon cannot compile."""
+    import json
+    import subprocess
+    import sys
+
+    from h3lab.bench import compile_sm90
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "h3lab.bench.compile_sm90", "--json"], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    variants = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(variants) == len(compile_sm90.VARIANTS)
+    for v in variants:
+        assert v["stack_bytes"] == 0 and v["registers"] <= 255, v
+        assert v["shared_bytes"] <= compile_sm90.SM90_SHARED_BYTES, v
+        assert v["wgmma_waits"] == ["1", "0"], v
 
 
 @gpu
@@ -449,8 +491,31 @@ def test_gpu_unit_mm_gluon_equals_triton(name):
             per = 8 // tp
             for r in range(tp):
                 part = [(a[:rows], b) for a, b in _slice_units(pieces, r * per, (r + 1) * per, 8)]
-                assert unit_gemm_sm90.supports(part, per, ref_cfg) is None, f"{name}: the Gluon kernel must take it"
+                assert unit_gemm_sm90.supports(part, per) is None, f"{name}: the Gluon kernel must take it"
                 ref = unit_gemm.unit_mm(part, per, config=ref_cfg)
                 for label, cfg in variants.items():
                     got = unit_gemm.unit_mm(part, per, config=cfg)
                     assert_bitwise(got, ref, f"{name} {label}: rows {rows}, TP{tp} rank {r}")
+
+
+@gpu
+def test_gpu_unit_mm_gluon_edges():
+    """Edges the real shapes miss: a ragged last column tile (N = 300), pieces of different unit widths
+    (14 and 28 chunks), rows of exact zeros (+0 and -0 products, where the chain's start decides the
+    sign of a zero: both kernels start from +0)."""
+    if configs.node_of("cuda") != "sm90":
+        pytest.skip("the Gluon unit-tree kernel is written for sm90 (wgmma, TMA)")
+    from h3lab.kernels import unit_gemm_sm90
+
+    base = gemm.kernel_config("unit_gemm", "sm90", ieee=False)
+    gluon_cfg, triton_cfg = base | {"IMPL": "gluon"}, base | {"IMPL": "triton"}
+    ragged = _pieces(300, (896,), 300, 8, seed=110, device="cuda", dtype=BF16)
+    mixed = _pieces(264, (896, 1792), 5376, 8, seed=111, device="cuda", dtype=BF16, w_major=False)
+    zeros = _pieces(264, (896,), 5376, 8, seed=112, device="cuda", dtype=BF16)
+    zeros[0][0][5:9] = 0.0
+    zeros[0][0][7] = -0.0
+    for label, pieces in (("ragged N", ragged), ("unit widths 896, 1792", mixed), ("zero rows", zeros)):
+        assert unit_gemm_sm90.supports(pieces, 8) is None, label
+        got = unit_gemm.unit_mm(pieces, 8, config=gluon_cfg)
+        assert_bitwise(got, unit_gemm.unit_mm(pieces, 8, config=triton_cfg), label)
+    assert bool((unit_gemm.unit_mm(zeros, 8, config=gluon_cfg)[5:9] == 0).all()), "zero rows give zeros"

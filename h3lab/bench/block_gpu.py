@@ -3,7 +3,10 @@
 `python -m h3lab.bench.block_gpu --out FILE.json [--rows 264,4096] [--reps N]` times forward and
 forward+backward (median of CUDA-synchronised wall times after warm-up), records extra peak
 memory over weights and inputs, the error of both against the FP64 oracle (at the first row
-count), and whether repeated canonical runs give identical bytes.
+count), and whether repeated canonical runs give identical bytes. `ratio_fwd_bwd` divides the two
+medians (eager's reps first, then canonical's); `ratio_fwd_bwd_interleaved` is the median of
+per-rep ratios with the two blocks called in turn, so a drift of clocks or host load within the
+run falls on both alike (the same code's ratio moved by 0.04 between calls of session 9).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +42,24 @@ def cuda_times(fn, reps: int) -> list[float]:
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+    return times
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int,
+                      sync: Callable[[], None] = torch.cuda.synchronize) -> dict[str, list[float]]:  # fmt: skip
+    """Wall seconds of `reps` synchronised calls of each fn, the fns called in turn within a rep
+    (after 2 warm-up rounds), so slow drifts fall on every fn alike: {name: [seconds per rep]}."""
+    for _ in range(2):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t)
     return times
 
 
@@ -85,6 +108,9 @@ def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> di
         "canonical_peak_extra_gib": _peak_extra(canonical),
     }
     r["ratio_fwd_bwd"] = r["canonical_fwd_bwd_median_s"] / r["eager_fwd_bwd_median_s"]
+    turns = interleaved_times({"eager": lambda: eager(True), "canonical": canonical}, reps)
+    pairs = zip(turns["eager"], turns["canonical"], strict=True)
+    r["ratio_fwd_bwd_interleaved"] = statistics.median([c / e for e, c in pairs])
     r["ratio_peak"] = r["canonical_peak_extra_gib"] / r["eager_peak_extra_gib"]
     one, two = canonical(), canonical()
     r["repeat_bitwise"] = all(bitwise_equal(one[k], two[k]) for k in one)

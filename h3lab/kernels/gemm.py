@@ -228,7 +228,8 @@ def grid_size(device: torch.device, num_tiles: int) -> int:
     return max(1, min(sms, num_tiles))
 
 
-def _tma_ok(t: Tensor, major_stride: int) -> bool:
+def tma_aligned(t: Tensor, major_stride: int) -> bool:
+    """A TMA descriptor can walk t: 16-byte aligned base and major stride."""
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and (major_stride * size) % 16 == 0 and major_stride > 0
 
@@ -236,9 +237,9 @@ def _tma_ok(t: Tensor, major_stride: int) -> bool:
 def operand_a(a_MK: Tensor, block_m: int, block_k: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
     """(mode, descriptor) for load_a: 1 = rows contiguous in K, 2 = columns contiguous in M, 0 = pointers."""
     M, K = a_MK.shape
-    if tma and a_MK.stride(1) == 1 and _tma_ok(a_MK, a_MK.stride(0)):
+    if tma and a_MK.stride(1) == 1 and tma_aligned(a_MK, a_MK.stride(0)):
         return 1, TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [block_m, block_k])
-    if tma and a_MK.stride(0) == 1 and _tma_ok(a_MK, a_MK.stride(1)):
+    if tma and a_MK.stride(0) == 1 and tma_aligned(a_MK, a_MK.stride(1)):
         return 2, TensorDescriptor(a_MK, [K, M], [a_MK.stride(1), 1], [block_k, block_m])
     return 0, None
 
@@ -246,9 +247,9 @@ def operand_a(a_MK: Tensor, block_m: int, block_k: int, tma: bool) -> tuple[int,
 def operand_b(b_KN: Tensor, block_k: int, block_n: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
     """(mode, descriptor) for load_b: 1 = a weight W [N, K] seen as b = W.T, 2 = rows contiguous in N, 0 = pointers."""
     K, N = b_KN.shape
-    if tma and b_KN.stride(0) == 1 and _tma_ok(b_KN, b_KN.stride(1)):
+    if tma and b_KN.stride(0) == 1 and tma_aligned(b_KN, b_KN.stride(1)):
         return 1, TensorDescriptor(b_KN, [N, K], [b_KN.stride(1), 1], [block_n, block_k])
-    if tma and b_KN.stride(1) == 1 and _tma_ok(b_KN, b_KN.stride(0)):
+    if tma and b_KN.stride(1) == 1 and tma_aligned(b_KN, b_KN.stride(0)):
         return 2, TensorDescriptor(b_KN, [K, N], [b_KN.stride(0), 1], [block_k, block_n])
     return 0, None
 
@@ -258,7 +259,7 @@ def output_desc(c_MN: Tensor, block_m: int, block_n: int, cfg: dict[str, Any]) -
     split = int(cfg.get("EPILOGUE_SPLIT", 1))
     if split not in (1, 2):
         raise ValueError(f"EPILOGUE_SPLIT={split}; allowed: 1, 2")
-    if not cfg.get("TMA_STORE", False) or c_MN.stride(1) != 1 or not _tma_ok(c_MN, c_MN.stride(0)):
+    if not cfg.get("TMA_STORE", False) or c_MN.stride(1) != 1 or not tma_aligned(c_MN, c_MN.stride(0)):
         return False, 1, None
     return True, split, TensorDescriptor(c_MN, list(c_MN.shape), [c_MN.stride(0), 1], [block_m, block_n // split])
 

@@ -185,7 +185,8 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
 
     Raises:
         ValueError: wrong unit count, piece count, rank, dtype, device or shapes; a node without
-            a pinned "unit_gemm" entry.
+            a pinned "unit_gemm" entry; an unknown IMPL, or "gluon" on a device or with tiles it
+            cannot run (unit_gemm_sm90.check_config).
     """
     if num_units not in UNIT_COUNTS:
         raise ValueError(f"unit_mm: num_units={num_units}; allowed: {list(UNIT_COUNTS)}")
@@ -210,17 +211,18 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
         cfg = check_config("unit_mm", config)
     else:
         cfg = kernel_config("unit_gemm", node or configs.node_of(device), ieee)
+    impl = cfg.get("IMPL", "triton")
+    if impl not in IMPLS:
+        raise ValueError(f"unit_mm config IMPL={impl!r}; allowed: {list(IMPLS)}")
     out_MN = torch.empty((M, N), dtype=torch.float32, device=device)
     if M == 0 or N == 0:
         return out_MN
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    impl = cfg.get("IMPL", "triton")
-    if impl not in IMPLS:
-        raise ValueError(f"unit_mm config IMPL={impl!r}; allowed: {list(IMPLS)}")
     if impl == "gluon" and not configs.interpreting():
         from h3lab.kernels import unit_gemm_sm90  # Gluon (Hopper only): imported where it runs
 
-        if unit_gemm_sm90.supports(pieces, num_units, cfg) is None:
+        unit_gemm_sm90.check_config(cfg, torch.cuda.get_device_capability(device))
+        if unit_gemm_sm90.supports(pieces, num_units) is None:
             grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
             unit_gemm_sm90.launch(pieces, num_units, out_MN, grid, cfg)
             return out_MN

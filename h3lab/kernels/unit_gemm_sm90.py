@@ -11,10 +11,11 @@ M = 4096. Triton's pipeliner gives up on one loop over all chunks (the tree inse
 accumulator, so every wgmma is waited for and no load runs ahead). Here the pipeline is written
 out: a producer cursor issues the TMA loads STAGES-1 chunks ahead of the wgmma that consumes them,
 through unit and tile boundaries; only the accumulator waits at a unit's end. The cursors move by
-increments (a flat index's divisions cost ~500 issue cycles per chunk, as long as its wgmma: 0.35 of
-cuBLAS in the first version). Measured and left out: the tree under a branch inside one loop over
-all chunks (8-13% slower, at one unit too) and two accumulators per unit pair (252 registers,
-slower still); see reports/h200/README.md.
+increments (a flat index's divisions cost ~500 issue cycles per chunk, as long as its wgmma: 0.32-0.44
+of cuBLAS in the first version). Measured and left out: the tree under a branch inside one loop over
+all chunks (its chunk loop ran at 0.77-0.82 of cuBLAS with one unit, where Triton's and this
+layout's reach 0.85-0.96) and two accumulators per unit pair (252 registers, 0.52-0.69 with eight
+units); see reports/h200/README.md.
 
 Same bits, by construction: per unit the same chain (acc = +0, then wgmma m64nBNk16 over 64-wide
 chunks, pieces in order, chunks ascending; BLOCK_K 64 = 4 k16 steps, as Triton lowers tl.dot), the
@@ -48,19 +49,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from h3lab.kernels.gemm import tile_coords, tma_aligned  # tile_coords: scalar-only @triton.jit, callable from Gluon
+
+# Triton 3.6 (torch 2.11's) names the TMA copies async_copy_global_to_shared / _shared_to_global
+# and the CTA barrier thread_barrier; 3.9 renamed them async_load / async_store (the old names
+# raise) and barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.6: thread_barrier; 3.9: barrier
+
 BLOCK_K = 64  # the K chunk: the contract's chain order, the Triton kernel's pinned BLOCK_K
 BK = gl.constexpr(BLOCK_K)  # the same, as the kernels see it
-
-
-@gluon.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """gemm.tile_coords: GROUP_M row-tiles share a column-tile's b in L2 before moving on."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % size_m
-    pid_n = (tile % per_group) // size_m
-    return pid_m, pid_n
 
 
 @gluon.jit
@@ -73,27 +72,27 @@ def _issue(s, q, u, m0, n0, CH0, CH1, KP0, KP1, KP2, ad0, bd0, ad1, bd1, ad2, bd
     b_s = b_bufs.index(s)
     if q < CH0:
         k = u * KP0 + q * BK
-        tma.async_copy_global_to_shared(ad0, [m0, k], bar, a_s)
+        _tma_load(ad0, [m0, k], bar, a_s)
         if B_KN:
-            tma.async_copy_global_to_shared(bd0, [k, n0], bar, b_s)
+            _tma_load(bd0, [k, n0], bar, b_s)
         else:
-            tma.async_copy_global_to_shared(bd0, [n0, k], bar, b_s)
+            _tma_load(bd0, [n0, k], bar, b_s)
     if PIECES > 1:  # noqa: SIM102  (constexpr, then a runtime branch)
         if (q >= CH0) & (q < CH0 + CH1):
             k = u * KP1 + (q - CH0) * BK
-            tma.async_copy_global_to_shared(ad1, [m0, k], bar, a_s)
+            _tma_load(ad1, [m0, k], bar, a_s)
             if B_KN:
-                tma.async_copy_global_to_shared(bd1, [k, n0], bar, b_s)
+                _tma_load(bd1, [k, n0], bar, b_s)
             else:
-                tma.async_copy_global_to_shared(bd1, [n0, k], bar, b_s)
+                _tma_load(bd1, [n0, k], bar, b_s)
     if PIECES > 2:  # noqa: SIM102
         if q >= CH0 + CH1:
             k = u * KP2 + (q - CH0 - CH1) * BK
-            tma.async_copy_global_to_shared(ad2, [m0, k], bar, a_s)
+            _tma_load(ad2, [m0, k], bar, a_s)
             if B_KN:
-                tma.async_copy_global_to_shared(bd2, [k, n0], bar, b_s)
+                _tma_load(bd2, [k, n0], bar, b_s)
             else:
-                tma.async_copy_global_to_shared(bd2, [n0, k], bar, b_s)
+                _tma_load(bd2, [n0, k], bar, b_s)
 
 
 @gluon.jit
@@ -111,7 +110,9 @@ def _advance(s, q, u, t, m0, n0, CHU, U, pid, num_programs, num_pid_m, num_pid_n
         if u == U:
             u = 0
             t += 1
-            pid_m, pid_n = _tile_coords(pid + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
+            # past this program's last tile the origin is garbage (tile_coords of a tile beyond the
+            # grid), never used: the caller issues no load past `total`
+            pid_m, pid_n = tile_coords(pid + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
             m0 = pid_m * BM
             n0 = pid_n * BN
     return s, q, u, t, m0, n0
@@ -131,7 +132,9 @@ def _step(acc, cs, phase, ps, pq, pu, pt, pm0, pn0, total, CH0, CH1, CHU, KP0, K
           BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PIECES: gl.constexpr,
           B_KN: gl.constexpr):  # fmt: skip
     """One chunk: wait for its stage, acc += a @ b (async wgmma), then load STAGES-1 chunks ahead into the
-    stage the previous wgmma has released (wait(1)), whatever unit or tile that chunk belongs to."""
+    stage the previous wgmma has released, whatever unit or tile that chunk belongs to. wait(1) covers
+    this warpgroup's wgmma only; the barrier after it makes the refill wait for both warpgroups (Triton's
+    barrier pass puts one there anyway: the sm90 PTX has the same bar.sync count with it or without)."""
     mbarrier.wait(bars.index(cs), phase)
     if B_KN:
         b = b_bufs.index(cs)
@@ -139,6 +142,7 @@ def _step(acc, cs, phase, ps, pq, pu, pt, pm0, pn0, total, CH0, CH1, CHU, KP0, K
         b = b_bufs.index(cs).permute((1, 0))
     acc = warpgroup_mma(a_bufs.index(cs), b, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    _cta_barrier()
     if (pt * U + pu) * CHU + pq < total:  # the producer has chunks left
         _issue(ps, pq, pu, pm0, pn0, CH0, CH1, KP0, KP1, KP2, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
                PIECES, B_KN)  # fmt: skip
@@ -158,17 +162,18 @@ def _tree_insert(acc, pending, u, t, U, LOG2U, num_programs, num_pid_m, num_pid_
     """Unit u's finished partial (acc) takes its place in the tree: the binary counter of
     unit_gemm._tree_insert, level 0 pending in registers, level 1 in lvl_bufs[0], level 2 in lvl_bufs[1]
     or the L2 slab. The tile's last unit leaves the root in acc, stored (FP32) through lvl_bufs[0] by
-    TMA. Returns the next chain's +0 start and the pending sibling."""
+    TMA. Returns the next chain's +0 start and the pending sibling. M (the row count, never negative)
+    only feeds the +0 select below."""
     if LOG2U > 0:
         if (u & 1) == 0:
             pending = acc
         else:
             acc = pending + acc
             if LOG2U > 1:  # level 1: node u >> 1
-                gl.thread_barrier()
+                _cta_barrier()
                 if ((u >> 1) & 1) == 0:
                     tma.store_wait(pendings=0)  # the previous root's TMA store may still read lvl_bufs[0]
-                    gl.thread_barrier()
+                    _cta_barrier()
                     lvl_bufs.index(0).store(acc)
                 else:
                     acc = lvl_bufs.index(0).load(mma) + acc
@@ -186,8 +191,8 @@ def _tree_insert(acc, pending, u, t, U, LOG2U, num_programs, num_pid_m, num_pid_
     if u == U - 1:  # the root
         _store_root(acc, t, num_programs, num_pid_m, num_pid_n, lvl_bufs, c_desc, BM, BN, GROUP_M)
     # the next chain starts from +0, as tl.zeros in the Triton kernel. A select on a runtime-false
-    # condition, not gl.zeros: a zeros constant stays live in 64 registers across the loop (sm90
-    # compile: 255 registers + 40 B of spills, against 223 and none)
+    # condition, not gl.zeros: a zeros constant stays live in registers across the loops (sm90
+    # compile, Triton 3.6: 225 registers against 208; 255 and spills in the flat-loop version)
     return gl.where(M < 0, acc, 0.0), pending
 
 
@@ -195,13 +200,13 @@ def _tree_insert(acc, pending, u, t, U, LOG2U, num_programs, num_pid_m, num_pid_
 def _store_root(acc, t, num_programs, num_pid_m, num_pid_n, lvl_bufs, c_desc, BM: gl.constexpr, BN: gl.constexpr,
                 GROUP_M: gl.constexpr):  # fmt: skip
     """The tile's root, FP32, through lvl_bufs[0] and a TMA store (rows and columns past the end clipped)."""
-    pid_m, pid_n = _tile_coords(gl.program_id(0) + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(gl.program_id(0) + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
     tma.store_wait(pendings=0)
-    gl.thread_barrier()
+    _cta_barrier()
     lvl_bufs.index(0).store(acc)
     fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(c_desc, [pid_m * BM, pid_n * BN], lvl_bufs.index(0))
+    _cta_barrier()
+    _tma_store(c_desc, [pid_m * BM, pid_n * BN], lvl_bufs.index(0))
 
 
 # fmt: off
@@ -236,7 +241,7 @@ def unit_mm_sm90_kernel(
     CHU = CH0 + CH1 + KP2 // BK  # chunks per unit, pieces in order
     total = my_tiles * U * CHU
 
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     # producer cursor: the next chunk to load (stage, chunk in unit, unit, tile, tile origin)
     ps = 0
     pq = 0
@@ -255,9 +260,9 @@ def unit_mm_sm90_kernel(
     pending = gl.zeros((BM, BN), gl.float32, mma)  # level-0 left sibling
     cs = 0  # consumer cursor: stage and its phase
     phase = 0
-    # A loop per unit that holds nothing but the chain (with the tree under a branch inside one loop
-    # over all chunks, the H200 ran it 8-13% slower, at U = 1 too); the tree between units. The
-    # producer's cursor still loads across unit and tile boundaries, so no loop restarts its loads.
+    # A loop per unit that holds nothing but the chain, the tree between them (with the tree under a
+    # branch inside one loop over all chunks, the chunk loop itself ran 8-13% slower on the H200, at
+    # U = 1 too). The producer's cursor still loads across unit and tile boundaries.
     for t in range(my_tiles):
         for u in range(U):
             for _ in range(CHU):
@@ -275,8 +280,31 @@ def unit_mm_sm90_kernel(
 
 # ---- host side -----------------------------------------------------------------------------------
 
-def supports(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, cfg: dict[str, Any]) -> str | None:
-    """None when this kernel can run the call, else why not (the caller then runs the Triton kernel, same bits).
+def check_config(cfg: dict[str, Any], capability: tuple[int, int]) -> None:
+    """Raises ValueError when an explicit "IMPL": "gluon" cannot be honoured: it never falls back.
+
+    Allowed: what has run on the H200 (session 10): a Hopper device (capability 9.0: wgmma, TMA),
+    BLOCK_K 64, 128x128 tiles on 8 warps (two warpgroups stacked along M; the FP32 accumulator and
+    the level-0 sibling fill 128 of 255 registers per thread), 3 or 4 stages (3 with LVL2_SMEM:
+    3 x 32 KiB + 2 x 64 KiB = 224 KiB of the 227 KiB of shared memory).
+    """
+    if tuple(capability) != (9, 0):
+        raise ValueError(f"unit_mm IMPL gluon: device capability {capability}; allowed: (9, 0) (sm90)")
+    allowed = {
+        "BLOCK_K": [BLOCK_K],
+        "BLOCK_M": [128],
+        "BLOCK_N": [128],
+        "num_warps": [8],
+        "num_stages": [3] if cfg.get("LVL2_SMEM", False) else [3, 4],
+    }
+    for key, values in allowed.items():
+        if cfg[key] not in values:
+            raise ValueError(f"unit_mm IMPL gluon: {key}={cfg[key]}; allowed: {values}")
+
+
+def supports(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int) -> str | None:
+    """None when this kernel can run the call, else why not (the caller then runs the Triton kernel,
+    which gives the same bits: a performance choice, not a numerical one).
 
     Needs: bf16 operands, every unit width a multiple of 64 (TMA boxes end on unit ends), a [M, K]
     row-major (TMA-aligned), every b the same layout ([K, N] rows or a weight [N, K] seen as b = W.T),
@@ -284,30 +312,23 @@ def supports(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, cfg: dict[
     """
     if pieces[0][1].shape[1] % 4:
         return f"N = {pieces[0][1].shape[1]} not a multiple of 4"
-    if cfg["BLOCK_K"] != BLOCK_K:
-        return f"BLOCK_K {cfg['BLOCK_K']} (the Gluon kernel is written for {BLOCK_K})"
     modes = set()
     for a, b in pieces:
         if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
             return "an fp32 operand"
         if (a.shape[1] // num_units) % BLOCK_K:
             return f"unit width {a.shape[1] // num_units} not a multiple of {BLOCK_K}"
-        if not (a.stride(1) == 1 and _aligned(a, a.stride(0))):
+        if not (a.stride(1) == 1 and tma_aligned(a, a.stride(0))):
             return "a not row-major with 16-byte aligned rows"
-        if b.stride(1) == 1 and _aligned(b, b.stride(0)):
+        if b.stride(1) == 1 and tma_aligned(b, b.stride(0)):
             modes.add("KN")
-        elif b.stride(0) == 1 and _aligned(b, b.stride(1)):
+        elif b.stride(0) == 1 and tma_aligned(b, b.stride(1)):
             modes.add("WT")
         else:
             return "b neither [K, N] rows nor W.T with 16-byte aligned rows"
     if len(modes) != 1:
         return f"b layouts {sorted(modes)} mixed"
     return None
-
-
-def _aligned(t: Tensor, major_stride: int) -> bool:
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and (major_stride * size) % 16 == 0 and major_stride > 0
 
 
 @functools.cache
@@ -321,10 +342,10 @@ def _layouts(BM: int, BN: int, b_kn: bool) -> tuple[Any, Any, Any]:
 
 def launch(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, out_MN: Tensor, grid: int,
            cfg: dict[str, Any]) -> None:  # fmt: skip
-    """Run the kernel into out_MN (FP32 [M, N], TMA-aligned); `supports` must have said yes."""
+    """Run the kernel into out_MN (FP32 [M, N], TMA-aligned); `check_config` passed, `supports` said yes."""
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     lvl2_smem = bool(cfg.get("LVL2_SMEM", False))
-    b_kn = pieces[0][1].stride(1) == 1 and _aligned(pieces[0][1], pieces[0][1].stride(0))
+    b_kn = pieces[0][1].stride(1) == 1 and tma_aligned(pieces[0][1], pieces[0][1].stride(0))
     b_block = [BLOCK_K, BN] if b_kn else [BN, BLOCK_K]
     a_layout, b_layout, c_layout = _layouts(BM, BN, b_kn)
     descs: list[Any] = []
@@ -339,11 +360,12 @@ def launch(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, out_MN: Tens
     descs += [None, None] * (3 - len(pieces))
     kps += [0] * (3 - len(pieces))
     c_desc = TensorDescriptor(out_MN, list(out_MN.shape), [out_MN.stride(0), 1], [BM, BN], c_layout)
+    # level 2's L2 slabs, one per program; without a level 2 in L2 the pointer is never dereferenced
     scratch = out_MN if lvl2_smem or num_units < 8 else torch.empty((grid, BM * BN), dtype=torch.float32,
                                                                     device=out_MN.device)  # fmt: skip
     M, N = out_MN.shape
     unit_mm_sm90_kernel[(grid,)](
         *descs, c_desc, scratch, M, N, num_units, num_units.bit_length() - 1, *kps, grid,
         GROUP_M=cfg["GROUP_M"], PIECES=len(pieces), B_KN=b_kn, STAGES=cfg["num_stages"], LVL2_SMEM=lvl2_smem,
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )  # fmt: skip
