@@ -165,6 +165,8 @@ def test_mm_rejects_bad_inputs(tmp_path, monkeypatch):
         gemm.mm(a, b, node=NODE, config={k: v for k, v in _tc("gemm").items() if k != "BLOCK_N"})
     with pytest.raises(ValueError, match="unknown \\['NUM_STAGES'\\]"):
         unit_gemm.unit_mm([(a, b)], 1, node=NODE, config=_tc("unit_gemm") | {"NUM_STAGES": 3})
+    with pytest.raises(ValueError, match="unknown \\['IMPL'\\]"):  # a unit_gemm key: mm has one implementation
+        gemm.mm(a, b, node=NODE, config=_tc("gemm") | {"IMPL": "gluon"})
     (tmp_path / "sm90.json").write_text('{"kernels": {"norm": {}}}')
     monkeypatch.setattr(configs, "KERNELS_DIR", tmp_path)
     configs._load.cache_clear()
@@ -363,7 +365,10 @@ def test_gpu_unit_mm_is_the_tree_of_mm_partials():
     """Same tiles in both kernels -> unit partial i == mm(a[:, unit i], b[unit i]) bit for bit."""
     pieces = _pieces(264, (896,), 5376, 8, seed=80, device="cuda", dtype=BF16)
     (a, b) = pieces[0]
-    cfg = gemm.kernel_config("unit_gemm", configs.node_of("cuda"), ieee=False)
+    node = configs.node_of("cuda")
+    unit_cfg = gemm.kernel_config("unit_gemm", node, ieee=False)
+    tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    cfg = gemm.kernel_config("gemm", node, ieee=False) | {k: unit_cfg[k] for k in tiles}  # mm with the unit tiles
     parts = [gemm.mm(a[:, u * 896 : (u + 1) * 896], b[u * 896 : (u + 1) * 896], config=cfg) for u in range(8)]
     assert_bitwise(unit_gemm.unit_mm(pieces, 8), unit_tree(parts), "tree of mm partials")
 

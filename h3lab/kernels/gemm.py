@@ -34,9 +34,10 @@ from h3lab.kernels import configs
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "TMA")  # required
-OPTIONAL_KEYS = (
-    "TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE", "PENDING_IN_REGS", "SCRATCH_TMA", "IMPL", "LVL2_SMEM",
-)  # fmt: skip
+OPTIONAL_KEYS = {  # per kernel: a key another kernel reads (IMPL for mm, say) is a mistake, not a no-op
+    "gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE"),
+    "unit_gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "PENDING_IN_REGS", "SCRATCH_TMA", "IMPL", "LVL2_SMEM"),
+}
 INTERPRETER_PROGRAMS = 3  # fewer programs than tiles in the tests, so the persistent loop is exercised
 
 
@@ -166,14 +167,18 @@ def mm_kernel(
 # ---- host helpers (shared with unit_gemm) ---------------------------------------------------------
 
 
-def check_config(kernel: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A configuration dict must name every required key and nothing unknown (typos would pass silently)."""
+def check_config(what: str, cfg: dict[str, Any], kernel: str) -> dict[str, Any]:
+    """A configuration of `kernel` ("gemm" or "unit_gemm") must name every required key and nothing
+    that kernel does not read (typos, or another kernel's keys, would pass silently)."""
+    if kernel not in OPTIONAL_KEYS:
+        raise ValueError(f"{what}: kernel {kernel!r}; allowed: {sorted(OPTIONAL_KEYS)}")
+    optional = OPTIONAL_KEYS[kernel]
     missing = [k for k in CONFIG_KEYS if k not in cfg]
-    unknown = [k for k in cfg if k not in CONFIG_KEYS + OPTIONAL_KEYS]
+    unknown = [k for k in cfg if k not in CONFIG_KEYS + optional]
     if missing or unknown:
         raise ValueError(
-            f"{kernel} config: missing {missing}, unknown {unknown}; required {list(CONFIG_KEYS)}, "
-            f"optional {list(OPTIONAL_KEYS)}"
+            f"{what} config: missing {missing}, unknown {unknown}; required {list(CONFIG_KEYS)}, "
+            f"optional {list(optional)}"
         )
     return cfg
 
@@ -197,7 +202,7 @@ def kernel_config(kernel: str, node: str, ieee: bool, rows: int | None = None) -
         if bucket.get("BLOCK_K", cfg["BLOCK_K"]) != cfg["BLOCK_K"]:
             raise ValueError(f"{node}.json {kernel!r}: a by_rows bucket changes BLOCK_K; allowed: {cfg['BLOCK_K']}")
         cfg.update({k: v for k, v in bucket.items() if k != "max_rows"})
-    return check_config(f"{node}.json {kernel!r}", cfg)
+    return check_config(f"{node}.json {kernel!r}", cfg, kernel)
 
 
 def check_device(fn: str, *tensors: Tensor) -> torch.device:
@@ -291,7 +296,7 @@ def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, no
         raise ValueError(f"mm: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
     ieee = torch.float32 in (a_MK.dtype, b_KN.dtype)
     if config is not None:
-        cfg = check_config("mm", config)
+        cfg = check_config("mm", config, "gemm")
     else:
         cfg = kernel_config("gemm", node or configs.node_of(device), ieee, rows=a_MK.shape[0])
     (M, K), N = a_MK.shape, b_KN.shape[1]

@@ -208,7 +208,7 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
     device = check_device("unit_mm", *(t for p in pieces for t in p))
     ieee = any(t.dtype == torch.float32 for p in pieces for t in p)
     if config is not None:
-        cfg = check_config("unit_mm", config)
+        cfg = check_config("unit_mm", config, "unit_gemm")
     else:
         cfg = kernel_config("unit_gemm", node or configs.node_of(device), ieee)
     impl = cfg.get("IMPL", "triton")
