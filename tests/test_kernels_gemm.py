@@ -451,6 +451,25 @@ def test_unit_mm_gluon_config_errors_name_the_allowed_set():
         unit_gemm.unit_mm([(a, a.t())], 8, node=NODE, config=_tc("unit_gemm") | {"IMPL": "cuda"})
 
 
+def test_unit_mm_runs_gluon_only_where_it_can_and_checks_the_config_there(monkeypatch):
+    """The dispatch of unit_mm, as on an H200 (interpreter off, capability 9.0; nothing launches): a call
+    the Gluon kernel does not support goes to the Triton kernel without a Gluon config check (the pinned
+    fp32 entry has Triton tiles), a call it supports with a config it cannot honour raises."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    a = _randn(5, 8 * 64, seed=4, dtype=BF16)
+    w = _randn(16, 8 * 64, seed=5, dtype=BF16)
+    dev = torch.device("cpu")
+    bf16, ieee = (gemm.kernel_config("unit_gemm", NODE, ieee=flag) for flag in (False, True))
+    assert unit_gemm.runs_gluon([(a, w.t())], 8, bf16, dev)
+    assert ieee["IMPL"] == "triton" and not unit_gemm.runs_gluon([(a.float(), w.t())], 8, ieee, dev)
+    bad = bf16 | {"num_stages": 1}
+    assert not unit_gemm.runs_gluon([(a.float(), w.t())], 8, bad, dev)  # not supported: never checked
+    with pytest.raises(ValueError, match="num_stages=1"):
+        unit_gemm.runs_gluon([(a, w.t())], 8, bad, dev)
+    assert not unit_gemm.runs_gluon([(a, w.t())], 8, bf16 | {"IMPL": "triton"}, dev)
+
+
 def test_unit_mm_gluon_compiles_for_sm90_without_spills():
     """No GPU needed: the Gluon kernel builds for sm90 with the installed Triton (its API moves between
     releases), every variant the launcher picks keeps both FP32 tiles in registers (no stack), fits

@@ -168,6 +168,23 @@ def unit_mm_kernel(
         store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
 
 
+def runs_gluon(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, cfg: dict[str, Any],
+               device: torch.device) -> bool:  # fmt: skip
+    """Whether the Gluon kernel takes this call: "IMPL": "gluon", a compiled run (not the interpreter)
+    and a call it supports (bf16, TMA-aligned, unit widths a multiple of 64); the rest run the Triton
+    kernel, which gives the same bits. A call it takes must come with a config it can honour:
+    unit_gemm_sm90.check_config raises otherwise (the config is checked only where it is used, so
+    the pinned fp32 entry, which the Gluon kernel never runs, needs no Gluon tiles)."""
+    if cfg.get("IMPL", "triton") != "gluon" or configs.interpreting():
+        return False
+    from h3lab.kernels import unit_gemm_sm90  # Gluon (Hopper only): imported where it runs
+
+    if unit_gemm_sm90.supports(pieces, num_units) is not None:
+        return False
+    unit_gemm_sm90.check_config(cfg, torch.cuda.get_device_capability(device))
+    return True
+
+
 def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: str | None = None,
             config: dict[str, Any] | None = None) -> Tensor:  # fmt: skip
     """FP32 [M, N]: per unit one chain over its blocks (pieces in order), then the balanced tree.
@@ -218,14 +235,12 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
     if M == 0 or N == 0:
         return out_MN
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if impl == "gluon" and not configs.interpreting():
-        from h3lab.kernels import unit_gemm_sm90  # Gluon (Hopper only): imported where it runs
+    if runs_gluon(pieces, num_units, cfg, device):
+        from h3lab.kernels import unit_gemm_sm90
 
-        unit_gemm_sm90.check_config(cfg, torch.cuda.get_device_capability(device))
-        if unit_gemm_sm90.supports(pieces, num_units) is None:
-            grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
-            unit_gemm_sm90.launch(pieces, num_units, out_MN, grid, cfg)
-            return out_MN
+        grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+        unit_gemm_sm90.launch(pieces, num_units, out_MN, grid, cfg)
+        return out_MN
     kps = [a.shape[1] // num_units for a, _ in pieces]
     # TMA zero-fills only at a tensor's end: unit ends must fall on chunk boundaries to use it
     tma = cfg["TMA"] and all(kp % BK == 0 for kp in kps)
