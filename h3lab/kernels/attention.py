@@ -23,12 +23,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import triton
 from torch import Tensor
 
 from h3lab.kernels.attention_bwd import attention_bwd_kv_kernel, attention_bwd_q_kernel, attention_delta_kernel
 from h3lab.kernels.attention_fwd import attention_fwd_kernel
-from h3lab.kernels.configs import interpreting, node_of, pinned
+from h3lab.kernels.configs import cdiv, interpreting, node_of, pinned
 
 F32 = torch.float32
 LOG2E = 1.4426950408889634  # 1 / ln 2; qk_scale = scale * LOG2E is rounded once to FP32 at launch
@@ -121,7 +120,7 @@ def attention_fwd(
     lse = torch.empty((H, Q), dtype=F32, device=q.device)
     if Q == 0:
         return o, o_ref, (lse,)
-    grid = (triton.cdiv(Q, cfg["BLOCK_M"]), H)
+    grid = (cdiv(Q, cfg["BLOCK_M"]), H)
     attention_fwd_kernel[grid](
         q, k, v, o, o_ref, lse, Q, K, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -144,7 +143,7 @@ def attention_delta(do: Tensor, o_ref: Tensor, *, node: str | None = None,
     delta = torch.empty((H, Q), dtype=F32, device=do.device)
     if Q == 0:
         return delta
-    attention_delta_kernel[(triton.cdiv(Q, cfg["BLOCK_R"]), H)](
+    attention_delta_kernel[(cdiv(Q, cfg["BLOCK_R"]), H)](
         do, o_ref, delta, Q, do.stride(0), do.stride(1), o_ref.stride(0), o_ref.stride(1),
         HEAD_DIM=Dh, BLOCK_R=cfg["BLOCK_R"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
@@ -173,7 +172,7 @@ def attention_bwd_q(
     dq = torch.empty((Q, H, Dh), dtype=F32, device=q.device)
     if Q == 0:
         return dq
-    attention_bwd_q_kernel[(triton.cdiv(Q, cfg["BLOCK_M"]), H)](
+    attention_bwd_q_kernel[(cdiv(Q, cfg["BLOCK_M"]), H)](
         q, do, lse, delta, k, v, dq, Q, K, scale * LOG2E, scale,
         q.stride(0), q.stride(1), do.stride(0), do.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dq.stride(0), dq.stride(1),
@@ -195,7 +194,7 @@ def attention_bwd_kv(
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     if Q == 0:  # no queries: the gradients are exact zeros
         return dk.zero_(), dv.zero_()
-    attention_bwd_kv_kernel[(triton.cdiv(K, cfg["BLOCK_N"]), H)](
+    attention_bwd_kv_kernel[(cdiv(K, cfg["BLOCK_N"]), H)](
         q, do, lse, delta, k, v, dk, dv, Q, K, scale * LOG2E, scale,
         q.stride(0), q.stride(1), do.stride(0), do.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dk.stride(0), dk.stride(1),

@@ -22,6 +22,12 @@ NODE_BY_CAPABILITY = {(9, 0): "sm90", (10, 0): "sm100"}
 KERNELS_DIR = Path(os.environ.get("H3LAB_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels"))
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceil division of host integers (launch grids). triton.cdiv is a ConstexprFunction: ~1.9 us per
+    host call (Triton 3.6 and 3.9, this CPU) against ~0.03 for this, and a block step sizes ~100 grids."""
+    return -(-a // b)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

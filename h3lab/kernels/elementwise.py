@@ -114,7 +114,7 @@ def _launch(op: int, operands: list[tuple[str, Tensor]], out_dtype: torch.dtype,
     R, N = shape
     outs = [torch.empty((R, N), dtype=out_dtype, device=device) for _ in range(outputs)]
     if R and N:
-        grid = (R, triton.cdiv(N, cfg["block_n"]))
+        grid = (R, configs.cdiv(N, cfg["block_n"]))
         _elementwise_kernel[grid](*ts, outs[0], outs[-1], N, *(t.stride(0) for t in ts), N, OP=op,
                                   BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"],
                                   enable_fp_fusion=False)  # fmt: skip

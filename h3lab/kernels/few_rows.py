@@ -112,7 +112,7 @@ def unit_mm_few_rows(a_TK: Tensor, b_KN: Tensor, num_units: int, *, node: str | 
         if K == 0:
             partials.zero_()
         else:
-            grid = (triton.cdiv(N, cfg["BLOCK_N"]), num_units)
+            grid = (configs.cdiv(N, cfg["BLOCK_N"]), num_units)
             _unit_partial_kernel[grid](
                 a_TK, b_KN, partials, T, N, K // num_units, a_TK.stride(0), a_TK.stride(1), b_KN.stride(0),
                 b_KN.stride(1), BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=cfg["BLOCK_N"],
@@ -142,7 +142,7 @@ def mm_few_k(a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32,
     c = torch.empty((M, N), dtype=out_dtype, device=device)
     if M and N:
         BM, BN = cfg["outer_BLOCK_M"], cfg["outer_BLOCK_N"]
-        _few_k_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        _few_k_kernel[(configs.cdiv(M, BM), configs.cdiv(N, BN))](
             a_KM, b_KN, c, M, N, K, a_KM.stride(0), a_KM.stride(1), b_KN.stride(0), b_KN.stride(1), c.stride(0),
             c.stride(1), BLOCK_M=BM, BLOCK_N=BN, num_warps=cfg["outer_num_warps"], enable_fp_fusion=False,
         )  # fmt: skip

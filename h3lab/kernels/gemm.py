@@ -309,7 +309,7 @@ def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, no
     a_mode, a_desc = operand_a(a_MK, BM, BK, cfg["TMA"])
     b_mode, b_desc = operand_b(b_KN, BK, BN, cfg["TMA"])
     out_tma, split, c_desc = output_desc(c_MN, BM, BN, cfg)
-    grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+    grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
     mm_kernel[(grid,)](
         a_MK, a_desc, b_KN, b_desc, c_MN, c_desc,  #
         M, N, K, a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1), c_MN.stride(0), c_MN.stride(1),

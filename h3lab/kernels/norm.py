@@ -161,7 +161,7 @@ def _rms_modulate(x, w, scale, shift, dm, eps, out_dtype, node) -> list[Tensor]:
     outs = [torch.empty((R, D), dtype=out_dtype, device=x.device) for _ in range(4 if backward else 1)]
     if R:
         ptrs = outs if backward else outs * 4  # the forward never touches the last three
-        _rms_modulate_kernel[(triton.cdiv(R, cfg["rows_per_program"]),)](
+        _rms_modulate_kernel[(configs.cdiv(R, cfg["rows_per_program"]),)](
             x,
             w,
             scale,
@@ -221,7 +221,7 @@ def _qk_norm_rope(q, w, cos, sin, dout, eps, out_dtype, node) -> tuple[Tensor, T
     dw = torch.empty((R, H, Dh), dtype=F32, device=q.device) if backward else out
     if R and H:
         block_h = min(cfg["heads_per_program"], triton.next_power_of_2(H))
-        _qk_norm_rope_kernel[(R, triton.cdiv(H, block_h))](
+        _qk_norm_rope_kernel[(R, configs.cdiv(H, block_h))](
             q,
             w,
             cos,

@@ -107,7 +107,7 @@ def rope_tables(position_ids_R3: Tensor, rope_freq_dim: int, theta: float,
         cfg = configs.pinned("rope", node if node is not None else configs.node_of(pos.device))
         block_c = triton.next_power_of_2(C)
         block_r = max(1, cfg["elements"] // block_c)
-        _rope_kernel[(triton.cdiv(R, block_r),)](
+        _rope_kernel[(configs.cdiv(R, block_r),)](
             pos, inv, cos, sin, R, pos.stride(0), pos.stride(1), F=rope_freq_dim, BLOCK_R=block_r, BLOCK_C=block_c,
             num_warps=cfg["num_warps"], enable_fp_fusion=False)  # fmt: skip
     return cos, sin

@@ -85,7 +85,7 @@ def _chains(x: Tensor, rows: Tensor, starts: Tensor, node: str | None) -> Tensor
     out = torch.empty((G, N), dtype=F32, device=x.device)
     if G and N:
         cfg = configs.pinned("rows", node if node is not None else configs.node_of(x.device))
-        _row_chain_kernel[(G, triton.cdiv(N, cfg["block_n"]))](
+        _row_chain_kernel[(G, configs.cdiv(N, cfg["block_n"]))](
             x2, rows, starts, out, N, x2.stride(0), BLOCK_N=cfg["block_n"], UNROLL=cfg["unroll"],
             num_warps=cfg["num_warps"])  # fmt: skip
     return out

@@ -238,7 +238,7 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
     if runs_gluon(pieces, num_units, cfg, device):
         from h3lab.kernels import unit_gemm_sm90
 
-        grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+        grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
         unit_gemm_sm90.launch(pieces, num_units, out_MN, grid, cfg)
         return out_MN
     kps = [a.shape[1] // num_units for a, _ in pieces]
@@ -260,7 +260,7 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
         modes |= {f"AM{i}": am, f"BM{i}": bm}
     pending_in_regs = bool(cfg.get("PENDING_IN_REGS", True))
     levels = LEVELS - (1 if pending_in_regs else 0)
-    grid = grid_size(device, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+    grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
     # pending left siblings: one BM x BN FP32 slab per program and level, read and written by TMA
     scratch = torch.empty((grid * levels * BM if num_units > 1 else BM, BN), dtype=torch.float32, device=device)
     scratch_tma = bool(cfg.get("SCRATCH_TMA", True))
