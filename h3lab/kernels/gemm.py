@@ -239,22 +239,42 @@ def tma_aligned(t: Tensor, major_stride: int) -> bool:
     return t.data_ptr() % 16 == 0 and (major_stride * size) % 16 == 0 and major_stride > 0
 
 
+def a_mode(a_MK: Tensor) -> int:
+    """How TMA can walk a: 1 = rows contiguous in K, 2 = columns contiguous in M, 0 = it cannot."""
+    if a_MK.stride(1) == 1 and tma_aligned(a_MK, a_MK.stride(0)):
+        return 1
+    if a_MK.stride(0) == 1 and tma_aligned(a_MK, a_MK.stride(1)):
+        return 2
+    return 0
+
+
+def b_mode(b_KN: Tensor) -> int:
+    """How TMA can walk b: 1 = a weight W [N, K] seen as b = W.T, 2 = rows contiguous in N, 0 = it cannot."""
+    if b_KN.stride(0) == 1 and tma_aligned(b_KN, b_KN.stride(1)):
+        return 1
+    if b_KN.stride(1) == 1 and tma_aligned(b_KN, b_KN.stride(0)):
+        return 2
+    return 0
+
+
 def operand_a(a_MK: Tensor, block_m: int, block_k: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
-    """(mode, descriptor) for load_a: 1 = rows contiguous in K, 2 = columns contiguous in M, 0 = pointers."""
+    """(mode, descriptor) for load_a: a_mode's, 0 = pointers (without TMA too)."""
     M, K = a_MK.shape
-    if tma and a_MK.stride(1) == 1 and tma_aligned(a_MK, a_MK.stride(0)):
+    mode = a_mode(a_MK) if tma else 0
+    if mode == 1:
         return 1, TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [block_m, block_k])
-    if tma and a_MK.stride(0) == 1 and tma_aligned(a_MK, a_MK.stride(1)):
+    if mode == 2:
         return 2, TensorDescriptor(a_MK, [K, M], [a_MK.stride(1), 1], [block_k, block_m])
     return 0, None
 
 
 def operand_b(b_KN: Tensor, block_k: int, block_n: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
-    """(mode, descriptor) for load_b: 1 = a weight W [N, K] seen as b = W.T, 2 = rows contiguous in N, 0 = pointers."""
+    """(mode, descriptor) for load_b: b_mode's, 0 = pointers (without TMA too)."""
     K, N = b_KN.shape
-    if tma and b_KN.stride(0) == 1 and tma_aligned(b_KN, b_KN.stride(1)):
+    mode = b_mode(b_KN) if tma else 0
+    if mode == 1:
         return 1, TensorDescriptor(b_KN, [N, K], [b_KN.stride(1), 1], [block_n, block_k])
-    if tma and b_KN.stride(1) == 1 and tma_aligned(b_KN, b_KN.stride(0)):
+    if mode == 2:
         return 2, TensorDescriptor(b_KN, [K, N], [b_KN.stride(0), 1], [block_k, block_n])
     return 0, None
 

@@ -25,6 +25,7 @@ one binary serves TP1 (8 units) down to TP8 (1 unit), so the subtree a rank comp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -181,8 +182,13 @@ def runs_gluon(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, cfg: dic
 
     if unit_gemm_sm90.supports(pieces, num_units) is not None:
         return False
-    unit_gemm_sm90.check_config(cfg, torch.cuda.get_device_capability(device))
+    unit_gemm_sm90.check_config(cfg, _capability(device))
     return True
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)  # once per device, not per call (runs_gluon is per GEMM)
 
 
 def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: str | None = None,

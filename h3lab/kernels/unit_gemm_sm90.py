@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3lab.kernels.gemm import tile_coords, tma_aligned  # tile_coords: scalar-only @triton.jit, callable from Gluon
+from h3lab.kernels.gemm import a_mode, b_mode, tile_coords  # tile_coords: scalar-only @triton.jit, callable from Gluon
 
 # Triton 3.6 (torch 2.11's) names the TMA copies async_copy_global_to_shared / _shared_to_global
 # and the CTA barrier thread_barrier; 3.9 renamed them async_load / async_store (the old names
@@ -71,28 +71,23 @@ def _issue(s, q, u, m0, n0, CH0, CH1, KP0, KP1, KP2, ad0, bd0, ad1, bd1, ad2, bd
     a_s = a_bufs.index(s)
     b_s = b_bufs.index(s)
     if q < CH0:
-        k = u * KP0 + q * BK
-        _tma_load(ad0, [m0, k], bar, a_s)
-        if B_KN:
-            _tma_load(bd0, [k, n0], bar, b_s)
-        else:
-            _tma_load(bd0, [n0, k], bar, b_s)
+        _load_piece(ad0, bd0, u * KP0 + q * BK, m0, n0, bar, a_s, b_s, B_KN)
     if PIECES > 1:  # noqa: SIM102  (constexpr, then a runtime branch)
         if (q >= CH0) & (q < CH0 + CH1):
-            k = u * KP1 + (q - CH0) * BK
-            _tma_load(ad1, [m0, k], bar, a_s)
-            if B_KN:
-                _tma_load(bd1, [k, n0], bar, b_s)
-            else:
-                _tma_load(bd1, [n0, k], bar, b_s)
+            _load_piece(ad1, bd1, u * KP1 + (q - CH0) * BK, m0, n0, bar, a_s, b_s, B_KN)
     if PIECES > 2:  # noqa: SIM102
         if q >= CH0 + CH1:
-            k = u * KP2 + (q - CH0 - CH1) * BK
-            _tma_load(ad2, [m0, k], bar, a_s)
-            if B_KN:
-                _tma_load(bd2, [k, n0], bar, b_s)
-            else:
-                _tma_load(bd2, [n0, k], bar, b_s)
+            _load_piece(ad2, bd2, u * KP2 + (q - CH0 - CH1) * BK, m0, n0, bar, a_s, b_s, B_KN)
+
+
+@gluon.jit
+def _load_piece(ad, bd, k, m0, n0, bar, a_s, b_s, B_KN: gl.constexpr):
+    """One piece's chunk at column k: a [BM, BK] and b (as [BK, BN] rows or W's [BN, BK])."""
+    _tma_load(ad, [m0, k], bar, a_s)
+    if B_KN:
+        _tma_load(bd, [k, n0], bar, b_s)
+    else:
+        _tma_load(bd, [n0, k], bar, b_s)
 
 
 @gluon.jit
@@ -312,22 +307,18 @@ def supports(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int) -> str | N
     """
     if pieces[0][1].shape[1] % 4:
         return f"N = {pieces[0][1].shape[1]} not a multiple of 4"
-    modes = set()
     for a, b in pieces:
         if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
             return "an fp32 operand"
         if (a.shape[1] // num_units) % BLOCK_K:
             return f"unit width {a.shape[1] // num_units} not a multiple of {BLOCK_K}"
-        if not (a.stride(1) == 1 and tma_aligned(a, a.stride(0))):
+        if a_mode(a) != 1:
             return "a not row-major with 16-byte aligned rows"
-        if b.stride(1) == 1 and tma_aligned(b, b.stride(0)):
-            modes.add("KN")
-        elif b.stride(0) == 1 and tma_aligned(b, b.stride(1)):
-            modes.add("WT")
-        else:
-            return "b neither [K, N] rows nor W.T with 16-byte aligned rows"
+    modes = {b_mode(b) for _, b in pieces}
+    if 0 in modes:
+        return "b neither [K, N] rows nor W.T with 16-byte aligned rows"
     if len(modes) != 1:
-        return f"b layouts {sorted(modes)} mixed"
+        return "b layouts mixed ([K, N] rows and W.T)"
     return None
 
 
@@ -345,7 +336,7 @@ def launch(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, out_MN: Tens
     """Run the kernel into out_MN (FP32 [M, N], TMA-aligned); `check_config` passed, `supports` said yes."""
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     lvl2_smem = bool(cfg.get("LVL2_SMEM", False))
-    b_kn = pieces[0][1].stride(1) == 1 and tma_aligned(pieces[0][1], pieces[0][1].stride(0))
+    b_kn = b_mode(pieces[0][1]) == 2  # [K, N] rows; 1 is W.T
     b_block = [BLOCK_K, BN] if b_kn else [BN, BLOCK_K]
     a_layout, b_layout, c_layout = _layouts(BM, BN, b_kn)
     descs: list[Any] = []
