@@ -19,7 +19,7 @@ Dimension legend: M rows, K reduced, N columns, R rows, H heads, Dh head_dim, G 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -50,8 +50,8 @@ class Backend(Protocol):
     # the canonical row order (h3lab.ops.rows.key_order), as a function to call when it is needed:
     # a GPU backend starts reading the metadata to the host now and checks every index its row
     # reductions and RoPE will read when called (a host sync mid-block drains the GPU's queue)
-    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int,
-                  positions_R3: Tensor) -> Callable[[], Tensor]: ...  # fmt: skip
+    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
+                  *, decided: Any = None) -> Callable[[], Tensor]: ...  # fmt: skip
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor: ...
 
@@ -111,8 +111,11 @@ class TorchBackend:
     segment_sum = staticmethod(rows.segment_sum)
     round = staticmethod(round_to)
 
-    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int,
-                  positions_R3: Tensor) -> Callable[[], Tensor]:  # fmt: skip
+    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
+                  *, decided: Any = None) -> Callable[[], Tensor]:  # fmt: skip
+        if decided is not None:
+            raise ValueError(f"decided rows with backend {self.name!r}; allowed: backend 'triton' (this backend "
+                             "decides its row order on the device, as it goes)")  # fmt: skip
         order = rows.key_order(keys_R2)  # torch's ops check their indices as they go
         return lambda: order
 

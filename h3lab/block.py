@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -29,6 +29,9 @@ from h3lab.ops.fixed import chain_sum, unit_tree
 from h3lab.result import BlockResult
 from h3lab.units import UnitWeights, assemble_unit_grads, unit_weights
 from h3lab.weights import BlockWeights
+
+if TYPE_CHECKING:  # h3lab.kernels imports Triton; the torch backend runs without it
+    from h3lab.kernels.plan import RowPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,7 +63,8 @@ def _no_trace(name: str, t: Tensor, space: str) -> Tensor:
     return t
 
 
-def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str | None = None) -> BlockResult:
+def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str | None = None,
+                    decided_rows: RowPlan | None = None) -> BlockResult:  # fmt: skip
     """Forward, dX, every dW and d temb of one H3 block under the h3-parallel-v1 contract.
 
     Args:
@@ -68,6 +72,9 @@ def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str |
         batch: one packed request with its upstream gradient (`h3lab.packed_batch`).
         backend: "torch" (default, CPU and GPU), "triton" (GPU) or "baseline" (library kernels,
             not layout-invariant: the reference point of the baseline mode); see h3lab.backend.
+        decided_rows: the row plan of this batch's metadata decided beforehand
+            (`h3lab.kernels.plan.decide_rows`, backend "triton"): the step then never waits for the
+            host, as a CUDA graph capture needs (h3lab.graph).
 
     Returns:
         `BlockResult`: out and dx in the activation dtype, dw in each parameter's dtype, keyed by
@@ -76,7 +83,7 @@ def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str |
     Raises:
         ValueError: shapes that do not match the config, an unsupported device or dtype, TF32 on.
     """
-    step = block_step(unit_weights(weights), batch, LocalComm(), backend=backend)
+    step = block_step(unit_weights(weights), batch, LocalComm(), backend=backend, decided_rows=decided_rows)
     dw = assemble_unit_grads(step.dw_units, LocalComm.units) | step.dw_replicated
     names = list(weights.tensors)  # diffusers order
     return BlockResult(out=step.out, dx=step.dx, dw={k: dw[k] for k in names}, dtemb=step.dtemb)
@@ -104,11 +111,13 @@ def block_step(
     backend: str | None = None,
     backward: bool = True,
     trace: Trace | None = None,
+    decided_rows: RowPlan | None = None,
 ) -> BlockStep:
     """The block on this rank's rows and units; `comm` supplies the layout's data movement.
 
     `backward=False` stops after the forward (a chain recomputes each block's forward in its
-    backward pass); `trace` receives every op's output (h3lab.trace).
+    backward pass); `trace` receives every op's output (h3lab.trace); `decided_rows`: see
+    `canonical_block`.
     """
     _check(uw, b)
     be = get_backend(backend, b.device)
@@ -116,10 +125,11 @@ def block_step(
     # holds cuda:1 while the current device may still be cuda:0)
     on_device = torch.cuda.device(b.device) if b.device.type == "cuda" else contextlib.nullcontext()
     with strict_mode(), torch.no_grad(), on_device, index_cache():
-        return _block_step(uw, b, comm, be, backward, trace or _no_trace)
+        return _block_step(uw, b, comm, be, backward, trace or _no_trace, decided_rows)
 
 
-def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, backward: bool, tr: Trace) -> BlockStep:
+def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, backward: bool, tr: Trace,
+                decided_rows: RowPlan | None) -> BlockStep:  # fmt: skip
     c, units = uw.config, comm.units
     clock = _Clock(b.device)
     act, w_dt = b.hidden_states.dtype, uw.q[units[0]].dtype
@@ -140,7 +150,7 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     # too), is read after the q/k/v GEMMs are queued: on the GPU a check is a host sync, which drains
     # the queue (2.2 ms of idle GPU at the block start, 1.3 ms after norm1 and 0.7 ms after the
     # attention backward at 4096 rows, when each check synced where it was needed: reports/h200/)
-    order_when_ready = be.plan_rows(keys_seq, idx_seq, 3 * T, pos_tp)
+    order_when_ready = be.plan_rows(keys_seq, idx_seq, 3 * T, pos_tp, decided=decided_rows)
     seq = lambda t, site: comm.gather_seq_rows(t, site)  # noqa: E731
     seq_local = lambda t, site: seq(comm.gather_tp_rows(t, site), site)  # noqa: E731
 
@@ -303,9 +313,14 @@ class _Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        # a CUDA graph capture (h3lab.graph) records no timing events: reading them would wait for the
+        # GPU mid-capture; its laps read NaN (a replay is timed from outside)
+        self.capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         self.marks = [self._mark()]
 
-    def _mark(self) -> torch.cuda.Event | float:
+    def _mark(self) -> torch.cuda.Event | float | None:
+        if self.capturing:
+            return None
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -316,7 +331,9 @@ class _Clock:
         self.marks.append(self._mark())
 
     def seconds(self) -> list[float]:
-        """Each lap's seconds; waits for the last one on CUDA."""
+        """Each lap's seconds; waits for the last one on CUDA (NaN for a capture)."""
+        if self.capturing:
+            return [float("nan")] * (len(self.marks) - 1)
         if not self.cuda:
             return [b - a for a, b in itertools.pairwise(self.marks)]
         self.marks[-1].synchronize()

@@ -14,7 +14,12 @@ def test_interleaved_times_calls_the_blocks_in_turn_between_syncs():
     )
     warmup, timed = log[:4], log[4:]
     assert warmup == ["eager", "canonical"] * 2  # two warm-up rounds, nothing timed
-    # every timed call sits between two syncs, the blocks alternate: drift falls on both alike
-    assert timed == ["sync", "eager", "sync", "sync", "canonical", "sync"] * 3
+    # every timed call sits between two syncs, the blocks alternate, first in one rep, second in the
+    # next (ABBA): drift, and what a call leaves to the next, fall on both alike
+    ab, ba = (
+        ["sync", "eager", "sync", "sync", "canonical", "sync"],
+        ["sync", "canonical", "sync", "sync", "eager", "sync"],
+    )
+    assert timed == ab + ba + ab
     assert {name: len(t) for name, t in times.items()} == {"eager": 3, "canonical": 3}
     assert all(t >= 0.0 for ts in times.values() for t in ts)

@@ -418,6 +418,44 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
             read()
 
 
+def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_metadata_again():
+    """decide_rows (what a CUDA graph capture is given: h3lab.graph) then plan_rows(decided=...) gives
+    the order and facts plan_rows gives, computes nothing again, and refuses metadata it was not
+    decided from or that was written since."""
+    R, G = 41, 5
+    x, _, segment = _rows_case(R, seed=92)
+    g = torch.Generator().manual_seed(93)
+    keys = torch.stack([torch.randint(-1, 4, (R,), generator=g), torch.randperm(R, generator=g)], dim=1)
+    pos = torch.randint(-900, 900, (R, 3), generator=g)
+    x, keys, segment, pos = x.to(DEV), keys.to(DEV), segment.to(DEV), pos.to(DEV)
+    decided = plan.decide_rows(keys, segment, G, pos)
+    with index_cache():
+        fresh = plan.plan_rows(keys, segment, G, pos)()
+        want = rows.segment_sum(x, segment, G, fresh, node=NODE), rows.row_sum(x, fresh, node=NODE)
+    with index_cache(), pytest.MonkeyPatch.context() as mp:
+        for module, name in ((rows, "_facts_of"), (rows, "_segments"), (rope, "max_abs_position_tensor"),
+                             (plan, "_decide")):  # fmt: skip
+            mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
+        order = plan.plan_rows(keys, segment, G, pos, decided=decided)()
+        got = rows.segment_sum(x, segment, G, order, node=NODE), rows.row_sum(x, order, node=NODE)
+        rope.rope_tables(pos, 4, 10000.0, node=NODE)
+    _same(order, fresh.cpu(), "order")
+    _same(got[0], want[0].cpu(), "segment_sum")
+    _same(got[1], want[1].cpu(), "row_sum")
+    for call, match in (
+        (lambda: plan.plan_rows(keys.clone(), segment, G, pos, decided=decided), "logical_keys is not the tensor"),
+        (lambda: plan.plan_rows(keys, segment, G, pos.clone(), decided=decided), "positions is not the tensor"),
+        (lambda: plan.plan_rows(keys, segment, G + 1, pos, decided=decided), f"num_segments {G + 1}, decided for {G}"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
+    segment[0] = (segment[0] + 1) % G
+    with pytest.raises(ValueError, match="written after decide_rows"):
+        plan.plan_rows(keys, segment, G, pos, decided=decided)
+    with pytest.raises(ValueError, match="allowed: backend 'triton'"):
+        get_backend("torch").plan_rows(keys, segment, G, pos, decided=decided)
+
+
 def test_index_checks_outside_a_block_see_writes_that_keep_the_version():
     """Outside index_cache() nothing is cached: a write through .data (no version bump) is still caught."""
     x = torch.randn(5, 4, device=DEV)

@@ -7,6 +7,13 @@ count), and whether repeated canonical runs give identical bytes. `ratio_fwd_bwd
 medians (eager's reps first, then canonical's); `ratio_fwd_bwd_interleaved` is the median of
 per-rep ratios with the two blocks called in turn, so a drift of clocks or host load within the
 run falls on both alike (the same code's ratio moved by 0.04 between calls of session 9).
+
+Both blocks are also timed captured in CUDA graphs (h3lab.graph: the canonical block as a
+`GraphedBlock`, the eager one's autograd step captured whole), so the host's launch cost, not the
+GPU's, is visible: `canonical_graph_*` against eager as people run it (`ratio_graph_vs_eager`) and
+against eager captured too (`ratio_graph_vs_eager_graph`); `graph_bitwise`: a replay's bytes equal
+the eager canonical step's; `*_graph_pool_gib`: the memory a capture keeps (reserved, not freed
+until the graph is dropped).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from h3lab.batch import PackedBatch, packed_batch
 from h3lab.bench.eager import eager_block
 from h3lab.block import canonical_block
 from h3lab.config import H3Config
-from h3lab.env import capture
+from h3lab.env import capture as capture_env
+from h3lab.graph import GraphedBlock, capture
 from h3lab.metrics import bitwise_equal, error_stats
 from h3lab.oracle import oracle_block, rope_cos_sin
 from h3lab.weights import BlockWeights, synthetic_block
@@ -48,19 +56,29 @@ def cuda_times(fn, reps: int) -> list[float]:
 def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int,
                       sync: Callable[[], None] = torch.cuda.synchronize) -> dict[str, list[float]]:  # fmt: skip
     """Wall seconds of `reps` synchronised calls of each fn, the fns called in turn within a rep
-    (after 2 warm-up rounds), so slow drifts fall on every fn alike: {name: [seconds per rep]}."""
+    (after 2 warm-up rounds), so slow drifts fall on every fn alike: {name: [seconds per rep]}.
+    Odd reps call them in reverse order (ABBA), so whatever the previous call leaves behind (a hot
+    GPU, a cold CPU cache for the host code) falls on each fn alike too."""
     for _ in range(2):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for rep in range(reps):
+        for name, fn in list(fns.items())[:: -1 if rep % 2 else 1]:
             sync()
             t = time.perf_counter()
             fn()
             sync()
             times[name].append(time.perf_counter() - t)
     return times
+
+
+def _reserved() -> int:
+    """Bytes the allocator holds once its cache is emptied: a live graph's pool stays (torch.cuda.graph
+    empties the cache when it starts capturing, so a plain difference of memory_reserved can be < 0)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
 
 
 def _peak_extra(fn) -> float:
@@ -83,7 +101,7 @@ def main() -> None:
     c = H3Config.named(a.config)
     dev = torch.device("cuda")
     w = synthetic_block(c, 0, seed=0).to(dev)
-    record: dict = {"config": a.config, "env": capture(dev), "rows": {}}
+    record: dict = {"config": a.config, "env": capture_env(dev), "rows": {}}
     for i, rows in enumerate(int(r) for r in a.rows.split(",")):
         b = packed_batch(c, rows, seed=1).to(dev)
         record["rows"][rows] = r = _measure(w, b, a.reps, with_error=i == 0)
@@ -109,11 +127,11 @@ def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> di
     }
     r["ratio_fwd_bwd"] = r["canonical_fwd_bwd_median_s"] / r["eager_fwd_bwd_median_s"]
     turns = interleaved_times({"eager": lambda: eager(True), "canonical": canonical}, reps)
-    pairs = zip(turns["eager"], turns["canonical"], strict=True)
-    r["ratio_fwd_bwd_interleaved"] = statistics.median([c / e for e, c in pairs])
+    r |= _interleaved(turns, "ratio_fwd_bwd_interleaved")
     r["ratio_peak"] = r["canonical_peak_extra_gib"] / r["eager_peak_extra_gib"]
     one, two = canonical(), canonical()
     r["repeat_bitwise"] = all(bitwise_equal(one[k], two[k]) for k in one)
+    r |= _graphs(w, b, one, lambda: eager(True), reps, r["eager_fwd_bwd_median_s"])
     if with_error:  # the FP64 oracle costs ~10 GB at real size: once
         ref = oracle_block(w, b).tensors()
         eag = eager(True)
@@ -123,6 +141,40 @@ def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> di
             for k in ref
         }  # fmt: skip
     return r
+
+
+def _graphs(w: BlockWeights, b: PackedBatch, eager_bytes: dict, eager: Callable[[], Any], reps: int,
+            eager_s: float) -> dict:  # fmt: skip
+    """Both blocks captured in CUDA graphs: times, the memory a capture keeps, the replay's bits."""
+    r: dict[str, Any] = {}
+    before = _reserved()
+    graphed = GraphedBlock(w, b)
+    r["canonical_graph_pool_gib"] = (_reserved() - before) / 2**30
+    rows = graphed.decide(b)  # decided once: the same batch every rep
+    replay = lambda: graphed(b, decided_rows=rows)  # noqa: E731
+    got = replay().tensors()
+    r["graph_bitwise"] = all(bitwise_equal(got[k], eager_bytes[k]) for k in eager_bytes)
+    r["canonical_graph_fwd_bwd_median_s"] = statistics.median(cuda_times(replay, reps))
+    r["ratio_graph_vs_eager"] = r["canonical_graph_fwd_bwd_median_s"] / eager_s
+    try:  # recorded, not fatal: the eager block's autograd step is torch's to capture
+        before = _reserved()
+        eager_graph, _ = capture(eager)
+        r["eager_graph_pool_gib"] = (_reserved() - before) / 2**30
+    except RuntimeError as e:
+        r["eager_graph_error"] = repr(e)
+        return r
+    r["eager_graph_fwd_bwd_median_s"] = statistics.median(cuda_times(eager_graph.replay, reps))
+    r["ratio_graph_vs_eager_graph"] = r["canonical_graph_fwd_bwd_median_s"] / r["eager_graph_fwd_bwd_median_s"]
+    turns = interleaved_times({"eager": eager_graph.replay, "canonical": replay}, reps)
+    return r | _interleaved(turns, "ratio_graph_vs_eager_graph_interleaved")
+
+
+def _interleaved(turns: dict[str, list[float]], key: str) -> dict[str, Any]:
+    """The median of per-rep ratios, each rep's seconds, and the ratio with canonical called first and
+    second in its rep (ABBA order: even reps eager first), to see what the order does."""
+    ratios = [c / e for e, c in zip(turns["eager"], turns["canonical"], strict=True)]
+    return {key: statistics.median(ratios), f"{key}_canonical_second": statistics.median(ratios[0::2]),
+            f"{key}_canonical_first": statistics.median(ratios[1::2]), f"{key}_seconds": turns}  # fmt: skip
 
 
 if __name__ == "__main__":

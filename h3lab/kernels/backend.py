@@ -82,9 +82,9 @@ class TritonBackend:
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor:
         return rows.segment_sum(x_R, segment_R, num_segments, order, node=self.node)
 
-    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int,
-                  positions_R3: Tensor) -> Callable[[], Tensor]:  # fmt: skip
-        return plan.plan_rows(keys_R2, segment_R, num_segments, positions_R3)
+    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
+                  *, decided: plan.RowPlan | None = None) -> Callable[[], Tensor]:  # fmt: skip
+        return plan.plan_rows(keys_R2, segment_R, num_segments, positions_R3, decided=decided)
 
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         return elementwise.round(x, dtype)

@@ -14,6 +14,7 @@ GEMMs), decides everything on the host and seeds the block step's index cache
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,9 +24,59 @@ from h3lab.kernels import rope, rows
 from h3lab.kernels.index_cache import versions
 
 
-def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor) -> Callable[[], Tensor]:
+@dataclass(frozen=True, eq=False)
+class RowPlan:
+    """Everything `plan_rows` decides for one block step's metadata, decided once beforehand: a CUDA
+    graph captures the block with it, since a capture may not wait for the host (h3lab.graph).
+
+    Holds the metadata tensors it was decided from; `plan_rows(..., decided=plan)` checks that the
+    block passes these very tensors, unwritten since (torch's version counters), or raises.
+    """
+
+    sources: tuple[Tensor, Tensor, Tensor]  # keys [R, 2], segment [R], positions [R, 3]
+    source_versions: tuple[int, ...]
+    num_segments: int
+    order: Tensor  # [R_active] int64 on the keys' device: the canonical order
+    order_facts: tuple[int, int, bool] | None  # its (min, max, is arange), from the host copy; None: empty
+    layout: tuple[Tensor, Tensor]  # rows grouped by segment, segment starts (device)
+    max_abs_position: float  # RoPE's largest |angle| input, checked below 1e6
+
+    def seed(self) -> None:
+        """Record the plan's facts in the current block step's index cache (no host sync)."""
+        rows.seed_plan(self.order, self.order_facts, self.sources[1], self.num_segments, self.layout)
+        rope.check_max_abs_position(self.sources[2], self.max_abs_position)
+
+
+def decide_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor) -> RowPlan:
+    """`plan_rows`' decisions now, waiting for the metadata's copy (one host sync on a GPU)."""
+    return _queue(keys_R2, segment_R, num_segments, positions_R3)()
+
+
+def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
+              *, decided: RowPlan | None = None) -> Callable[[], Tensor]:  # fmt: skip
     """Queue the metadata's copy to the host; the returned function gives the canonical order (on the
-    keys' device) once the copy is done, after checking every index (ValueError as the kernels raise)."""
+    keys' device) once the copy is done, after checking every index (ValueError as the kernels raise),
+    and seeds the block step's index cache with what it decided.
+
+    With `decided` (`decide_rows` of these tensors) nothing is copied or waited for: the returned
+    function seeds the plan's facts and gives its order.
+    """
+    if decided is not None:
+        check_decided(decided, (keys_R2, segment_R, positions_R3), num_segments)
+        read = lambda: decided  # noqa: E731
+    else:
+        read = _queue(keys_R2, segment_R, num_segments, positions_R3)
+
+    def order() -> Tensor:
+        plan = read()
+        plan.seed()
+        return plan.order
+
+    return order
+
+
+def _queue(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor) -> Callable[[], RowPlan]:
+    """Check shapes, queue the metadata's copy; the returned function waits for it and decides."""
     if keys_R2.dim() != 2 or keys_R2.shape[1] != 2 or keys_R2.dtype != torch.int64:
         raise ValueError(f"logical_keys: {keys_R2.dtype} {tuple(keys_R2.shape)}; allowed: torch.int64 [R, 2]")
     R = keys_R2.shape[0]
@@ -43,25 +94,42 @@ def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R
         biggest_h = torch.empty(1, dtype=biggest.dtype, pin_memory=True).copy_(biggest, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-    read_versions = versions((keys_R2, segment_R, positions_R3))
+    sources = (keys_R2, segment_R, positions_R3)
+    read_versions = versions(sources)
 
-    def order() -> Tensor:
-        if versions((keys_R2, segment_R, positions_R3)) != read_versions:  # the facts below would be stale
+    def decide() -> RowPlan:
+        if versions(sources) != read_versions:  # the facts below would be stale
             raise ValueError("keys, segments or positions were written between plan_rows and reading its order; "
                              "allowed: read the order before writing them")  # fmt: skip
         if done is not None:
             done.synchronize()  # this copy only, not the GEMMs queued behind it
         order_h, rows_h, starts_h = _decide(meta_h, num_segments)  # the keys first, as the torch backend
-        rope.check_max_abs_position(positions_R3, float(biggest_h[0]))
+        biggest_f = float(biggest_h[0])
+        if biggest_f >= rope.MAX_ANGLE:  # raises as the kernel would, before anything goes to the device
+            rope.check_max_abs_position(positions_R3, biggest_f)
         packed = torch.from_numpy(np.concatenate([order_h, rows_h, starts_h]))  # one copy to the device
         if device.type != "cpu":  # from pinned memory: a copy from pageable memory would wait for the GPU's queue
             packed = packed.pin_memory().to(device, non_blocking=True)
         n = order_h.size
-        order_d, layout = packed[:n], (packed[n : 2 * n], packed[2 * n :])
-        rows.seed_plan(order_d, torch.from_numpy(order_h), segment_R, num_segments, layout)
-        return order_d
+        layout = (packed[n : 2 * n], packed[2 * n :])
+        facts = rows.host_facts(torch.from_numpy(order_h))
+        return RowPlan(sources, read_versions, num_segments, packed[:n], facts, layout, biggest_f)
 
-    return order
+    return decide
+
+
+def check_decided(plan: RowPlan, sources: tuple[Tensor, Tensor, Tensor], num_segments: int) -> None:
+    """`plan` was decided from these very tensors (keys, segments, positions), unwritten since."""
+    names = ("logical_keys", "segments", "positions")
+    for name, mine, given in zip(names, plan.sources, sources, strict=True):
+        if mine is not given:
+            raise ValueError(f"decided rows: {name} is not the tensor the plan was decided from; "
+                             "allowed: the same tensor objects (decide_rows on the block's own metadata)")  # fmt: skip
+    if versions(sources) != plan.source_versions:
+        raise ValueError("decided rows: keys, segments or positions were written after decide_rows; "
+                         "allowed: decide again after writing them")  # fmt: skip
+    if num_segments != plan.num_segments:
+        raise ValueError(f"decided rows: num_segments {num_segments}, decided for {plan.num_segments}")
 
 
 def _decide(meta_h: Tensor, num_segments: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

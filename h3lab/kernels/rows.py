@@ -108,12 +108,18 @@ def segment_sum(x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tenso
     return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
 
 
-def seed_plan(order: Tensor, order_host: Tensor, segment_R: Tensor, num_segments: int,
+def host_facts(order_host: Tensor) -> tuple[int, int, bool] | None:
+    """`_facts` of a host index tensor (None when empty), for `seed_plan`."""
+    return _facts_of(order_host) if order_host.numel() else None
+
+
+def seed_plan(order: Tensor, facts: tuple[int, int, bool] | None, segment_R: Tensor, num_segments: int,
               layout: tuple[Tensor, Tensor]) -> None:  # fmt: skip
-    """Record, for this block step, the facts of `order` and the segment layout of (segment_R, order),
-    decided on the host (h3lab.kernels.plan): the reductions then make no host sync for them."""
-    if order_host.numel():
-        seed("facts", (order,), (), _facts_of(order_host))
+    """Record, for this block step, the facts of `order` (`host_facts` of its host copy) and the
+    segment layout of (segment_R, order), decided on the host (h3lab.kernels.plan): the reductions
+    then make no host sync for them."""
+    if facts is not None:
+        seed("facts", (order,), (), facts)
     seed("segments", (segment_R, order), (num_segments,), layout)
 
 
