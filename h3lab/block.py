@@ -27,7 +27,7 @@ from h3lab.contract import check_device, strict_mode
 from h3lab.kernels.index_cache import index_cache
 from h3lab.ops.fixed import chain_sum, unit_tree
 from h3lab.result import BlockResult
-from h3lab.units import UnitWeights, assemble_unit_grads, unit_weights
+from h3lab.units import UnitWeights, assemble_unit_grads, join, unit_weights
 from h3lab.weights import BlockWeights
 
 if TYPE_CHECKING:  # h3lab.kernels imports Triton; the torch backend runs without it
@@ -209,13 +209,17 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     dh, dg = tr("d.ff.hidden", dh, "tp_units"), tr("d.ff.gate", dg, "tp_units")
     root = be.unit_reduce([(dh, loc["hidden"]), (dg, loc["gate"])], U)  # hidden, then gate
     dm2 = tr("d.norm2", be.round(comm.reduce_units(root, "ff.net.0.dx", scatter_rows=True), act), "local")
+    # hidden's and gate's weight gradients as one GEMM over [dh | dg] (a view of the Triton kernel's one
+    # buffer; a copy on torch) into one [2 F_local, D] tensor, ff.net.0's own layout: as two GEMMs,
+    # handing out ff.net.0 cost a 0.3 GB copy (0.15 ms on the H200). Per element the same chain.
+    dw_ff0 = be.row_mm(seq(join([dh, dg], dim=1), "cp.gather.dhg"), m2_seq, order, w_dt)  # [2 F_local, D]
     dw_local = {
         "ff.net.2.weight": be.row_mm(dy_seq, seq(a, "cp.gather.a"), order, w_dt),  # [D, F_local]
-        "ff.hidden": be.row_mm(seq(dh, "cp.gather.dh"), m2_seq, order, w_dt),  # [F_local, D]
-        "ff.gate": be.row_mm(seq(dg, "cp.gather.dg"), m2_seq, order, w_dt),
+        "ff.hidden": dw_ff0[: U * F8],  # [F_local, D]
+        "ff.gate": dw_ff0[U * F8 :],
     }
     # dead from here on: the block's peak memory is at the end of the backward, so free as we go
-    del h, g, a, da, dh, dg, dy, dy_tp, dy_seq, m2, m2_tp, m2_seq, y, out
+    del h, g, a, da, dh, dg, dy, dy_tp, dy_seq, m2, m2_tp, m2_seq, y, out, dw_ff0
 
     # ---- B8-B6 norm2, residual 1, to_out --------------------------------------------------
     dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = be.rms_modulate_bwd(dm2, x1, rep["norm2.weight"], scale_mlp, eps)

@@ -42,6 +42,7 @@ from h3lab.ops import ffn as ref_ffn  # noqa: E402
 from h3lab.ops import norm as ref_norm  # noqa: E402
 from h3lab.ops import rows as ref_rows  # noqa: E402
 from h3lab.ops.fixed import cos_sin, round_to  # noqa: E402
+from h3lab.units import join  # noqa: E402
 
 if isinstance(norm._rms_modulate_kernel, InterpretedFunction) == CUDA:
     pytest.skip(
@@ -153,6 +154,9 @@ def test_swiglu_and_gated_residual_equal_reference(R, N):
     dh, dg = elementwise.swiglu_bwd(da, h, g, F32, node=NODE)
     _same(dh, ref_dh, "dh")
     _same(dg, ref_dg, "dg")
+    dhg = join([dh, dg], dim=1)  # side by side in one buffer: the block's ff.net.0 dW reads them without a copy
+    assert dhg.data_ptr() == dh.data_ptr() and dhg.untyped_storage().data_ptr() == dg.untyped_storage().data_ptr()
+    _same(dhg, torch.cat([ref_dh, ref_dg], dim=1), "[dh | dg]")
     _same(elementwise.gated_residual(h, gate, y, F32, node=NODE), ref_ffn.gated_residual(*_cpu(h, gate, y)), "residual")
 
 

@@ -112,10 +112,13 @@ def _launch(op: int, operands: list[tuple[str, Tensor]], out_dtype: torch.dtype,
     ts = [t if t.stride(1) == 1 else t.contiguous() for _, t in operands]  # rows may be strided (table slices)
     ts += [ts[0]] * (3 - len(ts))  # unused operand slots
     R, N = shape
-    outs = [torch.empty((R, N), dtype=out_dtype, device=device) for _ in range(outputs)]
+    # two outputs side by side in one [R, 2N] buffer: the block's weight gradient of ff.net.0 then
+    # reads [dh | dg] as one GEMM operand, no copy (h3lab.units.join)
+    buf = torch.empty((R, outputs * N), dtype=out_dtype, device=device)
+    outs = [buf[:, i * N : (i + 1) * N] for i in range(outputs)]
     if R and N:
         grid = (R, configs.cdiv(N, cfg["block_n"]))
-        _elementwise_kernel[grid](*ts, outs[0], outs[-1], N, *(t.stride(0) for t in ts), N, OP=op,
+        _elementwise_kernel[grid](*ts, outs[0], outs[-1], N, *(t.stride(0) for t in ts), buf.stride(0), OP=op,
                                   BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"],
                                   enable_fp_fusion=False)  # fmt: skip
     return outs
@@ -128,7 +131,8 @@ def swiglu_fwd(h_RN: Tensor, g_RN: Tensor, out_dtype: torch.dtype, *, node: str 
 
 def swiglu_bwd(da_RN: Tensor, h_RN: Tensor, g_RN: Tensor, out_dtype: torch.dtype,
                *, node: str | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(dh, dg) = (da * silu(g), (da * h) * silu'(g)), silu'(g) = s * (1 + g * (1 - s)); each rounded once."""
+    """(dh, dg) = (da * silu(g), (da * h) * silu'(g)), silu'(g) = s * (1 + g * (1 - s)); each rounded once.
+    dh and dg are the two column halves of one [R, 2N] tensor."""
     dh, dg = _launch(1, [("da", da_RN), ("h", h_RN), ("g", g_RN)], out_dtype, 2, node)
     return dh, dg
 
