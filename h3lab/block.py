@@ -117,7 +117,7 @@ def block_step(
 
     `backward=False` stops after the forward (a chain recomputes each block's forward in its
     backward pass); `trace` receives every op's output (h3lab.trace); `decided_rows`: see
-    `canonical_block`.
+    `canonical_block` (with `LocalComm` only: a layout's gathered metadata are tensors of its own).
     """
     _check(uw, b)
     be = get_backend(backend, b.device)

@@ -1,18 +1,22 @@
 """The canonical block captured in a CUDA graph: captured once per weights, shapes and row signature,
 then each call copies a batch in and replays the whole forward+backward with one launch.
 
-Why: a block step launches ~190 kernels, and one h3lab GEMM launch costs 130-190 us of host time on
+Why: a block step launches ~150 kernels, and one h3lab GEMM launch costs 130-190 us of host time on
 the H200 node (Triton's binder and launcher, TMA descriptors; cuBLAS ~14 us). At 4096 rows the GPU
 waited ~3 ms of a 28.5 ms step for the host; at 264 rows the step is host-bound: 8.8 ms of wall
-for ~3 ms of kernels (reports/h200/README.md, session 10). A replay costs the host one call.
+for ~3 ms of kernels (reports/h200/README.md, session 10). A replay costs the host one graph
+launch and ten small copies, plus the row plan's decision (below) unless it was decided ahead.
 
-The bits are the eager step's: a replay runs the same kernels, same configurations, same
-arguments, same addresses (a GPU test compares the bytes of both). What one capture fixes:
+The bits are the eager step's: a replay runs the same kernels with the same configurations and
+arguments, on the capture's own buffers (a GPU test compares the bytes of replays and eager
+steps). What one capture fixes:
 - the shapes, the weights' storage, the device;
 - the row signature: how many rows are active and whether they already arrive in canonical order
   (then the weight gradients read them in place, otherwise through a gather: another launch
-  sequence). A capture may not wait for the host, so the row plan (h3lab.kernels.plan) is
-  decided on the host before each replay and its device tensors copied into the capture's;
+  sequence, h3lab.kernels.rows.reads_in_place). A capture may not wait for the host, so the row
+  plan (h3lab.kernels.plan) is decided on the host before each replay — a host sync that waits
+  for the work queued on its stream, unless decided ahead on another stream — and its device
+  tensors are copied into the capture's;
 - the outputs' memory: each call overwrites the last call's `BlockResult`; clone what you keep.
 A batch with another row signature needs another capture (~the eager step's peak memory each,
 held until the `GraphedBlock` is dropped).
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torch import Tensor
 
 from h3lab.batch import FIELDS, PackedBatch
 from h3lab.block import canonical_block
@@ -59,53 +64,63 @@ class GraphedBlock:
 
     Raises:
         ValueError: a batch not on a CUDA device; at a call, a batch whose shapes, dtypes, device or
-            row signature differ from the captured one.
+            row signature differ from the captured one, or a `decided_rows` not decided from this
+            batch's own metadata tensors, or written since (h3lab.kernels.plan.check_decided).
     """
 
     def __init__(self, weights: BlockWeights, batch: PackedBatch, *, warmup: int = 2) -> None:
         if batch.device.type != "cuda":
             raise ValueError(f"GraphedBlock: batch on {batch.device}; allowed: a CUDA device (CUDA graphs)")
-        from h3lab.kernels import plan  # imports Triton: GPU-only, like the backend it plans for
+        from h3lab.kernels import plan, rows  # import Triton: GPU-only, like the backend they serve
 
-        self._plan = plan
-        # private copies: a call copies its batch into these, the addresses the graph reads
-        self.batch = PackedBatch(**{k: getattr(batch, k).clone() for k in FIELDS})
-        self.rows = self.decide(self.batch)
-        self.captured_signature = self.signature(self.rows)
-        self.graph, self.result = capture(
-            lambda: canonical_block(weights, self.batch, backend="triton", decided_rows=self.rows), warmup=warmup
-        )
+        self._plan, self._rows = plan, rows
+        self.device = batch.device
+        with torch.cuda.device(self.device):  # the capture's stream is the batch's device's
+            # private copies: a call copies its batch into these, the addresses the graph reads
+            self.batch = PackedBatch(**{k: getattr(batch, k).clone() for k in FIELDS})
+            self.rows = self.decide(self.batch)
+            self.captured_signature = self.signature(self.rows)
+            self.graph, self.result = capture(
+                lambda: canonical_block(weights, self.batch, backend="triton", decided_rows=self.rows), warmup=warmup
+            )
 
     def decide(self, batch: PackedBatch) -> RowPlan:
-        """The row plan of `batch`'s metadata (one host sync): pass it to the call to decide ahead."""
-        return self._plan.decide_rows(batch.logical_keys, batch.adaln_indices, 3 * batch.num_timesteps,
-                                      batch.position_ids)  # fmt: skip
+        """The row plan of `batch`'s metadata: a host sync that waits for the work queued on the current
+        stream. To decide ahead, while the last replay runs, call it under another stream once the
+        metadata is on the device (`with torch.cuda.stream(side):`); the call waits for the plan's copy."""
+        keys, segments, positions, num_segments = _metadata(batch)
+        return self._plan.decide_rows(keys, segments, num_segments, positions)
 
     def signature(self, rows: RowPlan) -> tuple[int, bool]:
         """(active rows, read in place): what of a row plan the captured launches depend on."""
         n = rows.order.numel()
-        return n, n == self.batch.num_rows and (n == 0 or bool(rows.order_facts[2]))
+        return n, self._rows.reads_in_place(n, self.batch.num_rows, lambda: rows.order_facts)
 
     def __call__(self, batch: PackedBatch, *, decided_rows: RowPlan | None = None) -> BlockResult:
         """Copy `batch` in, replay; the result's tensors are overwritten by the next call.
 
-        `decided_rows`: `self.decide(batch)` made earlier (e.g. while the previous step ran); by
-        default decided now, which waits for the GPU's queue to reach the metadata's copy.
+        `decided_rows`: `self.decide(batch)` made earlier; by default decided now.
         """
         for name in FIELDS:
             new, mine = getattr(batch, name), getattr(self.batch, name)
             if (new.shape, new.dtype, new.device) != (mine.shape, mine.dtype, mine.device):
                 raise ValueError(f"{name}: {new.dtype} {list(new.shape)} on {new.device}; allowed: "
                                  f"{mine.dtype} {list(mine.shape)} on {mine.device}, as captured")  # fmt: skip
-        rows = self.decide(batch) if decided_rows is None else decided_rows
-        b = batch  # the plan must be of this batch's own metadata tensors, unwritten since
-        self._plan.check_decided(rows, (b.logical_keys, b.adaln_indices, b.position_ids), 3 * b.num_timesteps)
-        if self.signature(rows) != self.captured_signature:
-            raise ValueError(f"row signature (active rows, in place) {self.signature(rows)}; allowed: "
-                             f"{self.captured_signature}, as captured (capture another GraphedBlock)")  # fmt: skip
-        for name in FIELDS:
-            getattr(self.batch, name).copy_(getattr(batch, name))
-        for mine, new in zip((self.rows.order, *self.rows.layout), (rows.order, *rows.layout), strict=True):
-            mine.copy_(new)
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            rows = self.decide(batch) if decided_rows is None else decided_rows
+            keys, segments, positions, num_segments = _metadata(batch)
+            self._plan.check_decided(rows, (keys, segments, positions), num_segments)
+            if self.signature(rows) != self.captured_signature:
+                raise ValueError(f"row signature (active rows, in place) {self.signature(rows)}; allowed: "
+                                 f"{self.captured_signature}, as captured (capture another GraphedBlock)")  # fmt: skip
+            for name in FIELDS:
+                getattr(self.batch, name).copy_(getattr(batch, name))
+            for mine, new in zip(self.rows.device_tensors(), rows.device_tensors(), strict=True):
+                mine.copy_(new)
+            self.graph.replay()
         return self.result
+
+
+def _metadata(b: PackedBatch) -> tuple[Tensor, Tensor, Tensor, int]:
+    """(keys, segments, positions, number of segments) as block_step hands them to the row plan."""
+    return b.logical_keys, b.adaln_indices, b.position_ids, 3 * b.num_timesteps

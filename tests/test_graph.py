@@ -1,7 +1,7 @@
 """h3lab.graph: the canonical block captured in a CUDA graph gives the eager step's bytes.
 
 The capture needs a GPU and compiled kernels (`gpu` tests, skipped without CUDA and under the
-Triton interpreter); its refusals run everywhere.
+Triton interpreter); the refusals that need no GPU run everywhere.
 """
 
 from __future__ import annotations
@@ -56,7 +56,12 @@ def test_gpu_a_replay_gives_the_eager_steps_bytes(config):
     outs = []
     # activations, then also the rows' order (so keys, AdaLN indices, positions) change between replays
     for seed, nb in ((7, _fresh(b, 7)), (8, _fresh(b, 8, perm)), (9, _fresh(b, 9))):
-        early = graphed.decide(nb) if seed == 9 else None  # decided ahead, as a training loop would
+        early = None
+        if seed == 9:  # decided ahead on another stream, as a training loop would while a replay runs
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())  # nb's metadata is on the device
+            with torch.cuda.stream(side):
+                early = graphed.decide(nb)
         got = {k: t.clone() for k, t in graphed(nb, decided_rows=early).tensors().items()}
         want = canonical_block(w, nb, backend="triton").tensors()
         assert got.keys() == want.keys()
@@ -83,17 +88,24 @@ def test_gpu_a_replay_gives_the_eager_steps_bytes(config):
 @gpu
 @pytest.mark.gpu
 def test_gpu_rows_in_canonical_order_are_their_own_signature():
-    """Without padding, rows in key order are read in place: a permuted batch launches a gather, so it
-    needs its own capture; the refusal says so, and that capture gives the eager bytes."""
+    """Without padding, rows in key order are read in place: one capture replays other batches in key
+    order (new activations, AdaLN indices and positions) with the eager bytes; a permuted batch
+    launches a gather, so it needs its own capture; the refusal says so."""
     torch.backends.cuda.matmul.allow_tf32 = False
     c = H3Config.tiny()
     w = synthetic_block(c, 0, seed=5).to("cuda")
     b = packed_batch(c, 100, seed=6).to("cuda")
+    graphed = GraphedBlock(w, b)
+    assert graphed.captured_signature == (100, True)
+    shuffle = torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(3)).to("cuda")
+    fresh = _fresh(b, 7)
+    in_order = PackedBatch(**{**{k: getattr(fresh, k) for k in FIELDS}, "adaln_indices": b.adaln_indices[shuffle],
+                              "position_ids": b.position_ids[shuffle]})  # fmt: skip
+    for nb in (fresh, in_order):
+        got = {k: t.clone() for k, t in graphed(nb).tensors().items()}
+        want = canonical_block(w, nb, backend="triton").tensors()
+        for k in want:
+            assert_bitwise(got[k], want[k], k)
     perm = torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match=r"\(100, False\); allowed: \(100, True\)"):
-        GraphedBlock(w, b)(_fresh(b, 7, perm))
-    permuted = _fresh(b, 7, perm)
-    got = GraphedBlock(w, permuted)(permuted).tensors()
-    want = canonical_block(w, permuted, backend="triton").tensors()
-    for k in want:
-        assert_bitwise(got[k], want[k], k)
+        graphed(_fresh(b, 8, perm))

@@ -448,13 +448,16 @@ def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_meta
     _same(got[1], want[1].cpu(), "row_sum")
     for call, match in (
         (lambda: plan.plan_rows(keys.clone(), segment, G, pos, decided=decided), "logical_keys is not the tensor"),
-        (lambda: plan.plan_rows(keys, segment, G, pos.clone(), decided=decided), "positions is not the tensor"),
-        (lambda: plan.plan_rows(keys, segment, G + 1, pos, decided=decided), f"num_segments {G + 1}, decided for {G}"),
+        (
+            lambda: plan.plan_rows(keys, segment, G, pos.clone(), decided=decided),
+            r"positions_R3 \(the position ids\) is not",
+        ),
+        (lambda: plan.plan_rows(keys, segment, G + 1, pos, decided=decided), f"num_segments {G + 1}; allowed: {G}, as"),
     ):
         with pytest.raises(ValueError, match=match):
             call()
     segment[0] = (segment[0] + 1) % G
-    with pytest.raises(ValueError, match="written after decide_rows"):
+    with pytest.raises(ValueError, match=r"segment_R \(the AdaLN indices\) written after decide_rows"):
         plan.plan_rows(keys, segment, G, pos, decided=decided)
     with pytest.raises(ValueError, match="allowed: backend 'triton'"):
         get_backend("torch").plan_rows(keys, segment, G, pos, decided=decided)

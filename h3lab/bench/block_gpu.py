@@ -6,12 +6,17 @@ memory over weights and inputs, the error of both against the FP64 oracle (at th
 count), and whether repeated canonical runs give identical bytes. `ratio_fwd_bwd` divides the two
 medians (eager's reps first, then canonical's); `ratio_fwd_bwd_interleaved` is the median of
 per-rep ratios with the two blocks called in turn, so a drift of clocks or host load within the
-run falls on both alike (the same code's ratio moved by 0.04 between calls of session 9).
+run falls on both alike (the same code's ratio moved by 0.04 between calls of session 9) — but
+then each block also runs at the SM clock the other leaves behind: on the H200 the eager block is
+power-bound at ~1600 MHz, the canonical one runs at ~1800 MHz, and alternated both run at ~1680
+(reports/h200/README.md, session 11), so the sequential medians are the figure of a model that
+runs one kind of block back to back.
 
 Both blocks are also timed captured in CUDA graphs (h3lab.graph: the canonical block as a
-`GraphedBlock`, the eager one's autograd step captured whole), so the host's launch cost, not the
-GPU's, is visible: `canonical_graph_*` against eager as people run it (`ratio_graph_vs_eager`) and
-against eager captured too (`ratio_graph_vs_eager_graph`); `graph_bitwise`: a replay's bytes equal
+`GraphedBlock`, the eager one's autograd step captured whole), which takes the host's launch cost
+out of the step: `canonical_graph_*` against eager as people run it (`ratio_graph_vs_eager`) and
+against eager captured too (`ratio_graph_vs_eager_graph`), with the row plan decided ahead, and
+decided in each call (`canonical_graph_decide_*`); `graph_bitwise`: a replay's bytes equal
 the eager canonical step's; `*_graph_pool_gib`: the memory a capture keeps (reserved, not freed
 until the graph is dropped).
 """
@@ -97,6 +102,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--config", default="real")
     a = ap.parse_args()
+    if a.reps < 2:
+        ap.error(f"--reps {a.reps}; allowed: >= 2 (interleaved turns split the reps by order)")
     torch.backends.cuda.matmul.allow_tf32 = False
     c = H3Config.named(a.config)
     dev = torch.device("cuda")
@@ -150,12 +157,16 @@ def _graphs(w: BlockWeights, b: PackedBatch, eager_bytes: dict, eager: Callable[
     before = _reserved()
     graphed = GraphedBlock(w, b)
     r["canonical_graph_pool_gib"] = (_reserved() - before) / 2**30
-    rows = graphed.decide(b)  # decided once: the same batch every rep
+    rows = graphed.decide(b)  # decided ahead, once: the same batch every rep
     replay = lambda: graphed(b, decided_rows=rows)  # noqa: E731
     got = replay().tensors()
     r["graph_bitwise"] = all(bitwise_equal(got[k], eager_bytes[k]) for k in eager_bytes)
     r["canonical_graph_fwd_bwd_median_s"] = statistics.median(cuda_times(replay, reps))
     r["ratio_graph_vs_eager"] = r["canonical_graph_fwd_bwd_median_s"] / eager_s
+    # the row plan decided in each call, as for a new batch without deciding ahead (a host sync,
+    # the host's sorting and two copies in the step)
+    r["canonical_graph_decide_fwd_bwd_median_s"] = statistics.median(cuda_times(lambda: graphed(b), reps))
+    r["ratio_graph_decide_vs_eager"] = r["canonical_graph_decide_fwd_bwd_median_s"] / eager_s
     try:  # recorded, not fatal: the eager block's autograd step is torch's to capture
         before = _reserved()
         eager_graph, _ = capture(eager)

@@ -40,11 +40,26 @@ class RowPlan:
     order_facts: tuple[int, int, bool] | None  # its (min, max, is arange), from the host copy; None: empty
     layout: tuple[Tensor, Tensor]  # rows grouped by segment, segment starts (device)
     max_abs_position: float  # RoPE's largest |angle| input, checked below 1e6
+    ready: torch.cuda.Event | None  # recorded after the device tensors' copy (None on the CPU)
 
     def seed(self) -> None:
         """Record the plan's facts in the current block step's index cache (no host sync)."""
         rows.seed_plan(self.order, self.order_facts, self.sources[1], self.num_segments, self.layout)
         rope.check_max_abs_position(self.sources[2], self.max_abs_position)
+
+    def device_tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(order, rows grouped by segment, segment starts) for use on the current stream: it waits
+        for their copy (the plan may have been decided on another stream) and the allocator keeps
+        their memory until this stream is done with them."""
+        tensors = (self.order, *self.layout)
+        # a capture may not wait on an event recorded outside it: h3lab.graph captures after a device
+        # synchronisation, so the copy is done by then
+        if self.ready is not None and not torch.cuda.is_current_stream_capturing():
+            stream = torch.cuda.current_stream(self.order.device)
+            stream.wait_event(self.ready)
+            for t in tensors:
+                t.record_stream(stream)
+        return tensors
 
 
 def decide_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor) -> RowPlan:
@@ -70,7 +85,7 @@ def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R
     def order() -> Tensor:
         plan = read()
         plan.seed()
-        return plan.order
+        return plan.device_tensors()[0]
 
     return order
 
@@ -93,7 +108,7 @@ def _queue(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: 
         meta_h = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True).copy_(meta, non_blocking=True)
         biggest_h = torch.empty(1, dtype=biggest.dtype, pin_memory=True).copy_(biggest, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(device))  # the copies' stream: the metadata's device, not the current one
     sources = (keys_R2, segment_R, positions_R3)
     read_versions = versions(sources)
 
@@ -105,31 +120,35 @@ def _queue(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: 
             done.synchronize()  # this copy only, not the GEMMs queued behind it
         order_h, rows_h, starts_h = _decide(meta_h, num_segments)  # the keys first, as the torch backend
         biggest_f = float(biggest_h[0])
-        if biggest_f >= rope.MAX_ANGLE:  # raises as the kernel would, before anything goes to the device
-            rope.check_max_abs_position(positions_R3, biggest_f)
+        rope.check_angle(biggest_f)  # raises as the kernel would, before anything goes to the device
         packed = torch.from_numpy(np.concatenate([order_h, rows_h, starts_h]))  # one copy to the device
+        ready = None
         if device.type != "cpu":  # from pinned memory: a copy from pageable memory would wait for the GPU's queue
             packed = packed.pin_memory().to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
         n = order_h.size
         layout = (packed[n : 2 * n], packed[2 * n :])
         facts = rows.host_facts(torch.from_numpy(order_h))
-        return RowPlan(sources, read_versions, num_segments, packed[:n], facts, layout, biggest_f)
+        return RowPlan(sources, read_versions, num_segments, packed[:n], facts, layout, biggest_f, ready)
 
     return decide
 
 
 def check_decided(plan: RowPlan, sources: tuple[Tensor, Tensor, Tensor], num_segments: int) -> None:
     """`plan` was decided from these very tensors (keys, segments, positions), unwritten since."""
-    names = ("logical_keys", "segments", "positions")
+    names = ("logical_keys", "segment_R (the AdaLN indices)", "positions_R3 (the position ids)")
     for name, mine, given in zip(names, plan.sources, sources, strict=True):
         if mine is not given:
             raise ValueError(f"decided rows: {name} is not the tensor the plan was decided from; "
                              "allowed: the same tensor objects (decide_rows on the block's own metadata)")  # fmt: skip
-    if versions(sources) != plan.source_versions:
-        raise ValueError("decided rows: keys, segments or positions were written after decide_rows; "
-                         "allowed: decide again after writing them")  # fmt: skip
+    now = versions(sources)
+    written = [name for name, a, b in zip(names, plan.source_versions, now, strict=True) if a != b]
+    if written:
+        raise ValueError(f"decided rows: {', '.join(written)} written after decide_rows; "
+                         "allowed: unwritten since (decide again after writing them)")  # fmt: skip
     if num_segments != plan.num_segments:
-        raise ValueError(f"decided rows: num_segments {num_segments}, decided for {plan.num_segments}")
+        raise ValueError(f"decided rows: num_segments {num_segments}; allowed: {plan.num_segments}, as decided")
 
 
 def _decide(meta_h: Tensor, num_segments: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

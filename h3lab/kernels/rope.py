@@ -79,11 +79,17 @@ def max_abs_position_tensor(pos: Tensor) -> Tensor:
     return pos.to(F32).abs().amax().reshape(1)
 
 
-def check_max_abs_position(pos: Tensor, biggest: float) -> None:
-    """Raise as the reference does for angles of 1e6 rad or more; remember the check for this block
-    step (h3lab.kernels.plan reads `biggest` on the host and calls this before the tables are made)."""
-    if biggest >= MAX_ANGLE:  # NaN positions pass, as in the reference (NaN tables)
+def check_angle(biggest: float) -> None:
+    """Raise as the reference does for angles of 1e6 rad or more (NaN positions pass, as in the
+    reference: NaN tables)."""
+    if biggest >= MAX_ANGLE:
         raise ValueError(f"cos_sin: |angle| up to {biggest:.3g}; allowed below 1e6 rad")
+
+
+def check_max_abs_position(pos: Tensor, biggest: float) -> None:
+    """`check_angle`, then remember the check for this block step (h3lab.kernels.plan reads `biggest`
+    on the host and calls this before the tables are made)."""
+    check_angle(biggest)
     seed("max_abs_f32", (pos,), (), biggest)
 
 

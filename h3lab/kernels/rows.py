@@ -14,6 +14,7 @@ Dimension legend: R rows (any order, padding included), N/K columns, G segments 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -149,9 +150,18 @@ def _segments(segment_R: Tensor, order: Tensor, num_segments: int) -> tuple[Tens
     return rows, starts
 
 
+def reads_in_place(n_order: int, n_rows: int, facts: Callable[[], tuple[int, int, bool] | None]) -> bool:
+    """Whether `_take` uses the rows in place: `order` is arange(n_rows) (`facts`: its `_facts`, asked for
+    only when the lengths match). Launches differ with it, so a CUDA graph's signature holds it."""
+    if n_order != n_rows:
+        return False
+    found = facts()
+    return n_order == 0 or (found is not None and bool(found[2]))
+
+
 def _take(x: Tensor, order: Tensor) -> Tensor:
     # rows already in canonical order are used in place (no gather), as the reference does
-    if order.numel() == x.shape[0] and (order.numel() == 0 or _facts(order)[2]):
+    if reads_in_place(order.numel(), x.shape[0], lambda: _facts(order)):
         return x
     return x.index_select(0, order)
 
