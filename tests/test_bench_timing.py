@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from h3lab.bench.block_gpu import interleaved_times
+from h3lab.bench.timing import graph_ms
 
 
 def test_interleaved_times_calls_the_blocks_in_turn_between_syncs():
@@ -23,3 +26,9 @@ def test_interleaved_times_calls_the_blocks_in_turn_between_syncs():
     assert timed == ab + ba + ab
     assert {name: len(t) for name, t in times.items()} == {"eager": 3, "canonical": 3}
     assert all(t >= 0.0 for ts in times.values() for t in ts)
+
+
+def test_graph_ms_refuses_empty_graphs_before_touching_a_gpu():
+    for inner, reps in ((0, 30), (10, 0)):
+        with pytest.raises(ValueError, match=rf"inner={inner}, reps={reps}; allowed: >= 1 each"):
+            graph_ms(lambda: None, inner=inner, reps=reps)

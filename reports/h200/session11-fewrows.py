@@ -10,35 +10,14 @@ GPU-only times: 10 calls captured in one CUDA graph, median of 20 replays.
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 
+from h3lab.bench.timing import graph_ms
 from h3lab.kernels import configs, few_rows
 
 BF16 = torch.bfloat16
-
-
-def graph_ms(fn, inner=10, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(inner):
-                fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / inner)
-    return statistics.median(out)
 
 
 pinned = configs.pinned("few_rows", "sm90")
@@ -67,7 +46,7 @@ for bn, bk, nw, ns in UNIT:
     name = f"n{bn}k{bk}w{nw}s{ns}"
     try:
         got = few_rows.unit_mm_few_rows(a, w, 8)
-        rec["unit"][name] = {"ms": graph_ms(lambda: few_rows.unit_mm_few_rows(a, w, 8)), "same_bits": same(got, ref_unit)}
+        rec["unit"][name] = {"ms": graph_ms(lambda: few_rows.unit_mm_few_rows(a, w, 8), reps=20), "same_bits": same(got, ref_unit)}
     except Exception as e:  # recorded: a candidate that does not compile
         rec["unit"][name] = {"error": repr(e)[:200]}
     print("unit", name, rec["unit"][name], flush=True)
@@ -77,7 +56,7 @@ for bm, bn, nw in OUTER:
     name = f"m{bm}n{bn}w{nw}"
     try:
         got = few_rows.mm_few_k(a, st, BF16)
-        rec["few_k"][name] = {"ms": graph_ms(lambda: few_rows.mm_few_k(a, st, BF16)), "same_bits": same(got, ref_k)}
+        rec["few_k"][name] = {"ms": graph_ms(lambda: few_rows.mm_few_k(a, st, BF16), reps=20), "same_bits": same(got, ref_k)}
     except Exception as e:
         rec["few_k"][name] = {"error": repr(e)[:200]}
     print("few_k", name, rec["few_k"][name], flush=True)

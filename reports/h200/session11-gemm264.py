@@ -7,36 +7,15 @@ byte for byte with the pinned one's (BLOCK_K 64 everywhere: one bit class, sessi
 
 import json
 import os
-import statistics
 
 import torch
 
+from h3lab.bench.timing import graph_ms
 from h3lab.kernels import gemm
 
 BF16 = torch.bfloat16
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-
-
-def graph_ms(fn, inner=10, reps=30):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(inner):
-                fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / inner)
-    return statistics.median(out)
 
 
 def cfg(bm, bn, w, s, split=1):
