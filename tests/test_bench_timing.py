@@ -1,4 +1,4 @@
-"""The block benchmark's interleaved timing (h3lab.bench.block_gpu.interleaved_times), without a GPU."""
+"""The benchmarks' timing helpers without a GPU: interleaved turns (h3lab.bench.block_gpu), graph_ms's checks."""
 
 from __future__ import annotations
 
