@@ -463,6 +463,39 @@ def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_meta
         get_backend("torch").plan_rows(keys, segment, G, pos, decided=decided)
 
 
+def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
+    """The Triton backend's whole block step (the interpreter here, compiled on a GPU) with its row plan
+    decided beforehand, as h3lab.graph captures it, equals the step that plans for itself byte for
+    byte, and decides nothing again: rows out of key order, padding among them."""
+    from h3lab import H3Config, packed_batch, synthetic_block
+    from h3lab.block import _block_step  # the step with an explicit backend object (a node on CPU)
+    from h3lab.comm import LocalComm
+    from h3lab.contract import strict_mode
+    from h3lab.units import unit_weights
+
+    c = H3Config.tiny()
+    b = packed_batch(c, 17, seed=2, padding=3, dtype=BF16 if CUDA else F32)  # the interpreter's attention takes FP32
+    b = b.rows(torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(3))).to(DEV)
+    uw, be = unit_weights(synthetic_block(c, 0, seed=1).to(DEV)), TritonBackend(DEV, node=NODE)
+
+    def step(decided: plan.RowPlan | None) -> dict[str, torch.Tensor]:
+        with strict_mode(), torch.no_grad(), index_cache():
+            s = _block_step(uw, b, LocalComm(), be, True, lambda name, t, space: t, decided)
+        flat = {"out": s.out, "dx": s.dx, "dtemb": s.dtemb, **s.dw_replicated}
+        return flat | {f"{k}.{u}": t for k, per_unit in s.dw_units.items() for u, t in per_unit.items()}
+
+    want = step(None)
+    decided = plan.decide_rows(b.logical_keys, b.adaln_indices, 3 * b.num_timesteps, b.position_ids)
+    with pytest.MonkeyPatch.context() as mp:  # every host-side fact comes from the plan
+        for module, name in ((rows, "_facts_of"), (rows, "_segments"), (rope, "max_abs_position_tensor"),
+                             (plan, "_decide")):  # fmt: skip
+            mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
+        got = step(decided)
+    assert got.keys() == want.keys()
+    for k in want:
+        _same(got[k], want[k].cpu(), k)
+
+
 def test_index_checks_outside_a_block_see_writes_that_keep_the_version():
     """Outside index_cache() nothing is cached: a write through .data (no version bump) is still caught."""
     x = torch.randn(5, 4, device=DEV)
