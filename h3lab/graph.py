@@ -115,7 +115,7 @@ class GraphedBlock:
                                  f"{self.captured_signature}, as captured (capture another GraphedBlock)")  # fmt: skip
             for name in FIELDS:
                 getattr(self.batch, name).copy_(getattr(batch, name))
-            for mine, new in zip(self.rows.device_tensors(), rows.device_tensors(), strict=True):
+            for mine, new in zip((self.rows.order, *self.rows.layout), rows.device_tensors(), strict=True):
                 mine.copy_(new)
             self.graph.replay()
         return self.result

@@ -14,20 +14,15 @@ from typing import Any
 
 import torch
 
+from h3lab.graph import capture
+
 
 def graph_ms(fn: Callable[[], Any], inner: int = 10, reps: int = 30) -> float:
-    """Median milliseconds per call of `fn` over `reps` replays of a graph of `inner` calls (after one
-    eager call, which compiles). `fn` must be capturable: no host syncs (see h3lab.graph)."""
+    """Median milliseconds per call of `fn` over `reps` replays of a graph of `inner` calls (captured by
+    h3lab.graph.capture after one warm-up round, which compiles). `fn` must be capturable: no host syncs."""
     if inner < 1 or reps < 1:
         raise ValueError(f"graph_ms: inner={inner}, reps={reps}; allowed: >= 1 each")
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            for _ in range(inner):
-                fn()
+    graph, _ = capture(lambda: [fn() for _ in range(inner)], warmup=1)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

@@ -78,14 +78,18 @@ def plan_rows(keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R
     """
     if decided is not None:
         check_decided(decided, (keys_R2, segment_R, positions_R3), num_segments)
-        read = lambda: decided  # noqa: E731
-    else:
-        read = _queue(keys_R2, segment_R, num_segments, positions_R3)
+
+        def planned() -> Tensor:
+            decided.seed()
+            return decided.device_tensors()[0]  # it may have been decided on another stream
+
+        return planned
+    read = _queue(keys_R2, segment_R, num_segments, positions_R3)
 
     def order() -> Tensor:
         plan = read()
         plan.seed()
-        return plan.device_tensors()[0]
+        return plan.order  # copied on this stream: nothing to wait for
 
     return order
 
