@@ -139,6 +139,35 @@ def test_mm_bf16_output_rows_bitwise():
 
 
 @interp
+def test_mm_row_tail_rides_on_row_tiles():
+    """TAIL_M/TAIL_N: the last M % BLOCK_M rows computed in slices by the full row tiles give the bits of
+    the plain tiling, for rows and columns sliced any way. In the interpreter the tail's product has the
+    row tiles' height (BLOCK_M = TAIL_M = 16): numpy's fp32 matmul sums in a shape-dependent order
+    (a 16-row product beside 32-row tiles differs by an ulp here); the GPU test below runs the pinned
+    16-row tail beside 64-row tiles, where the tensor cores sum the same way for every shape."""
+    plain = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2, "TMA": True}
+    cfg = plain | {"TAIL_M": 16, "TAIL_N": 32}
+    K, N = 100, 150  # K tail of 4; a partial column tile, whose second tail slice is past N
+    w = _randn(N, K, seed=40)
+    for M, rides in ((37, True), (48, False), (1, False), (133, True), (16 + 9, False)):  # 25: one row tile only
+        a = _randn(M, K, seed=41 + M)
+        rode = gemm.tail_operands(a, w.t(), 1, 1, cfg, gemm.programs("cpu"), BF16)[2] is not None
+        assert rode == rides, f"M={M}: the tail rides: {rode}, expected {rides}"
+        assert gemm.tail_operands(a, w.t(), 1, 1, cfg, gemm.programs("cpu"), F32)[2] is None, "fp32 out: no tail"
+        ref = gemm.mm(a, w.t(), BF16, node=NODE, config=plain)  # the interpreter's bf16 cast truncates: same in both
+        got = gemm.mm(a, w.t(), BF16, node=NODE, config=cfg)
+        assert_bitwise(got, ref, f"M={M} tail")
+        cols = gemm.mm(a, w.t()[:, 30:140], BF16, node=NODE, config=cfg)
+        assert_bitwise(cols, ref[:, 30:140], f"M={M} columns 30:140")
+        rows = gemm.mm(a[M // 3 :], w.t(), BF16, node=NODE, config=cfg)
+        assert_bitwise(rows, ref[M // 3 :], f"M={M} rows from {M // 3}")
+    with pytest.raises(ValueError, match=r"TAIL_M=24, TAIL_N=32 .* allowed: both set, powers of two"):
+        gemm.mm(_randn(37, K, seed=1), w.t(), node=NODE, config=cfg | {"TAIL_M": 24})
+    with pytest.raises(ValueError, match=r"TAIL_M=16, TAIL_N=None"):
+        gemm.mm(_randn(37, K, seed=1), w.t(), node=NODE, config=plain | {"TAIL_M": 16})
+
+
+@interp
 def test_mm_empty_and_k0():
     a, w = _randn(3, 0, seed=7), _randn(5, 0, seed=8)
     assert_bitwise(gemm.mm(a, w.t(), node=NODE), torch.zeros(3, 5), "K = 0 is the empty chain")
@@ -327,6 +356,27 @@ def test_gpu_mm_rows_columns_repeat_bitwise():
         for _ in range(3):
             assert_bitwise(gemm.mm(a, b), full, f"repeat {layout}")
         assert_bitwise(gemm.mm(a, b, BF16), round_to(full, BF16), f"one rounding to bf16 {layout}")
+
+
+@gpu
+def test_gpu_mm_row_tail_bitwise():
+    """The pinned row tail (the last M % 64 <= 16 rows in 64-column slices on the 64x256 row tiles, a swapped
+    wgmma beside the main one) gives the bits of the same rows inside a 4111-row call (128x256 tiles)."""
+    dev = "cuda"
+    a = _randn(4111, 5376, seed=63, device=dev, dtype=BF16)
+    w = _randn(7168, 5376, seed=64, device=dev, dtype=BF16)
+    full = gemm.mm(a, w.t(), BF16)
+    pinned = gemm.kernel_config("gemm", configs.node_of(dev), ieee=False, rows=264)
+    sms = gemm.programs(dev)
+    # 273 rows: a tail of 17; N = 5376 or 4900: 105 or 100 plain tiles, one round of 132 SMs
+    cases = ((0, 264, 7168, True), (3, 263, 7168, True), (700, 272, 7168, True), (9, 273, 7168, False),
+             (50, 520, 7168, True), (11, 264, 5376, False), (12, 264, 4900, False))  # fmt: skip
+    for lo, m, n, rides in cases:
+        part, b = a[lo : lo + m], w.t()[:, :n]
+        rode = gemm.tail_operands(part, b, 1, 1, pinned, sms, BF16)[2] is not None
+        assert rode == rides, f"rows {lo}+{m}, N={n}: the tail rides: {rode}, expected {rides}"
+        assert_bitwise(gemm.mm(part, b, BF16), full[lo : lo + m, :n], f"rows {lo}+{m}, N={n} (tail rides: {rides})")
+        assert_bitwise(gemm.mm(part, b[:, 100:], BF16), full[lo : lo + m, 100:n], f"rows {lo}+{m} columns from 100")
 
 
 @gpu

@@ -10,6 +10,10 @@ every M and N. Rows past M and columns past N only ever feed their own (discarde
 K tail is read as zeros, and a zero product added to a chain leaves it unchanged. Persistence (a
 grid of one program per SM walking tiles in grouped order) only decides which SM computes a tile.
 
+A row tail (the last M % BLOCK_M rows, a few) can ride on the full row tiles instead of taking row
+tiles of its own (`tail_operands`, config keys TAIL_M/TAIL_N): the same chunks in the same order,
+so the same bits; at M = 264 it turns two rounds of tiles into one for q, k, v, hidden and gate.
+
 Operands come through TMA tensor descriptors where their layout allows (16-byte aligned base and
 strides, one unit stride) and through masked pointer loads otherwise; both feed the same dot with
 the same values. bf16 x bf16 runs on the tensor cores (wgmma on sm90); an fp32 operand makes the
@@ -35,7 +39,7 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "TMA")  # required
 OPTIONAL_KEYS = {  # per kernel: a key another kernel reads (IMPL for mm, say) is a mistake, not a no-op
-    "gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE"),
+    "gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE", "TAIL_M", "TAIL_N"),
     "unit_gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "PENDING_IN_REGS", "SCRATCH_TMA", "IMPL", "LVL2_SMEM"),
 }
 INTERPRETER_PROGRAMS = 3  # fewer programs than tiles in the tests, so the persistent loop is exercised
@@ -132,17 +136,41 @@ def store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn,
 # ---- the kernel ----------------------------------------------------------------------------------
 
 
+@triton.jit
+def tail_chain(acc_t, a_tail_desc, w_tail_desc, m_tail, n_t, k0, IEEE: tl.constexpr):
+    """acc_t [TAIL_N, TAIL_M] += W[n_t:+TAIL_N, k0:+BK] @ a[m_tail:+TAIL_M, k0:+BK]^T: the tail rows' chunk k0.
+
+    Swapped (c^T = W a^T) so that the few tail rows are the tensor cores' N side (wgmma's M side is
+    64, its N side may be 16) and the product stays an async wgmma beside the main one. The same
+    products of the same chunk summed in the same order as the row tile's: the same bits (H200,
+    session 12: swapped wgmma tiles and 16- and 32-row mma.sync tiles all matched the 64x256 tile's
+    bytes). Per tile, against the plain 64x256 tile (to_out, ff.net.2 at 264 rows, one round each),
+    this tail costs 11-14% more, an unswapped 16-row mma.sync one 35-54% more (it is synchronous).
+    """
+    a_sub = a_tail_desc.load([m_tail, k0])
+    w_sub = w_tail_desc.load([n_t, k0])
+    return mac(w_sub, a_sub.T, acc_t, IEEE)
+
+
 # fmt: off
 @triton.jit(do_not_specialize=["M", "N", "num_programs"])
 def mm_kernel(
-    a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc,
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc, a_tail_desc, w_tail_desc,
     M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_MODE: tl.constexpr, B_MODE: tl.constexpr, IEEE: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TAIL: tl.constexpr, TAIL_M: tl.constexpr, TAIL_N: tl.constexpr,
 ):
     # fmt: on
-    num_pid_m = tl.cdiv(M, BLOCK_M)
+    # TAIL: the last M % BLOCK_M (<= TAIL_M) rows get no row tile of their own; for each column tile,
+    # the row tiles pid_m < BLOCK_N // TAIL_N each compute the tail rows of one TAIL_N-wide slice
+    # of it (the host checks there are that many row tiles). At M = 264 on 64x256 tiles: 112 tiles
+    # in one round instead of 140 in two, each 1/16 more products (reports/h200/session12).
+    if TAIL:
+        num_pid_m = M // BLOCK_M
+    else:
+        num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_chunks = tl.cdiv(K, BLOCK_K)
     # the epilogue keeps its own tile counter so a flattened loop's prologue and epilogue share no value
@@ -152,11 +180,26 @@ def mm_kernel(
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kc in tl.range(0, k_chunks, warp_specialize=WARP_SPECIALIZE):  # ascending K, never split
-            k0 = kc * BLOCK_K
-            a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
-            b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
-            acc = mac(a, b, acc, IEEE)
+        if TAIL and pid_m < BLOCK_N // TAIL_N:  # this tile also carries a slice of the tail rows
+            m_tail = num_pid_m * BLOCK_M
+            n_t = n0 + pid_m * TAIL_N
+            acc_t = tl.zeros((TAIL_N, TAIL_M), dtype=tl.float32)
+            for kc in tl.range(0, k_chunks):  # ascending K, never split: both chains
+                k0 = kc * BLOCK_K
+                a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
+                b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+                acc = mac(a, b, acc, IEEE)
+                acc_t = tail_chain(acc_t, a_tail_desc, w_tail_desc, m_tail, n_t, k0, IEEE)
+            rn = n_t + tl.arange(0, TAIL_N)
+            rt = m_tail + tl.arange(0, TAIL_M)
+            ptrs = c_ptr + rn[:, None].to(tl.int64) * s_cn + rt[None, :].to(tl.int64) * s_cm  # acc_t is c^T
+            tl.store(ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rt[None, :] < M))
+        else:
+            for kc in tl.range(0, k_chunks, warp_specialize=WARP_SPECIALIZE):  # ascending K, never split
+                k0 = kc * BLOCK_K
+                a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
+                b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+                acc = mac(a, b, acc, IEEE)
         tile_c += num_programs
         pid_m, pid_n = tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
@@ -227,10 +270,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def programs(device: torch.device | str) -> int:
+    """Programs a persistent grid may hold at once: the SMs (INTERPRETER_PROGRAMS in the interpreter)."""
+    device = torch.device(device)
+    return INTERPRETER_PROGRAMS if device.type == "cpu" else _sm_count(device)
+
+
 def grid_size(device: torch.device, num_tiles: int) -> int:
     """A persistent grid: one program per SM (fewer when there are fewer tiles)."""
-    sms = INTERPRETER_PROGRAMS if device.type == "cpu" else _sm_count(device)
-    return max(1, min(sms, num_tiles))
+    return max(1, min(programs(device), num_tiles))
 
 
 def tma_aligned(t: Tensor, major_stride: int) -> bool:
@@ -289,6 +337,44 @@ def output_desc(c_MN: Tensor, block_m: int, block_n: int, cfg: dict[str, Any]) -
     return True, split, TensorDescriptor(c_MN, list(c_MN.shape), [c_MN.stride(0), 1], [block_m, block_n // split])
 
 
+def tail_operands(
+    a_MK: Tensor, b_KN: Tensor, a_mode: int, b_mode: int, cfg: dict[str, Any], sms: int, out_dtype: torch.dtype
+) -> tuple[int, int, TensorDescriptor | None, TensorDescriptor | None]:
+    """(TAIL_M, TAIL_N, a's and W's tail descriptors) when the row tail rides on the row tiles, else Nones.
+
+    It rides when the config names TAIL_M and TAIL_N, 0 < M % BLOCK_M <= TAIL_M, there are at least
+    BLOCK_N // TAIL_N full row tiles to carry its slices, both operands go through TMA as a [M, K]
+    and a weight W [N, K] (the forward's form), the output is bf16 (an fp32 tile's TMA staging
+    buffer is 32 KiB, not 16: with the tail's 4 stages 237,632 bytes of shared memory, over sm90's
+    232,448), and the plain tiling needs more than one round of the `sms` programs: where it fits
+    in one, the tail only lengthens the tiles (H200, M = 264: to_out 45 -> 50 us, ff.net.2 86 ->
+    99 us; q, whose 140 tiles need two rounds, 66 -> 41 us).
+    Otherwise the tail gets row tiles of its own: the same bits, only the tile computing them changes.
+    """
+    tail_m, tail_n = cfg.get("TAIL_M"), cfg.get("TAIL_N")
+    if tail_m is None and tail_n is None:
+        return 1, 1, None, None
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731  (tl.dot's smallest side)
+    if not (pow2(tail_m) and pow2(tail_n) and tail_m <= BM and BN % tail_n == 0):
+        raise ValueError(
+            f"gemm config TAIL_M={tail_m}, TAIL_N={tail_n} with BLOCK_M={BM}, BLOCK_N={BN}; allowed: both set, powers "
+            "of two >= 16, TAIL_M <= BLOCK_M, TAIL_N dividing BLOCK_N"
+        )
+    if cfg.get("FLATTEN") or cfg.get("WARP_SPECIALIZE"):
+        raise ValueError("gemm config: TAIL_M/TAIL_N with FLATTEN or WARP_SPECIALIZE; allowed: the tail without them")
+    (M, K), N = a_MK.shape, b_KN.shape[1]
+    plain_tiles = configs.cdiv(M, BM) * configs.cdiv(N, BN)
+    carriers = M // BM  # full row tiles
+    fits = out_dtype == torch.bfloat16 and a_mode == b_mode == 1
+    if not (fits and 0 < M % BM <= tail_m and carriers >= BN // tail_n and plain_tiles > sms):
+        return 1, 1, None, None
+    w_NK = b_KN.t()
+    a_tail = TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [tail_m, BK])
+    w_tail = TensorDescriptor(w_NK, [N, K], [w_NK.stride(0), 1], [tail_n, BK])
+    return tail_m, tail_n, a_tail, w_tail
+
+
 # ---- the launcher --------------------------------------------------------------------------------
 
 
@@ -329,13 +415,14 @@ def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, no
     a_mode, a_desc = operand_a(a_MK, BM, BK, cfg["TMA"])
     b_mode, b_desc = operand_b(b_KN, BK, BN, cfg["TMA"])
     out_tma, split, c_desc = output_desc(c_MN, BM, BN, cfg)
-    grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
+    tail_m, tail_n, a_tail, w_tail = tail_operands(a_MK, b_KN, a_mode, b_mode, cfg, programs(device), out_dtype)
+    grid = grid_size(device, (M // BM if a_tail is not None else configs.cdiv(M, BM)) * configs.cdiv(N, BN))
     mm_kernel[(grid,)](
-        a_MK, a_desc, b_KN, b_desc, c_MN, c_desc,  #
+        a_MK, a_desc, b_KN, b_desc, c_MN, c_desc, a_tail, w_tail,  #
         M, N, K, a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1), c_MN.stride(0), c_MN.stride(1),
         grid, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
         A_MODE=a_mode, B_MODE=b_mode, IEEE=ieee, OUT_TMA=out_tma, SPLIT=split, FLATTEN=cfg.get("FLATTEN", False),
-        WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", False),
+        WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", False), TAIL=a_tail is not None, TAIL_M=tail_m, TAIL_N=tail_n,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False,
     )  # fmt: skip
     return c_MN
