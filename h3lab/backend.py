@@ -53,6 +53,10 @@ class Backend(Protocol):
     def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
                   *, decided: Any = None) -> Callable[[], Tensor]: ...  # fmt: skip
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
+    # row_sum of each row_x and segment_sum of each segment_x, as those calls give them (a backend may
+    # run the independent chains side by side)
+    def chain_sums(self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int,
+                   order: Tensor) -> tuple[list[Tensor], list[Tensor]]: ...  # fmt: skip
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor: ...
 
     # row-local ops
@@ -109,6 +113,12 @@ class TorchBackend:
     row_mm = staticmethod(rows.row_mm)
     row_sum = staticmethod(rows.row_sum)
     segment_sum = staticmethod(rows.segment_sum)
+
+    def chain_sums(self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int,
+                   order: Tensor) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+        sums = [self.row_sum(x, order) for x in row_xs]
+        return sums, [self.segment_sum(x, segment_R, num_segments, order) for x in segment_xs]
+
     round = staticmethod(round_to)
 
     def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,

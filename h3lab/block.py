@@ -229,11 +229,13 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     do_tp = comm.gather_tp_rows(do, "sp.gather.do")
     dattn = tr("d.attn.sdpa", be.mm(do_tp, loc["out"], act), "tp_units")  # [R_tp, A_local]
     dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order, w_dt)
-    # norm2's cross-row gradients now, so its four FP32 [R, D] row tensors go before the attention's
-    segment = lambda d, i: be.segment_sum(seq_local(d, f"cp.gather.dtable{i}"), idx_seq, 3 * T, order)  # noqa: E731
-    dnorm2 = be.round(be.row_sum(seq_local(dw_norm2, "cp.gather.dnorm2"), order), rep["norm2.weight"].dtype)
-    d_table_mlp = [segment(d, i) for i, d in enumerate((d_shift_mlp, d_scale_mlp, d_gate_mlp), start=3)]
-    del dxn2, dw_norm2, d_shift_mlp, d_scale_mlp, d_gate_mlp, dm2, x1, g_out, o_proj, do, do_tp
+    # norm2's cross-row gradients now, so its four FP32 [R, D] row tensors go before the attention's;
+    # the four chain sets in one call (on the GPU one launch: a set alone is latency-bound)
+    tables = lambda ds, i0: [seq_local(d, f"cp.gather.dtable{i}") for i, d in enumerate(ds, start=i0)]  # noqa: E731
+    mlp_tables = tables((d_shift_mlp, d_scale_mlp, d_gate_mlp), 3)
+    (dnorm2,), d_table_mlp = be.chain_sums([seq_local(dw_norm2, "cp.gather.dnorm2")], mlp_tables, idx_seq, 3 * T, order)
+    dnorm2 = be.round(dnorm2, rep["norm2.weight"].dtype)
+    del dxn2, dw_norm2, d_shift_mlp, d_scale_mlp, d_gate_mlp, mlp_tables, dm2, x1, g_out, o_proj, do, do_tp
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
     dO = heads(dattn)
@@ -263,21 +265,22 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     zero_pad = lambda t: torch.where(active, t, torch.zeros((), dtype=t.dtype, device=t.device))  # noqa: E731
     dx = tr("dx", zero_pad(be.round(dx1 + dxn1, act)), "local")
 
-    # ---- cross-row gradients of replicated weights: rows of the whole sequence in key order --
+    # ---- cross-row gradients of replicated weights: rows of the whole sequence in key order, and
+    # ---- B1's AdaLN table rows (segmented, key order): six chain sets in one call -------------
+    # one chain per column, so six [R, D] sets give the bits of one stacked [R, 6, D] set
+    # without its 6·R·D FP32 copy (0.5 GB at 4096 rows, at the block's peak memory)
     p_dt = lambda name: rep[name].dtype  # noqa: E731
-    dw_rep = {
-        "norm1.weight": be.round(be.row_sum(seq_local(dw_norm1, "cp.gather.dnorm1"), order), p_dt("norm1.weight")),
-        "norm2.weight": dnorm2,
-    }
-    for name, rows in (("attn.norm_q.weight", dwq_rows), ("attn.norm_k.weight", dwk_rows)):
-        per_head = be.row_sum(seq(rows, f"cp.gather.{name}"), order)  # [H_local, Dh]
+    qk_rows = (("attn.norm_q.weight", dwq_rows), ("attn.norm_k.weight", dwk_rows))
+    row_xs = [seq_local(dw_norm1, "cp.gather.dnorm1")] + [seq(t, f"cp.gather.{name}") for name, t in qk_rows]
+    msa_tables = tables((d_shift_msa, d_scale_msa, d_gate_msa), 0)
+    (dnorm1, *per_heads), d_table_msa = be.chain_sums(row_xs, msa_tables, idx_seq, 3 * T, order)
+    dw_rep = {"norm1.weight": be.round(dnorm1, p_dt("norm1.weight")), "norm2.weight": dnorm2}
+    for name, per_head in zip(("attn.norm_q.weight", "attn.norm_k.weight"), per_heads, strict=True):  # [H_local, Dh]
         per_unit = chain_sum(per_head.view(U, H8, -1).transpose(0, 1))  # [U, Dh]: each unit's heads ascending
         dw_rep[name] = be.round(comm.reduce_units(unit_tree(list(per_unit.unbind(0))), name), p_dt(name))
+    del row_xs, msa_tables
 
-    # ---- B1 AdaLN table rows (segmented, key order), then its projection ---------------------
-    # one chain per column, so six [R, D] calls give the bits of one stacked [R, 6, D] call
-    # without its 6·R·D FP32 copy (0.5 GB at 4096 rows, at the block's peak memory)
-    d_table_msa = [segment(d, i) for i, d in enumerate((d_shift_msa, d_scale_msa, d_gate_msa))]
+    # ---- B1 then the AdaLN projection -------------------------------------------------------
     d_table = torch.stack(d_table_msa + d_table_mlp, dim=1).reshape(T, -1)  # [T, 3 modalities x 6 x D]
     d_cols = d_table[:, units.start * G8 : units.stop * G8]  # [T, 18D/8 * local units]
     dw_local["adaln_proj.linear.weight"] = be.mm_few_k(d_cols, st, w_dt)  # timesteps ascending

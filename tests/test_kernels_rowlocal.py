@@ -230,6 +230,24 @@ def test_row_sum_and_segment_sum_equal_reference(R):
     _same(rows.row_sum(xd, arange.to(DEV), node=NODE), ref_rows.row_sum(x, arange), "row_sum in place")
 
 
+def test_chain_sums_are_the_single_calls():
+    """Several chain sets in one launch (row sums and segment sums, mixed dtypes and widths, more sets
+    than one launch takes) give each set's reference bits: the sets never meet."""
+    R = 37
+    x, order, segment = _rows_case(R, seed=24)
+    row_xs = [x, _randn(R, 70, seed=25).to(BF16), _randn(R, 130, seed=26)] * 2 + [x[:, 1]]  # 7 sets: two launches
+    seg_xs = [_randn(R, 45, seed=27), x]
+    dev = lambda ts: [t.to(DEV) for t in ts]  # noqa: E731
+    sums, segs = rows.chain_sums(dev(row_xs), dev(seg_xs), segment.to(DEV), 5, order.to(DEV), node=NODE)
+    for i, (t, got) in enumerate(zip(row_xs, sums, strict=True)):
+        _same(got, ref_rows.row_sum(t, order), f"row set {i}")
+    for i, (t, got) in enumerate(zip(seg_xs, segs, strict=True)):
+        _same(got, ref_rows.segment_sum(t, segment, 5, order), f"segment set {i}")
+    assert rows.chain_sums([], [], segment.to(DEV), 5, order.to(DEV), node=NODE) == ([], [])
+    with pytest.raises(ValueError, match=r"segment_xs: rows \[37, 36\]; allowed: all 37"):
+        rows.chain_sums([], dev([x, x[:36]]), segment.to(DEV), 5, order.to(DEV), node=NODE)
+
+
 def test_row_reductions_ignore_physical_order_and_padding():
     R = 37
     x, order, segment = _rows_case(R, seed=21)
@@ -591,11 +609,21 @@ def test_gpu_row_reductions_real_widths():
     _same(rows.row_sum(dwq.to(DEV), od), ref_rows.row_sum(dwq, order), "q-norm weight grad")
     got = rows.segment_sum(d_table.to(DEV), seg.to(DEV), 3 * T, od)
     _same(got, ref_rows.segment_sum(d_table, seg, 3 * T, order), "AdaLN table grad")
+    tables = [d_table[:, i].contiguous() for i in range(3)]  # the block's six-set launch: norm1, q/k norms, table
+    sums, segs = rows.chain_sums(_dev(dw_rows, dwq, dwq * 2), _dev(*tables), seg.to(DEV), 3 * T, od)
+    for got, t, what in zip(sums, (dw_rows, dwq, dwq * 2), ("norm1", "norm_q", "norm_k"), strict=True):
+        _same(got, ref_rows.row_sum(t, order), f"{what} weight grad among six sets")
+    for i, (got, t) in enumerate(zip(segs, tables, strict=True)):
+        _same(got, ref_rows.segment_sum(t, seg, 3 * T, order), f"AdaLN table column {i} among six sets")
     a, b = _randn(R, 1792, seed=84).to(DEV, BF16), _randn(R, D, seed=85).to(DEV, BF16)
     got = rows.row_mm(a, b, od)
     torch.testing.assert_close(got.cpu(), ref_rows.row_mm(*_cpu(a, b), order), rtol=1e-4, atol=1e-3)  # tensor cores
     perm = torch.randperm(R, generator=g).to(DEV)
     _same(rows.row_mm(a[perm], b[perm], torch.argsort(perm)[od]), got.cpu(), "row_mm, rows permuted")
+
+
+def _dev(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEV) for t in ts]
 
 
 def test_index_checks_work_on_inference_tensors():

@@ -82,6 +82,10 @@ class TritonBackend:
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor:
         return rows.segment_sum(x_R, segment_R, num_segments, order, node=self.node)
 
+    def chain_sums(self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int,
+                   order: Tensor) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+        return rows.chain_sums(row_xs, segment_xs, segment_R, num_segments, order, node=self.node)
+
     def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
                   *, decided: plan.RowPlan | None = None) -> Callable[[], Tensor]:  # fmt: skip
         return plan.plan_rows(keys_R2, segment_R, num_segments, positions_R3, decided=decided)
