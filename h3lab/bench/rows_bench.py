@@ -69,6 +69,8 @@ def _sweep(block_n: int, unroll: int, pinned: dict, cases: dict, reference: dict
     configs.pinned = lambda kernel, n: dict(cfg) if kernel == "rows" else real(kernel, n)
     try:
         for name, fn in cases.items():
+            if name.startswith("six_sets") and unroll > 64:  # 6 sets x 128 unrolled rows: not compiled in 150 s (H200)
+                continue
             same = bitwise_equal(_flat(fn()), reference[name])
             ms = statistics.median(cuda_times(fn, reps)) * 1e3
             records.append({"case": name, "block_n": block_n, "unroll": unroll, "ms": ms, "same_bits": same})
