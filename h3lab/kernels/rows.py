@@ -160,9 +160,10 @@ def segment_sum(x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tenso
 
 def chain_sums(row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor,
                *, node: str | None = None) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
-    """`row_sum` of each of row_xs and `segment_sum` of each of segment_xs (one segment_R for all), in one
-    launch: each chain the same adds in the same order as alone, so the same bits; side by side they
-    keep more loads in flight than one (a chain set alone is latency-bound, reports/h200/session12)."""
+    """`row_sum` of each of row_xs and `segment_sum` of each of segment_xs (one segment_R for all), up to
+    MAX_CHAINS sets per launch: each chain the same adds in the same order as alone, so the same bits;
+    side by side the sets keep more loads in flight than one alone, which is latency-bound (H200, six
+    sets at 4096 rows: 1.36 -> 0.62 ms, reports/h200/session12)."""
     for x in (*row_xs, *segment_xs):
         _check(x, order, segment_R)
         _bounds("order", order, x.shape[0])
