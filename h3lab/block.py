@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -128,6 +129,36 @@ def block_step(
         return _block_step(uw, b, comm, be, backward, trace or _no_trace, decided_rows)
 
 
+ChainSet = tuple[Tensor, Callable[[Tensor, str], Tensor], str]  # (rows, the gather to sequence rows, its site)
+
+
+def _chain_sums(be: Backend, row_sets: list[ChainSet], table_sets: list[ChainSet], segment_R: Tensor,
+                num_segments: int, order: Tensor) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+    """be.chain_sums of the gathered row sets (row_sum) and table sets (segment_sum), the same bits as
+    one call per set. A gather that copies (SP or CP layouts) has its set summed alone at once, so one
+    gathered FP32 [R_seq, D] copy is alive at a time, as before the sets went side by side: the
+    block's peak memory is in this part of the backward. Sets used in place go side by side in one
+    call. Every rank takes the same path (the layout decides), so the gathers meet in one order."""
+    outs: list[list[Tensor | None]] = [[None] * len(row_sets), [None] * len(table_sets)]
+    in_place: list[list[tuple[int, Tensor]]] = [[], []]
+    for kind, sets in enumerate((row_sets, table_sets)):
+        for i, (t, gather, site) in enumerate(sets):
+            g = gather(t, site)
+            if g is t:
+                in_place[kind].append((i, g))
+                continue
+            sums, segs = be.chain_sums(*(([g], []) if kind == 0 else ([], [g])), segment_R, num_segments, order)
+            outs[kind][i] = (sums + segs)[0]
+            del g
+    if in_place[0] or in_place[1]:
+        got = be.chain_sums([g for _, g in in_place[0]], [g for _, g in in_place[1]], segment_R, num_segments, order)
+        for kind in (0, 1):
+            for (i, _), out in zip(in_place[kind], got[kind], strict=True):
+                outs[kind][i] = out
+    assert all(o is not None for kinds in outs for o in kinds), "every chain set summed once"
+    return outs[0], outs[1]  # type: ignore[return-value]
+
+
 def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, backward: bool, tr: Trace,
                 decided_rows: RowPlan | None) -> BlockStep:  # fmt: skip
     c, units = uw.config, comm.units
@@ -231,11 +262,12 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     dw_local["attn.to_out.0.weight"] = be.row_mm(seq(do_tp, "cp.gather.do"), seq(attn, "cp.gather.attn"), order, w_dt)
     # norm2's cross-row gradients now, so its four FP32 [R, D] row tensors go before the attention's;
     # the four chain sets in one call (on the GPU one launch: a set alone is latency-bound)
-    tables = lambda ds, i0: [seq_local(d, f"cp.gather.dtable{i}") for i, d in enumerate(ds, start=i0)]  # noqa: E731
-    mlp_tables = tables((d_shift_mlp, d_scale_mlp, d_gate_mlp), 3)
-    (dnorm2,), d_table_mlp = be.chain_sums([seq_local(dw_norm2, "cp.gather.dnorm2")], mlp_tables, idx_seq, 3 * T, order)
+    tables = lambda ds, i0: [(d, seq_local, f"cp.gather.dtable{i}") for i, d in enumerate(ds, start=i0)]  # noqa: E731
+    chains = lambda row_sets, table_sets: _chain_sums(be, row_sets, table_sets, idx_seq, 3 * T, order)  # noqa: E731
+    mlp_sets = tables((d_shift_mlp, d_scale_mlp, d_gate_mlp), 3)
+    (dnorm2,), d_table_mlp = chains([(dw_norm2, seq_local, "cp.gather.dnorm2")], mlp_sets)
     dnorm2 = be.round(dnorm2, rep["norm2.weight"].dtype)
-    del dxn2, dw_norm2, d_shift_mlp, d_scale_mlp, d_gate_mlp, mlp_tables, dm2, x1, g_out, o_proj, do, do_tp
+    del dxn2, dw_norm2, d_shift_mlp, d_scale_mlp, d_gate_mlp, mlp_sets, dm2, x1, g_out, o_proj, do, do_tp
 
     # ---- B5 attention: dq for this rank's queries, dk/dv for its keys over every query -------
     dO = heads(dattn)
@@ -271,14 +303,13 @@ def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, b
     # without its 6·R·D FP32 copy (0.5 GB at 4096 rows, at the block's peak memory)
     p_dt = lambda name: rep[name].dtype  # noqa: E731
     qk_rows = (("attn.norm_q.weight", dwq_rows), ("attn.norm_k.weight", dwk_rows))
-    row_xs = [seq_local(dw_norm1, "cp.gather.dnorm1")] + [seq(t, f"cp.gather.{name}") for name, t in qk_rows]
-    msa_tables = tables((d_shift_msa, d_scale_msa, d_gate_msa), 0)
-    (dnorm1, *per_heads), d_table_msa = be.chain_sums(row_xs, msa_tables, idx_seq, 3 * T, order)
+    row_sets = [(dw_norm1, seq_local, "cp.gather.dnorm1")] + [(t, seq, f"cp.gather.{name}") for name, t in qk_rows]
+    (dnorm1, *per_heads), d_table_msa = chains(row_sets, tables((d_shift_msa, d_scale_msa, d_gate_msa), 0))
+    del row_sets
     dw_rep = {"norm1.weight": be.round(dnorm1, p_dt("norm1.weight")), "norm2.weight": dnorm2}
     for name, per_head in zip(("attn.norm_q.weight", "attn.norm_k.weight"), per_heads, strict=True):  # [H_local, Dh]
         per_unit = chain_sum(per_head.view(U, H8, -1).transpose(0, 1))  # [U, Dh]: each unit's heads ascending
         dw_rep[name] = be.round(comm.reduce_units(unit_tree(list(per_unit.unbind(0))), name), p_dt(name))
-    del row_xs, msa_tables
 
     # ---- B1 then the AdaLN projection -------------------------------------------------------
     d_table = torch.stack(d_table_msa + d_table_mlp, dim=1).reshape(T, -1)  # [T, 3 modalities x 6 x D]

@@ -164,7 +164,9 @@ def test_mm_row_tail_rides_on_row_tiles():
     with pytest.raises(ValueError, match=r"TAIL_M=24, TAIL_N=32 .* allowed: both set, powers of two"):
         gemm.mm(_randn(37, K, seed=1), w.t(), node=NODE, config=cfg | {"TAIL_M": 24})
     with pytest.raises(ValueError, match=r"TAIL_M=16, TAIL_N=None"):
-        gemm.mm(_randn(37, K, seed=1), w.t(), node=NODE, config=plain | {"TAIL_M": 16})
+        gemm.mm(_randn(0, K, seed=1), w.t(), node=NODE, config=plain | {"TAIL_M": 16})  # refused before M = 0 returns
+    with pytest.raises(ValueError, match=r"FLATTEN=True, WARP_SPECIALIZE=None; allowed: both false"):
+        gemm.mm(_randn(37, K, seed=1), w.t(), node=NODE, config=cfg | {"FLATTEN": True})
 
 
 @interp

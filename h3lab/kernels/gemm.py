@@ -223,16 +223,36 @@ def check_config(what: str, cfg: dict[str, Any], kernel: str) -> dict[str, Any]:
             f"{what} config: missing {missing}, unknown {unknown}; required {list(CONFIG_KEYS)}, "
             f"optional {list(optional)}"
         )
+    if "TAIL_M" in cfg or "TAIL_N" in cfg:
+        _check_tail(what, cfg)
     return cfg
+
+
+def _check_tail(what: str, cfg: dict[str, Any]) -> None:
+    """TAIL_M/TAIL_N (see tail_operands): both set, tl.dot-sized, fitting the row tile, without the
+    loop forms the tail branch does not have."""
+    tail_m, tail_n, BM, BN = cfg.get("TAIL_M"), cfg.get("TAIL_N"), cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731  (tl.dot's smallest side)
+    if not (pow2(tail_m) and pow2(tail_n) and tail_m <= BM and BN % tail_n == 0):
+        raise ValueError(
+            f"{what} config TAIL_M={tail_m}, TAIL_N={tail_n} with BLOCK_M={BM}, BLOCK_N={BN}; allowed: both set, "
+            "powers of two >= 16, TAIL_M <= BLOCK_M, TAIL_N dividing BLOCK_N"
+        )
+    if cfg.get("FLATTEN") or cfg.get("WARP_SPECIALIZE"):
+        raise ValueError(
+            f"{what} config TAIL_M={tail_m}, TAIL_N={tail_n} with FLATTEN={cfg.get('FLATTEN')}, "
+            f"WARP_SPECIALIZE={cfg.get('WARP_SPECIALIZE')}; allowed: both false (or absent) with the tail"
+        )
 
 
 def kernel_config(kernel: str, node: str, ieee: bool, rows: int | None = None) -> dict[str, Any]:
     """The pinned configuration of `kernel` on `node`; its "fp32" entries apply when an operand is fp32.
 
     A `by_rows` list ({"max_rows": n or null, ...overrides}) picks tile shapes by the row count M,
-    as vLLM's batch-invariant tables do. Only BLOCK_M/N, warps and stages may differ: BLOCK_K (the
-    K order) must be the same in every bucket, and h3lab.bench.gemm_bench checks on the GPU that all
-    pinned shapes give identical bits (one bit class) — the row-slice tests cross the bucket edge.
+    as vLLM's batch-invariant tables do. Only BLOCK_M/N, warps, stages and the row tail (TAIL_M/N)
+    may differ: BLOCK_K (the K order) must be the same in every bucket, and h3lab.bench.gemm_bench
+    checks on the GPU that all pinned shapes give identical bits (one bit class) — the row-slice
+    tests cross the bucket edge, and the tail's GPU test compares it with rows of a 4111-row call.
     """
     cfg = configs.pinned(kernel, node)
     fp32 = cfg.pop("fp32", {})
@@ -348,21 +368,16 @@ def tail_operands(
     buffer is 32 KiB, not 16: with the tail's 4 stages 237,632 bytes of shared memory, over sm90's
     232,448), and the plain tiling needs more than one round of the `sms` programs: where it fits
     in one, the tail only lengthens the tiles (H200, M = 264: to_out 45 -> 50 us, ff.net.2 86 ->
-    99 us; q, whose 140 tiles need two rounds, 66 -> 41 us).
+    99 us; q, whose 140 tiles need two rounds, 66 -> 41 us). Where both tilings need the same
+    number of rounds past one, it still paid on every shape measured (M = 520, two rounds either
+    way: 0.53-0.79 -> 0.59-0.89 of cuBLAS; one row tile fewer re-reads W), hence not a round count.
     Otherwise the tail gets row tiles of its own: the same bits, only the tile computing them changes.
     """
     tail_m, tail_n = cfg.get("TAIL_M"), cfg.get("TAIL_N")
     if tail_m is None and tail_n is None:
         return 1, 1, None, None
+    _check_tail("gemm", cfg)  # configs reach here through check_config; direct callers too
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731  (tl.dot's smallest side)
-    if not (pow2(tail_m) and pow2(tail_n) and tail_m <= BM and BN % tail_n == 0):
-        raise ValueError(
-            f"gemm config TAIL_M={tail_m}, TAIL_N={tail_n} with BLOCK_M={BM}, BLOCK_N={BN}; allowed: both set, powers "
-            "of two >= 16, TAIL_M <= BLOCK_M, TAIL_N dividing BLOCK_N"
-        )
-    if cfg.get("FLATTEN") or cfg.get("WARP_SPECIALIZE"):
-        raise ValueError("gemm config: TAIL_M/TAIL_N with FLATTEN or WARP_SPECIALIZE; allowed: the tail without them")
     (M, K), N = a_MK.shape, b_KN.shape[1]
     plain_tiles = configs.cdiv(M, BM) * configs.cdiv(N, BN)
     carriers = M // BM  # full row tiles
