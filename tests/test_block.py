@@ -184,3 +184,34 @@ def test_unit_grads_join_without_copies_where_they_lie_end_to_end():
     assert torch.equal(join(swapped, 0), torch.cat(swapped))
     other = [base[0:2], base.clone()[2:4]]  # another storage that happens to follow in memory is still copied
     assert torch.equal(join(other, 0), torch.cat(other))
+
+
+def test_chain_sets_gathered_by_copy_are_summed_one_at_a_time():
+    """block._chain_sums: a set whose gather copies (SP/CP) is summed alone at once, so one gathered
+    copy is alive at a time; sets used in place go side by side in one call; the bytes are the
+    single calls' either way."""
+    from h3lab.backend import TorchBackend
+    from h3lab.block import _chain_sums
+
+    calls = []
+
+    class Recording(TorchBackend):
+        def chain_sums(self, row_xs, segment_xs, segment_R, num_segments, order):
+            calls.append((len(row_xs), len(segment_xs)))
+            return super().chain_sums(row_xs, segment_xs, segment_R, num_segments, order)
+
+    g = torch.Generator().manual_seed(7)
+    R, G = 23, 4
+    xs = [torch.randn(R, 6, generator=g) for _ in range(5)]
+    order = torch.randperm(R, generator=g)[:19]
+    segment = torch.randint(0, G, (R,), generator=g)
+    same, copy = (lambda t, site: t), (lambda t, site: t.clone())
+    be = Recording()
+    row_sets = [(xs[0], same, "a"), (xs[1], copy, "b")]
+    table_sets = [(xs[2], copy, "c"), (xs[3], same, "d"), (xs[4], same, "e")]
+    sums, segs = _chain_sums(be, row_sets, table_sets, segment, G, order)
+    assert calls == [(1, 0), (0, 1), (1, 2)], f"copied sets alone, then the in-place ones together: {calls}"
+    for got, x in zip(sums, xs[:2], strict=True):
+        assert_bitwise(got, be.row_sum(x, order), "row set")
+    for got, x in zip(segs, xs[2:], strict=True):
+        assert_bitwise(got, be.segment_sum(x, segment, G, order), "table set")
