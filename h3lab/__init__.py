@@ -28,7 +28,7 @@ __all__ = [
 
 def __getattr__(name: str):  # checkpoint I/O is imported on first use
     if name in ("synthesize_checkpoint", "load_block"):
-        from h3lab import checkpoint
+        from h3lab.io import checkpoint
 
         return getattr(checkpoint, name)
     raise AttributeError(name)

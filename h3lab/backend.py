@@ -2,7 +2,7 @@
 
 - `torch`: the canonical arithmetic in plain torch ops (h3lab.ops), on CPU and GPU. Built only
   from correctly rounded IEEE operations, so it gives the same bits on any device.
-- `triton`: the same contract as GPU kernels (h3lab.kernels; CUDA only). Its reduction orders are
+- `triton`: the same contract as GPU kernels (h3lab.triton; CUDA only). Its reduction orders are
   fixed too, but tensor-core sums differ from the torch chains, so its bits are its own (pinned
   per node type in kernels/), equal across every layout on one GPU type.
 - `baseline`: what people run today — library GEMMs (BLAS / cuBLAS) in whatever order they pick,
@@ -26,13 +26,10 @@ from torch import Tensor
 
 from h3lab.ops import attention as att
 from h3lab.ops import ffn, norm, rows
-from h3lab.ops.fixed import chain_mm, round_to, unit_tree
+from h3lab.ops.fixed import Pieces, chain_mm, round_to, unit_tree
 
-BACKENDS = ("torch", "triton", "baseline")
-# Operands of a unit-tree GEMM: pieces (a [M, U*Kp], b [U*Kp, N]); unit i is column block i of
-# every piece's a and row block i of its b. Each unit is one chain over its blocks, pieces in order
-# (q,k,v / hidden,gate), then the balanced tree over the U units.
-Pieces = Sequence[tuple[Tensor, Tensor]]
+CONTRACT_BACKENDS = ("torch", "triton")  # the backends that compute under h3-parallel-v1
+BACKENDS = (*CONTRACT_BACKENDS, "baseline")  # baseline: library kernels, the reference point of the baseline mode
 F32 = torch.float32
 
 
@@ -50,24 +47,30 @@ class Backend(Protocol):
     # the canonical row order (h3lab.ops.rows.key_order), as a function to call when it is needed:
     # a GPU backend starts reading the metadata to the host now and checks every index its row
     # reductions and RoPE will read when called (a host sync mid-block drains the GPU's queue)
-    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
-                  *, decided: Any = None) -> Callable[[], Tensor]: ...  # fmt: skip
+    def plan_rows(
+        self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor, *, decided: Any = None
+    ) -> Callable[[], Tensor]: ...
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
     # row_sum of each row_x and segment_sum of each segment_x, as those calls give them (a backend may
     # run the independent chains side by side)
-    def chain_sums(self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int,
-                   order: Tensor) -> tuple[list[Tensor], list[Tensor]]: ...  # fmt: skip
+    def chain_sums(
+        self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor
+    ) -> tuple[list[Tensor], list[Tensor]]: ...
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor: ...
 
     # row-local ops
-    def rms_modulate_fwd(self, x: Tensor, w: Tensor, scale: Tensor, shift: Tensor, eps: float,
-                         out_dtype: torch.dtype) -> Tensor: ...  # fmt: skip
-    def rms_modulate_bwd(self, dm: Tensor, x: Tensor, w: Tensor, scale: Tensor,
-                         eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...  # fmt: skip
-    def qk_norm_rope_fwd(self, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float,
-                         out_dtype: torch.dtype) -> Tensor: ...  # fmt: skip
-    def qk_norm_rope_bwd(self, dout_RHD: Tensor, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float,
-                         out_dtype: torch.dtype) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+    def rms_modulate_fwd(
+        self, x: Tensor, w: Tensor, scale: Tensor, shift: Tensor, eps: float, out_dtype: torch.dtype
+    ) -> Tensor: ...
+    def rms_modulate_bwd(
+        self, dm: Tensor, x: Tensor, w: Tensor, scale: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+    def qk_norm_rope_fwd(
+        self, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float, out_dtype: torch.dtype
+    ) -> Tensor: ...
+    def qk_norm_rope_bwd(
+        self, dout_RHD: Tensor, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float, out_dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]: ...
     def swiglu_fwd(self, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> Tensor: ...
     def swiglu_bwd(self, da: Tensor, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]: ...
     def gated_residual(self, x: Tensor, gate: Tensor, y: Tensor, out_dtype: torch.dtype) -> Tensor: ...
@@ -77,13 +80,16 @@ class Backend(Protocol):
 
     # attention over keys in canonical order; `stats` are per-(head, query) [H, Q] tensors that
     # replay the probabilities exactly (context parallelism gathers them with the queries)
-    def attention_fwd(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                      out_dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]: ...  # fmt: skip
+    def attention_fwd(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, out_dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]: ...
     def attention_delta(self, do: Tensor, o_ref: Tensor) -> Tensor: ...
-    def attention_bwd_q(self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor,
-                        v: Tensor, scale: float) -> Tensor: ...  # fmt: skip
-    def attention_bwd_kv(self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor,
-                         v: Tensor, scale: float) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+    def attention_bwd_q(
+        self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
+    ) -> Tensor: ...
+    def attention_bwd_kv(
+        self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 class TorchBackend:
@@ -114,18 +120,22 @@ class TorchBackend:
     row_sum = staticmethod(rows.row_sum)
     segment_sum = staticmethod(rows.segment_sum)
 
-    def chain_sums(self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int,
-                   order: Tensor) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+    def chain_sums(
+        self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor
+    ) -> tuple[list[Tensor], list[Tensor]]:
         sums = [self.row_sum(x, order) for x in row_xs]
         return sums, [self.segment_sum(x, segment_R, num_segments, order) for x in segment_xs]
 
     round = staticmethod(round_to)
 
-    def plan_rows(self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor,
-                  *, decided: Any = None) -> Callable[[], Tensor]:  # fmt: skip
+    def plan_rows(
+        self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor, *, decided: Any = None
+    ) -> Callable[[], Tensor]:
         if decided is not None:
-            raise ValueError(f"decided rows with backend {self.name!r}; allowed: backend 'triton' (this backend "
-                             "decides its row order on the device, as it goes)")  # fmt: skip
+            raise ValueError(
+                f"decided rows with backend {self.name!r}; allowed: backend 'triton' (this backend "
+                "decides its row order on the device, as it goes)"
+            )
         order = rows.key_order(keys_R2)  # torch's ops check their indices as they go
         return lambda: order
 
@@ -238,6 +248,6 @@ def get_backend(name: str | None, device: torch.device | str = "cpu") -> Backend
         return BaselineBackend()
     if device.type != "cuda":
         raise ValueError(f"backend 'triton' needs a CUDA device, got {device}; allowed on {device.type}: torch")
-    from h3lab.kernels.backend import TritonBackend  # CUDA-only import
+    from h3lab.triton.backend import TritonBackend  # CUDA-only import
 
     return TritonBackend(device)

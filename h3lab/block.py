@@ -25,14 +25,14 @@ from h3lab.backend import Backend, get_backend
 from h3lab.batch import PackedBatch
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
-from h3lab.kernels.index_cache import index_cache
 from h3lab.ops.fixed import chain_sum, unit_tree
 from h3lab.result import BlockResult
+from h3lab.triton.index_cache import index_cache
 from h3lab.units import UnitWeights, assemble_unit_grads, join, unit_weights
 from h3lab.weights import BlockWeights
 
-if TYPE_CHECKING:  # h3lab.kernels imports Triton; the torch backend runs without it
-    from h3lab.kernels.plan import RowPlan
+if TYPE_CHECKING:  # h3lab.triton imports Triton; the torch backend runs without it
+    from h3lab.triton.plan import RowPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,8 +64,9 @@ def _no_trace(name: str, t: Tensor, space: str) -> Tensor:
     return t
 
 
-def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str | None = None,
-                    decided_rows: RowPlan | None = None) -> BlockResult:  # fmt: skip
+def canonical_block(
+    weights: BlockWeights, batch: PackedBatch, *, backend: str | None = None, decided_rows: RowPlan | None = None
+) -> BlockResult:
     """Forward, dX, every dW and d temb of one H3 block under the h3-parallel-v1 contract.
 
     Args:
@@ -74,7 +75,7 @@ def canonical_block(weights: BlockWeights, batch: PackedBatch, *, backend: str |
         backend: "torch" (default, CPU and GPU), "triton" (GPU) or "baseline" (library kernels,
             not layout-invariant: the reference point of the baseline mode); see h3lab.backend.
         decided_rows: the row plan of this batch's metadata decided beforehand
-            (`h3lab.kernels.plan.decide_rows`, backend "triton"): the step then never waits for the
+            (`h3lab.triton.plan.decide_rows`, backend "triton"): the step then never waits for the
             host, as a CUDA graph capture needs (h3lab.graph).
 
     Returns:
@@ -117,7 +118,7 @@ def block_step(
     """The block on this rank's rows and units; `comm` supplies the layout's data movement.
 
     `backward=False` stops after the forward (a chain recomputes each block's forward in its
-    backward pass); `trace` receives every op's output (h3lab.trace); `decided_rows`: see
+    backward pass); `trace` receives every op's output (h3lab.run.trace); `decided_rows`: see
     `canonical_block` (with `LocalComm` only: a layout's gathered metadata are tensors of its own).
     """
     _check(uw, b)
@@ -132,8 +133,14 @@ def block_step(
 ChainSet = tuple[Tensor, Callable[[Tensor, str], Tensor], str]  # (rows, the gather to sequence rows, its site)
 
 
-def _chain_sums(be: Backend, row_sets: list[ChainSet], table_sets: list[ChainSet], segment_R: Tensor,
-                num_segments: int, order: Tensor) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+def _chain_sums(
+    be: Backend,
+    row_sets: list[ChainSet],
+    table_sets: list[ChainSet],
+    segment_R: Tensor,
+    num_segments: int,
+    order: Tensor,
+) -> tuple[list[Tensor], list[Tensor]]:
     """be.chain_sums of the gathered row sets (row_sum) and table sets (segment_sum), the same bits as
     one call per set. A gather that copies (SP or CP layouts) has its set summed alone at once, so one
     gathered FP32 [R_seq, D] copy is alive at a time, as before the sets went side by side: the
@@ -159,8 +166,15 @@ def _chain_sums(be: Backend, row_sets: list[ChainSet], table_sets: list[ChainSet
     return outs[0], outs[1]  # type: ignore[return-value]
 
 
-def _block_step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, backward: bool, tr: Trace,
-                decided_rows: RowPlan | None) -> BlockStep:  # fmt: skip
+def _block_step(
+    uw: UnitWeights,
+    b: PackedBatch,
+    comm: BlockComm,
+    be: Backend,
+    backward: bool,
+    tr: Trace,
+    decided_rows: RowPlan | None,
+) -> BlockStep:
     c, units = uw.config, comm.units
     clock = _Clock(b.device)
     act, w_dt = b.hidden_states.dtype, uw.q[units[0]].dtype

@@ -13,8 +13,8 @@ steps). What one capture fixes:
 - the shapes, the weights' storage, the device;
 - the row signature: how many rows are active and whether they already arrive in canonical order
   (then the weight gradients read them in place, otherwise through a gather: another launch
-  sequence, h3lab.kernels.rows.reads_in_place). A capture may not wait for the host, so the row
-  plan (h3lab.kernels.plan) is decided on the host before each replay — a host sync that waits
+  sequence, h3lab.triton.rows.reads_in_place). A capture may not wait for the host, so the row
+  plan (h3lab.triton.plan) is decided on the host before each replay — a host sync that waits
   for the work queued on its stream, unless decided ahead on another stream — and its device
   tensors are copied into the capture's;
 - the outputs' memory: each call overwrites the last call's `BlockResult`; clone what you keep.
@@ -36,7 +36,7 @@ from h3lab.result import BlockResult
 from h3lab.weights import BlockWeights
 
 if TYPE_CHECKING:
-    from h3lab.kernels.plan import RowPlan
+    from h3lab.triton.plan import RowPlan
 
 T = TypeVar("T")
 
@@ -65,13 +65,13 @@ class GraphedBlock:
     Raises:
         ValueError: a batch not on a CUDA device; at a call, a batch whose shapes, dtypes, device or
             row signature differ from the captured one, or a `decided_rows` not decided from this
-            batch's own metadata tensors, or written since (h3lab.kernels.plan.check_decided).
+            batch's own metadata tensors, or written since (h3lab.triton.plan.check_decided).
     """
 
     def __init__(self, weights: BlockWeights, batch: PackedBatch, *, warmup: int = 2) -> None:
         if batch.device.type != "cuda":
             raise ValueError(f"GraphedBlock: batch on {batch.device}; allowed: a CUDA device (CUDA graphs)")
-        from h3lab.kernels import plan, rows  # import Triton: GPU-only, like the backend they serve
+        from h3lab.triton import plan, rows  # import Triton: GPU-only, like the backend they serve
 
         self._plan, self._rows = plan, rows
         self.device = batch.device
@@ -104,15 +104,19 @@ class GraphedBlock:
         for name in FIELDS:
             new, mine = getattr(batch, name), getattr(self.batch, name)
             if (new.shape, new.dtype, new.device) != (mine.shape, mine.dtype, mine.device):
-                raise ValueError(f"{name}: {new.dtype} {list(new.shape)} on {new.device}; allowed: "
-                                 f"{mine.dtype} {list(mine.shape)} on {mine.device}, as captured")  # fmt: skip
+                raise ValueError(
+                    f"{name}: {new.dtype} {list(new.shape)} on {new.device}; allowed: "
+                    f"{mine.dtype} {list(mine.shape)} on {mine.device}, as captured"
+                )
         with torch.cuda.device(self.device):
             rows = self.decide(batch) if decided_rows is None else decided_rows
             keys, segments, positions, num_segments = _metadata(batch)
             self._plan.check_decided(rows, (keys, segments, positions), num_segments)
             if self.signature(rows) != self.captured_signature:
-                raise ValueError(f"row signature (active rows, in place) {self.signature(rows)}; allowed: "
-                                 f"{self.captured_signature}, as captured (capture another GraphedBlock)")  # fmt: skip
+                raise ValueError(
+                    f"row signature (active rows, in place) {self.signature(rows)}; allowed: "
+                    f"{self.captured_signature}, as captured (capture another GraphedBlock)"
+                )
             for name in FIELDS:
                 getattr(self.batch, name).copy_(getattr(batch, name))
             for mine, new in zip((self.rows.order, *self.rows.layout), rows.device_tensors(), strict=True):

@@ -147,6 +147,33 @@ class Comparison:
         return asdict(self)
 
 
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: odd, so every position's weight is odd
+_CHUNK = 1 << 26
+
+
+def digest(t: Tensor) -> str:
+    """sha256 of the bytes on CPU; on CUDA `checksum64` computed on the GPU (65 GB of a 50-block
+    chain's weight gradients in seconds, against minutes of sha256 on one CPU core)."""
+    return "sha256:" + sha256_tensor(t) if t.device.type != "cuda" else checksum64(t)
+
+
+def checksum64(t: Tensor) -> str:
+    """Two positional checksums sum_i (bits_i + 2^16) * w_i mod 2^64, with odd weights w_i.
+
+    Integer sums are exact in any order, so the value is deterministic on any device; one changed
+    element always changes both (its term changes by an odd multiple of a nonzero delta < 2^17).
+    """
+    bits = bit_pattern(t.detach().contiguous()).view(-1)
+    sums = [torch.zeros((), dtype=torch.int64, device=t.device) for _ in range(2)]
+    for lo in range(0, bits.numel(), _CHUNK):
+        b = bits[lo : lo + _CHUNK].to(torch.int64) + (1 << 16)
+        i = torch.arange(lo, lo + b.numel(), dtype=torch.int64, device=t.device)
+        for j, s in enumerate(sums):
+            w = (i * _GOLDEN + (2 * j + 1) * 0x5BD1E995) | 1
+            s.add_((b * w).sum())
+    return f"gpu64:{t.dtype}:{list(t.shape)}:" + ":".join(f"{int(s) & (2**64 - 1):016x}" for s in sums)
+
+
 def compare(a: Tensor, b: Tensor, name: str | None = None) -> Comparison:
     """Compare two float tensors of the same dtype and shape (raises `ValueError` otherwise)."""
     _check_float(a, f"compare({name!r})" if name else "compare")

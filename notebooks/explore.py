@@ -31,15 +31,25 @@ timeout = 600.0
 trace = True  # a fresh run records every op (the first-divergence timeline)
 
 # %%
-from h3lab.layouts import Layout
-from h3lab.runner import slug
+from h3lab.dist.layout import Layout
+from h3lab.run.runner import slug
 from h3lab.workbench import figures, tables, views
 from h3lab.workbench import sweep as sw
 from h3lab.workbench.params import ExploreParams
 from h3lab.workbench.rundata import load_sweep, oracle_tensors
 
-p = ExploreParams(run_dir=run_dir, layout=layout, mode=mode, seed=seed, tensor=tensor, config=config, rows=rows,
-                  device=device, timeout=timeout, trace=trace)  # fmt: skip
+p = ExploreParams(
+    run_dir=run_dir,
+    layout=layout,
+    mode=mode,
+    seed=seed,
+    tensor=tensor,
+    config=config,
+    rows=rows,
+    device=device,
+    timeout=timeout,
+    trace=trace,
+)
 
 # %%
 sweep = load_sweep(p.run_dir) if p.run_dir else sw.run_all(p.sweep_params(sw.new_run_dir(p.device)))
@@ -85,6 +95,7 @@ decisions = tables.decision_table(run, p.layout)
 decisions
 
 # %%
-record = views.save_record(run.path / "explore" / f"{slug(Layout.parse(p.layout))}.json",
-                           tensors=per_tensor, fp64=errors, decisions=decisions)  # fmt: skip
+record = views.save_record(
+    run.path / "explore" / f"{slug(Layout.parse(p.layout))}.json", tensors=per_tensor, fp64=errors, decisions=decisions
+)
 print(f"key numbers: {record}")

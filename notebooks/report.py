@@ -24,8 +24,9 @@ from h3lab.workbench import views
 from h3lab.workbench.params import ReportParams
 from h3lab.workbench.rundata import load_sweep
 
-p = ReportParams(runs=runs, title=title, element_layout=element_layout, element_tensor=element_tensor, fp64=fp64,
-                 out_dir=out_dir)  # fmt: skip
+p = ReportParams(
+    runs=runs, title=title, element_layout=element_layout, element_tensor=element_tensor, fp64=fp64, out_dir=out_dir
+)
 sweeps = [load_sweep(r) for r in p.runs]
 
 # %%

@@ -17,12 +17,12 @@
 # Runs one MiniMax-H3 block under every layout (TP 1/2/4/8, TP8 as 2 nodes x 4, TP4 x CP2, with and
 # without sequence parallelism), in the deterministic mode and in the baseline mode (library kernels
 # and collectives), and compares every byte of `out`, `dX`, `d temb` and every `dW` with the
-# single-process block of the same mode. Workers run under torchrun, launched by `h3lab.runner`;
+# single-process block of the same mode. Workers run under torchrun, launched by `h3lab.run.runner`;
 # this notebook only calls the library. Everything lands in `runs/<run id>/`.
 
 # %% tags=["parameters"]
 device = "cpu"  # cpu or cuda
-layouts = "all"  # layout names (list or comma-separated) or "all" (the seven of h3lab.layouts.ALL_LAYOUTS)
+layouts = "all"  # layout names (list or comma-separated) or "all" (the seven of h3lab.dist.layout.ALL_LAYOUTS)
 checkpoint = ""  # a diffusers checkpoint folder; "" synthesizes `config` into the run directory
 config = "tiny"  # synthetic config when no checkpoint is given: tiny or real
 block = 0  # transformer block index
@@ -32,7 +32,7 @@ modes = ["deterministic", "baseline"]
 backend = "torch"  # kernels of the deterministic mode: torch or triton
 repeats = 1  # block steps per rank (timing)
 timeout = 600.0  # seconds per layout before the runner kills it and names the straggler
-accuracy = True  # the canonical-vs-FP64-vs-diffusers table of `h3lab reproduce`
+accuracy = True  # the canonical-vs-FP64-vs-diffusers table of `h3lab accuracy`
 run_dir = ""  # "" creates runs/<UTC time>-<node type>-<commit>-<hex>
 
 # %%
@@ -41,9 +41,20 @@ from h3lab.workbench import views
 from h3lab.workbench.params import ReproduceParams
 
 p = ReproduceParams(
-    device=device, layouts=layouts, checkpoint=checkpoint, config=config, block=block, rows=rows, seeds=seeds,
-    modes=modes, backend=backend, repeats=repeats, timeout=timeout, accuracy=accuracy, run_dir=run_dir,
-)  # fmt: skip
+    device=device,
+    layouts=layouts,
+    checkpoint=checkpoint,
+    config=config,
+    block=block,
+    rows=rows,
+    seeds=seeds,
+    modes=modes,
+    backend=backend,
+    repeats=repeats,
+    timeout=timeout,
+    accuracy=accuracy,
+    run_dir=run_dir,
+)
 
 # %% [markdown]
 # ## The run directory: environment, checkpoint, parameters
@@ -61,7 +72,7 @@ result = sw.run_sweep(run_dir)
 
 # %% [markdown]
 # ## Accuracy: canonical bf16 against FP64 and diffusers
-# The table of the previous `h3lab reproduce`: the relative L2 error of every tensor against the
+# The table of the previous `h3lab accuracy`: the relative L2 error of every tensor against the
 # FP64 oracle, for the canonical block and for diffusers' own block, and the two in float32.
 
 # %%

@@ -16,10 +16,26 @@ def _trace(tmp_path, events):
 
 
 def test_gaps_are_charged_to_the_last_marker_before_the_launch(tmp_path):
-    k = lambda name, ts, dur, corr: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
-                                     "args": {"stream": 7, "correlation": corr}}  # fmt: skip
-    launch = lambda ts, corr: {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": ts, "dur": 2,  # noqa: E731
-                               "args": {"correlation": corr}}  # fmt: skip
+    def k(name, ts, dur, corr):
+        return {
+            "ph": "X",
+            "cat": "kernel",
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "args": {"stream": 7, "correlation": corr},
+        }
+
+    def launch(ts, corr):
+        return {
+            "ph": "X",
+            "cat": "cuda_driver",
+            "name": "cuLaunchKernel",
+            "ts": ts,
+            "dur": 2,
+            "args": {"correlation": corr},
+        }
+
     mark = lambda name, ts: {"ph": "X", "cat": "user_annotation", "name": "h3lab:" + name, "ts": ts, "dur": 0}  # noqa: E731
     events = [
         launch(0, 1),
@@ -39,8 +55,12 @@ def test_gaps_are_charged_to_the_last_marker_before_the_launch(tmp_path):
     r = gaps(_trace(tmp_path, events))
     assert r["span_us"] == 330 and r["busy_us"] == 170 and r["idle_us"] == 160 and r["gaps"] == 2
     assert r["idle_by_op_us"] == {"rope": 140, "attn": 20}
-    assert r["largest"][0] == {"gap_us": 140, "before_kernel": "c", "after_op": "rope",
-                               "syncs": {"cudaStreamSynchronize": 1}}  # fmt: skip
+    assert r["largest"][0] == {
+        "gap_us": 140,
+        "before_kernel": "c",
+        "after_op": "rope",
+        "syncs": {"cudaStreamSynchronize": 1},
+    }
     assert r["largest"][1]["syncs"] == {}
 
 

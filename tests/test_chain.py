@@ -6,14 +6,14 @@ import dataclasses
 
 import torch
 
-from h3lab import canonical_block
-from h3lab.chain import canonical_chain
+from h3lab import canonical_block, metrics
 from h3lab.comm import LocalComm
-from h3lab.layouts import parse_layouts
-from h3lab.problem import Problem
-from h3lab.runner import RunRequest, run
-from h3lab.tasks import compute
-from h3lab.trace import TraceRecorder, first_divergence, load_trace, timeline
+from h3lab.dist.layout import parse_layouts
+from h3lab.model.chain import canonical_chain
+from h3lab.run.problem import Problem
+from h3lab.run.runner import RunRequest, run
+from h3lab.run.tasks import compute
+from h3lab.run.trace import TraceRecorder, first_divergence, load_trace, timeline
 from tests.conftest import assert_bitwise
 
 LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
@@ -86,15 +86,13 @@ def test_the_finder_points_at_the_op_that_diverged_in_baseline_mode(tmp_path):
 
 
 def test_the_device_checksum_sees_every_single_bit_flip(monkeypatch):
-    import h3lab.tasks as tasks
-
-    monkeypatch.setattr(tasks, "_CHUNK", 1000)  # several chunks on a small tensor
+    monkeypatch.setattr(metrics, "_CHUNK", 1000)  # several chunks on a small tensor
     x = torch.randn(37, 101, generator=torch.Generator().manual_seed(3)).bfloat16()
-    ref = tasks.checksum64(x)
-    assert tasks.checksum64(x.clone()) == ref
+    ref = metrics.checksum64(x)
+    assert metrics.checksum64(x.clone()) == ref
     bits = x.view(torch.int16).view(-1)
     for index in (0, 999, 1000, 3736):  # chunk edges and the last element
         for bit in (0, 7, 15):
             y = bits.clone()
             y[index] ^= torch.tensor(1 << bit, dtype=torch.int32).to(torch.int16)
-            assert tasks.checksum64(y.view(torch.bfloat16).view(37, 101)) != ref, (index, bit)
+            assert metrics.checksum64(y.view(torch.bfloat16).view(37, 101)) != ref, (index, bit)

@@ -11,11 +11,11 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-import h3lab.checkpoint
-import h3lab.manifest
-from h3lab.checkpoint import load_block, load_tensors, synthesize_checkpoint, write_manifest
+import h3lab.io.checkpoint
+import h3lab.io.manifest
 from h3lab.cli import main
 from h3lab.config import H3Config, block_param_shapes, model_param_shapes, param_dtype
+from h3lab.io.checkpoint import load_block, load_tensors, synthesize_checkpoint, write_manifest
 from h3lab.weights import synthetic_block, synthetic_tensor
 
 NUM_BLOCKS = 3
@@ -169,9 +169,11 @@ def test_opens_only_the_needed_shards(tmp_path: Path, config: H3Config, seed: in
     path = synthesize_checkpoint(tmp_path / "ckpt", config, num_blocks=NUM_BLOCKS, seed=seed)
     opened: list[str] = []
     hashed: list[str] = []
-    real_open, real_hash = h3lab.manifest.safe_open, h3lab.manifest.file_sha256
-    monkeypatch.setattr(h3lab.manifest, "safe_open", lambda p, **kw: opened.append(Path(p).name) or real_open(p, **kw))
-    monkeypatch.setattr(h3lab.manifest, "file_sha256", lambda p: hashed.append(p.name) or real_hash(p))
+    real_open, real_hash = h3lab.io.manifest.safe_open, h3lab.io.manifest.file_sha256
+    monkeypatch.setattr(
+        h3lab.io.manifest, "safe_open", lambda p, **kw: opened.append(Path(p).name) or real_open(p, **kw)
+    )
+    monkeypatch.setattr(h3lab.io.manifest, "file_sha256", lambda p: hashed.append(p.name) or real_hash(p))
     load_block(path, 1)
     shard = _shard_of_block(path, 1).name
     assert opened == [shard]
@@ -305,7 +307,7 @@ def test_interrupted_synthesis_leaves_nothing(tmp_path: Path, config: H3Config, 
             raise RuntimeError("disk full")
         return synthetic_tensor(cfg, name, seed)
 
-    monkeypatch.setattr(h3lab.checkpoint, "synthetic_tensor", failing)
+    monkeypatch.setattr(h3lab.io.checkpoint, "synthetic_tensor", failing)
     with pytest.raises(RuntimeError, match="disk full"):
         synthesize_checkpoint(tmp_path / "ckpt", config, num_blocks=NUM_BLOCKS, seed=seed)
     assert list(tmp_path.iterdir()) == []

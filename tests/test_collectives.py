@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from h3lab.collectives import (
+from h3lab.contract import TREE_SHAPE
+from h3lab.dist.collectives import (
     ALGORITHMS,
     AUTO_SCATTER_MIN_BYTES,
     CollectiveDecision,
@@ -23,9 +24,8 @@ from h3lab.collectives import (
     new_collective,
     tree_string,
 )
-from h3lab.contract import TREE_SHAPE
-from h3lab.launch import launch
 from h3lab.ops.fixed import balanced_tree
+from h3lab.run.launch import launch
 
 SHAPES = "1,7,9973,65537,33x17,3x5"
 # world -> (nproc_per_node, agents, worker args): every algorithm on all ranks, plus these extras
@@ -94,10 +94,18 @@ def test_choose_algorithm_auto_rules():
 
 def test_decision_record_is_frozen_and_serialisable():
     d = CollectiveDecision(
-        site="attn.to_out", op="all_reduce", algorithm="gather_tree", reason="requested", tree="r0+r1",
-        group={"ranks": [0, 1], "groups": [[0, 1]], "local_size": None}, dtype="torch.float32", numel=10,
-        bytes_sent=40, bytes_received=40, transport="gloo",
-    )  # fmt: skip
+        site="attn.to_out",
+        op="all_reduce",
+        algorithm="gather_tree",
+        reason="requested",
+        tree="r0+r1",
+        group={"ranks": [0, 1], "groups": [[0, 1]], "local_size": None},
+        dtype="torch.float32",
+        numel=10,
+        bytes_sent=40,
+        bytes_received=40,
+        transport="gloo",
+    )
     row = d.to_dict()
     assert json.loads(json.dumps(row)) == row and row["bytes_local"] == 0
     with pytest.raises(AttributeError):
@@ -132,8 +140,14 @@ def runs(tmp_path_factory) -> dict[int, list[dict]]:
     out = {}
     for world, (nproc, agents, extra) in LAUNCHES.items():
         run_dir = tmp_path_factory.mktemp(f"collectives_p{world}")
-        res = launch("h3lab.workers.collective_check", [str(run_dir), "--shapes", SHAPES, "--seed", str(world), *extra],
-                     nproc_per_node=nproc, agents=agents, log_dir=run_dir / "logs", timeout_s=120)  # fmt: skip
+        res = launch(
+            "h3lab.run.workers.collective_check",
+            [str(run_dir), "--shapes", SHAPES, "--seed", str(world), *extra],
+            nproc_per_node=nproc,
+            agents=agents,
+            log_dir=run_dir / "logs",
+            timeout_s=120,
+        )
         logs = "\n".join(p.read_text()[-3000:] for p in res.agent_logs)
         assert res.ok, f"P={world} launch failed ({res.returncode}, {res.elapsed_s:.1f} s):\n{logs}"
         out[world] = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(world)]

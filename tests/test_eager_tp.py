@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from h3lab.batch import packed_batch
-from h3lab.bench.eager import eager_block, tp_shard
 from h3lab.config import H3Config
-from h3lab.launch import launch
 from h3lab.metrics import error_stats
-from h3lab.oracle import rope_cos_sin
+from h3lab.reference.eager import eager_block, tp_shard
+from h3lab.reference.oracle import rope_cos_sin
+from h3lab.run.launch import launch
 from h3lab.weights import synthetic_block
 
 TOL = 2e-2
@@ -26,8 +26,13 @@ TOL = 2e-2
 
 def test_eager_tp2_over_gloo_is_the_unsharded_block(tmp_path):
     c = H3Config.tiny()
-    res = launch("h3lab.workers.eager_tp", [str(tmp_path), "--config", "tiny", "--rows", "37", "--reps", "1", "--save"],
-                 nproc_per_node=2, log_dir=tmp_path / "logs", timeout_s=120)  # fmt: skip
+    res = launch(
+        "h3lab.run.workers.eager_tp",
+        [str(tmp_path), "--config", "tiny", "--rows", "37", "--reps", "1", "--save"],
+        nproc_per_node=2,
+        log_dir=tmp_path / "logs",
+        timeout_s=120,
+    )
     assert res.ok, "\n".join(p.read_text()[-3000:] for p in res.agent_logs)
     ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
     assert json.loads((tmp_path / "rank1.json").read_text())["rows"]["37"]["fwd_bwd_median_s"] > 0

@@ -46,9 +46,20 @@ def _verdicts() -> pd.DataFrame:
                     equal, ulp, frac = {"out": (False, 3, 0.3), "dx": (False, 0, 0.01)}.get(tensor, (True, 0, 0.0))
                 if mode == "baseline" and layout == "tp4":  # a layout that failed: no verdicts
                     equal, ulp, frac, status = None, None, None, "failed"
-                rows.append({"node_type": "CPU", "run_id": "r", "mode": mode, "seed": 0, "layout": layout,
-                             "layout_status": status, "tensor": tensor, "bitwise_equal": equal, "max_ulp": ulp,
-                             "frac_differing": frac})  # fmt: skip
+                rows.append(
+                    {
+                        "node_type": "CPU",
+                        "run_id": "r",
+                        "mode": mode,
+                        "seed": 0,
+                        "layout": layout,
+                        "layout_status": status,
+                        "tensor": tensor,
+                        "bitwise_equal": equal,
+                        "max_ulp": ulp,
+                        "frac_differing": frac,
+                    }
+                )
     df = pd.DataFrame(rows)
     df["bitwise_equal"] = df["bitwise_equal"].astype("boolean")
     df["max_ulp"] = df["max_ulp"].astype("Int64")
@@ -118,7 +129,7 @@ def test_heatmap_refuses_empty_data():
 
 
 def test_divergence_timeline_is_drawn_from_the_trace():
-    from h3lab.trace import timeline
+    from h3lab.run.trace import timeline
 
     g = torch.Generator().manual_seed(4)
     names = [f"block{b}.{op}" for b in range(2) for op in ("norm1", "attn.to_q", "ff.net.2")]
@@ -141,9 +152,21 @@ def test_divergence_timeline_is_drawn_from_the_trace():
 
 def test_digest_only_verdicts_are_drawn_equal_or_differing_without_counts():
     """`h3lab run --digests` verdicts carry no ULP or fraction: equal is grey, differing the first bin."""
-    rows = [{"node_type": "H200", "run_id": "r", "mode": "deterministic", "seed": 0, "layout": "tp2",
-             "layout_status": "mismatch", "tensor": t, "bitwise_equal": eq, "max_ulp": None, "frac_differing": None}
-            for t, eq in (("dw.attn.to_q.weight.u0", True), ("dw.attn.to_q.weight.u1", False))]  # fmt: skip
+    rows = [
+        {
+            "node_type": "H200",
+            "run_id": "r",
+            "mode": "deterministic",
+            "seed": 0,
+            "layout": "tp2",
+            "layout_status": "mismatch",
+            "tensor": t,
+            "bitwise_equal": eq,
+            "max_ulp": None,
+            "frac_differing": None,
+        }
+        for t, eq in (("dw.attn.to_q.weight.u0", True), ("dw.attn.to_q.weight.u1", False))
+    ]
     df = pd.DataFrame(rows).astype({"bitwise_equal": "boolean", "max_ulp": "Int64"})
     fig = figures.verdict_heatmap(df)
     rgba = _pixels(fig)

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from h3lab import golden
 from h3lab.cli import main
+from h3lab.run import golden
 
 
 def test_this_cpu_reproduces_the_published_digests(capsys):

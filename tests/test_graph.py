@@ -12,7 +12,7 @@ import torch
 from h3lab import H3Config, canonical_block, packed_batch, synthetic_block
 from h3lab.batch import FIELDS, PackedBatch
 from h3lab.graph import GraphedBlock, capture
-from h3lab.kernels import configs
+from h3lab.triton import configs
 from tests.conftest import assert_bitwise
 
 gpu = pytest.mark.skipif(
@@ -37,8 +37,10 @@ def _fresh(b: PackedBatch, seed: int, perm: torch.Tensor | None = None) -> Packe
     """New activations, the rows permuted by `perm` (the same row signature when padding rows stay
     padding): what a replay may change."""
     g = torch.Generator(device=b.device).manual_seed(seed)
-    new = {k: torch.randn(getattr(b, k).shape, generator=g, device=b.device).to(getattr(b, k).dtype)
-           for k in ("hidden_states", "temb", "grad_out")}  # fmt: skip
+    new = {
+        k: torch.randn(getattr(b, k).shape, generator=g, device=b.device).to(getattr(b, k).dtype)
+        for k in ("hidden_states", "temb", "grad_out")
+    }
     fresh = PackedBatch(adaln_indices=b.adaln_indices, position_ids=b.position_ids, logical_keys=b.logical_keys, **new)
     return fresh if perm is None else fresh.rows(perm.to(b.device))
 
@@ -99,8 +101,13 @@ def test_gpu_rows_in_canonical_order_are_their_own_signature():
     assert graphed.captured_signature == (100, True)
     shuffle = torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(3)).to("cuda")
     fresh = _fresh(b, 7)
-    in_order = PackedBatch(**{**{k: getattr(fresh, k) for k in FIELDS}, "adaln_indices": b.adaln_indices[shuffle],
-                              "position_ids": b.position_ids[shuffle]})  # fmt: skip
+    in_order = PackedBatch(
+        **{
+            **{k: getattr(fresh, k) for k in FIELDS},
+            "adaln_indices": b.adaln_indices[shuffle],
+            "position_ids": b.position_ids[shuffle],
+        }
+    )
     for nb in (fresh, in_order):
         got = {k: t.clone() for k, t in graphed(nb).tensors().items()}
         want = canonical_block(w, nb, backend="triton").tensors()

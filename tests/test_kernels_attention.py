@@ -1,4 +1,4 @@
-"""Triton attention (h3lab.kernels.attention): bitwise invariance to query/key/head layout and repeats,
+"""Triton attention (h3lab.triton.attention): bitwise invariance to query/key/head layout and repeats,
 agreement with a float64 reference.
 
 Without CUDA the kernels run under the Triton interpreter (set below, before triton is imported) in
@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (the attention kernels are Triton kernels)")
 
-from h3lab.kernels import attention as att
-from h3lab.kernels.configs import interpreting
 from h3lab.ops import attention as ref_ops
 from h3lab.ops.fixed import round_to
+from h3lab.triton import attention as att
+from h3lab.triton.configs import interpreting
 from tests.conftest import assert_bitwise
 
 interp = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The AdaLN projection's few-row kernels (h3lab.kernels.few_rows): d temb's unit tree and dW adaln.
+"""The AdaLN projection's few-row kernels (h3lab.triton.few_rows): d temb's unit tree and dW adaln.
 
 Without CUDA they run under the Triton interpreter in FP32 (its bf16 cast truncates, see
 tests/test_kernels_gemm.py); with CUDA the `gpu` tests run them at the real H3 shapes:
@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the kernels are Triton kernels)")
 
 from h3lab.backend import TorchBackend
-from h3lab.kernels import configs, few_rows, gemm, unit_gemm
-from h3lab.kernels.backend import TritonBackend
 from h3lab.ops.fixed import unit_tree
+from h3lab.triton import configs, few_rows, gemm, unit_gemm
+from h3lab.triton.backend import TritonBackend
 from tests.conftest import assert_bitwise
 
 NODE = "sm90"

@@ -1,4 +1,4 @@
-"""Fixed-order GEMMs (h3lab.kernels.gemm.mm, h3lab.kernels.unit_gemm.unit_mm): bitwise invariance to
+"""Fixed-order GEMMs (h3lab.triton.gemm.mm, h3lab.triton.unit_gemm.unit_mm): bitwise invariance to
 which rows and columns share a call, to the TP grouping of units and to repeats; agreement with
 float64 and with the torch chains.
 
@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the GEMM kernels are Triton kernels)")
 
 from h3lab.backend import TorchBackend
-from h3lab.kernels import configs, gemm, unit_gemm
 from h3lab.ops.fixed import chain_mm, round_to, unit_tree
+from h3lab.triton import configs, gemm, unit_gemm
 from tests.conftest import assert_bitwise
 
 interp = pytest.mark.skipif(
@@ -464,7 +464,7 @@ def test_gpu_unit_mm_d_temb():
 
 def test_unit_mm_gluon_supports_says_why_not():
     """Which calls the Gluon kernel takes (host logic, no GPU): the rest run the Triton kernel."""
-    from h3lab.kernels import unit_gemm_sm90
+    from h3lab.triton import unit_gemm_sm90
 
     a = _randn(5, 8 * 64, seed=1, dtype=BF16)
     w = _randn(16, 8 * 64, seed=2, dtype=BF16)
@@ -484,7 +484,7 @@ def test_unit_mm_gluon_supports_says_why_not():
 
 def test_unit_mm_gluon_config_errors_name_the_allowed_set():
     """An explicit IMPL that cannot be honoured raises (never a silent fallback): wrong device, tiles, stages."""
-    from h3lab.kernels import unit_gemm_sm90
+    from h3lab.triton import unit_gemm_sm90
 
     cfg = gemm.kernel_config("unit_gemm", NODE, ieee=False) | {"IMPL": "gluon"}
     unit_gemm_sm90.check_config(cfg, (9, 0))  # the pinned sm90 config passes
@@ -553,7 +553,7 @@ def test_gpu_unit_mm_gluon_equals_triton(name):
     count, every TP rank's subtree (units [r*per, (r+1)*per) of 8), both places for level 2."""
     if configs.node_of("cuda") != "sm90":
         pytest.skip("the Gluon unit-tree kernel is written for sm90 (wgmma, TMA)")
-    from h3lab.kernels import unit_gemm_sm90
+    from h3lab.triton import unit_gemm_sm90
 
     kps, N, w_major = REAL[name]
     pieces = _pieces(4111, kps, N, 8, seed=75, device="cuda", dtype=BF16, w_major=w_major)
@@ -582,7 +582,7 @@ def test_gpu_unit_mm_gluon_edges():
     sign of a zero: both kernels start from +0)."""
     if configs.node_of("cuda") != "sm90":
         pytest.skip("the Gluon unit-tree kernel is written for sm90 (wgmma, TMA)")
-    from h3lab.kernels import unit_gemm_sm90
+    from h3lab.triton import unit_gemm_sm90
 
     base = gemm.kernel_config("unit_gemm", "sm90", ieee=False)
     gluon_cfg, triton_cfg = base | {"IMPL": "gluon"}, base | {"IMPL": "triton"}

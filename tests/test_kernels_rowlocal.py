@@ -1,4 +1,4 @@
-"""Row-local and cross-row Triton kernels (h3lab.kernels.norm, elementwise, rows, backend) against
+"""Row-local and cross-row Triton kernels (h3lab.triton.norm, elementwise, rows, backend) against
 their torch references in h3lab.ops, bit for bit.
 
 Without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below before triton
@@ -26,7 +26,7 @@ import torch
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and h3lab.kernels are imported
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and h3lab.triton are imported
 triton = pytest.importorskip(
     "triton", reason="triton is not installed: its kernels can be neither built nor interpreted"
 )
@@ -34,19 +34,19 @@ triton = pytest.importorskip(
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from h3lab.backend import Backend, get_backend  # noqa: E402
-from h3lab.kernels import configs, elementwise, norm, plan, rope, rows  # noqa: E402
-from h3lab.kernels.backend import TritonBackend  # noqa: E402
-from h3lab.kernels.index_cache import index_cache  # noqa: E402
 from h3lab.metrics import bit_pattern  # noqa: E402
 from h3lab.ops import ffn as ref_ffn  # noqa: E402
 from h3lab.ops import norm as ref_norm  # noqa: E402
 from h3lab.ops import rows as ref_rows  # noqa: E402
 from h3lab.ops.fixed import cos_sin, round_to  # noqa: E402
+from h3lab.triton import configs, elementwise, norm, plan, rope, rows  # noqa: E402
+from h3lab.triton.backend import TritonBackend  # noqa: E402
+from h3lab.triton.index_cache import index_cache  # noqa: E402
 from h3lab.units import join  # noqa: E402
 
 if isinstance(norm._rms_modulate_kernel, InterpretedFunction) == CUDA:
     pytest.skip(
-        "h3lab.kernels was imported in the wrong mode for this machine (CUDA: compiled; no CUDA: "
+        "h3lab.triton was imported in the wrong mode for this machine (CUDA: compiled; no CUDA: "
         f"TRITON_INTERPRET=1; found TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}, set by the environment or "
         "a module collected earlier): run `pytest tests/test_kernels_rowlocal.py` on its own",
         allow_module_level=True,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from h3lab.launch import launch, processes_with_token
+from h3lab.run.launch import launch, processes_with_token
 
 
 def _leftovers(token: str) -> list[int]:
@@ -16,8 +16,14 @@ def _leftovers(token: str) -> list[int]:
 
 @pytest.mark.parametrize("agents", [1, 2])
 def test_every_store_listens_on_loopback_only(tmp_path, agents):
-    res = launch("h3lab.workers.hello", [str(tmp_path)], nproc_per_node=4 // agents, log_dir=tmp_path,
-                 timeout_s=120, agents=agents)  # fmt: skip
+    res = launch(
+        "h3lab.run.workers.hello",
+        [str(tmp_path)],
+        nproc_per_node=4 // agents,
+        log_dir=tmp_path,
+        timeout_s=120,
+        agents=agents,
+    )
     assert res.ok, (tmp_path / "agent0.log").read_text()[-2000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["gathered"] == [0.0, 1.0, 2.0, 3.0] for r in records)
@@ -28,13 +34,20 @@ def test_every_store_listens_on_loopback_only(tmp_path, agents):
 
 
 def test_a_timeout_kills_every_process(tmp_path):
-    res = launch("h3lab.workers.hello", [str(tmp_path)], nproc_per_node=2, log_dir=tmp_path, timeout_s=15,
-                 env={"H3LAB_HELLO_SLEEP": "600"})  # fmt: skip
+    res = launch(
+        "h3lab.run.workers.hello",
+        [str(tmp_path)],
+        nproc_per_node=2,
+        log_dir=tmp_path,
+        timeout_s=15,
+        env={"H3LAB_HELLO_SLEEP": "600"},
+    )
     assert res.timed_out and not res.ok and res.killed_leftovers and not _leftovers(res.token)
 
 
 def test_a_failing_worker_fails_the_launch(tmp_path):
     # the workers cannot write into a missing directory: torchrun reports the failure, nobody is left
-    res = launch("h3lab.workers.hello", [str(tmp_path / "missing")], nproc_per_node=2, log_dir=tmp_path,
-                 timeout_s=120)  # fmt: skip
+    res = launch(
+        "h3lab.run.workers.hello", [str(tmp_path / "missing")], nproc_per_node=2, log_dir=tmp_path, timeout_s=120
+    )
     assert not res.ok and not res.timed_out and res.returncode != 0 and not _leftovers(res.token)

@@ -48,8 +48,9 @@ def test_sources_are_output_free_with_one_parameters_cell(name):
     assert notebooks.parameters_cell(nb) >= 0  # exactly one, or it raises
     assert all(c.get("outputs", []) == [] and c.get("execution_count") is None for c in nb.cells)
     assert notebooks.to_notebook(name).metadata["kernelspec"]["name"] == "python3"
-    tracked = subprocess.run(["git", "ls-files", "notebooks/*.ipynb"], capture_output=True, text=True,
-                             cwd=notebooks.NOTEBOOKS_DIR.parent).stdout.split()  # fmt: skip
+    tracked = subprocess.run(
+        ["git", "ls-files", "notebooks/*.ipynb"], capture_output=True, text=True, cwd=notebooks.NOTEBOOKS_DIR.parent
+    ).stdout.split()
     for ipynb in tracked:  # executed copies belong in runs/; a committed one must be stripped
         assert all(not c.get("outputs") for c in nbformat.read(notebooks.NOTEBOOKS_DIR.parent / ipynb, 4).cells)
 
@@ -76,9 +77,25 @@ def test_unknown_layout_stops_the_first_cell_with_a_nonzero_papermill_exit(tmp_p
     src = tmp_path / "reproduce.ipynb"
     nbformat.write(notebooks.to_notebook("reproduce"), src)
     out = tmp_path / "out.ipynb"
-    res = subprocess.run([sys.executable, "-m", "papermill", str(src), str(out), "-p", "layouts", "ring8",
-                          "-p", "run_dir", str(tmp_path / "run"), "--no-progress-bar"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "papermill",
+            str(src),
+            str(out),
+            "-p",
+            "layouts",
+            "ring8",
+            "-p",
+            "run_dir",
+            str(tmp_path / "run"),
+            "--no-progress-bar",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode != 0
     assert "ValueError" in res.stderr and "unknown layout 'ring8'; allowed: tp1, tp2" in res.stderr
     nb = nbformat.read(out, 4)
@@ -89,8 +106,18 @@ def test_unknown_layout_stops_the_first_cell_with_a_nonzero_papermill_exit(tmp_p
 
 
 def test_missing_checkpoint_stops_the_first_cell_with_exit_2(tmp_path, capsys):
-    rc = main(["workbench", "reproduce", "-p", "checkpoint", "/nonexistent/ckpt", "--out", str(tmp_path / "run"),
-               "--no-report"])  # fmt: skip
+    rc = main(
+        [
+            "workbench",
+            "reproduce",
+            "-p",
+            "checkpoint",
+            "/nonexistent/ckpt",
+            "--out",
+            str(tmp_path / "run"),
+            "--no-report",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 2
     assert "stopped in cell 3: ValueError: parameter checkpoint='/nonexistent/ckpt' does not exist" in out
@@ -161,8 +188,12 @@ def test_report_is_self_contained_and_renders_in_chromium(sweep_dir, tmp_path, c
     exe = chromium()
     if exe is None:
         pytest.skip("Chromium not installed (/usr/bin/chromium; Debian: apt-get install -y chromium)")
-    dom = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    dom = subprocess.run(
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "<table" in dom and dom.count("data:image/png;base64,") >= 3
     assert 'alt="CPU: every layout against the single-process block' in dom  # the heatmap
     import matplotlib.image

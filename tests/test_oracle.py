@@ -1,4 +1,4 @@
-"""h3lab.oracle against diffusers' MiniMaxH3TransformerBlock (both float64), and its padding semantics.
+"""h3lab.reference.oracle against diffusers' MiniMaxH3TransformerBlock (both float64), and its padding semantics.
 
 Tolerances. Oracle vs diffusers: both run in float64 (unit roundoff 1.1e-16) but in different
 operation orders (SDPA scales q and k separately, different GEMM blockings, fused norms), so they
@@ -17,7 +17,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Rotary
 from h3lab.batch import PackedBatch, packed_batch
 from h3lab.config import H3Config, block_param_shapes
 from h3lab.metrics import bitwise_equal, error_stats
-from h3lab.oracle import oracle_block, rope_cos_sin
+from h3lab.reference.oracle import oracle_block, rope_cos_sin
 from h3lab.result import BlockResult
 from h3lab.weights import BlockWeights, synthetic_block
 

@@ -34,11 +34,11 @@ import torch
 
 from h3lab.batch import packed_batch
 from h3lab.block import canonical_block
-from h3lab.checkpoint import load_block
 from h3lab.config import H3Config
+from h3lab.io.checkpoint import load_block
 from h3lab.metrics import bitwise_equal, error_stats
-from h3lab.oracle import oracle_block
-from h3lab.parity import diffusers_block
+from h3lab.reference.oracle import oracle_block
+from h3lab.reference.parity import diffusers_block
 from h3lab.weights import BlockWeights, synthetic_block
 from tests.conftest import random_diffusers_model
 

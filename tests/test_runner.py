@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from h3lab.layouts import ALL_LAYOUTS, parse_layouts
+from h3lab.dist.layout import ALL_LAYOUTS, parse_layouts
 from h3lab.metrics import bitwise_equal
-from h3lab.problem import Problem
-from h3lab.runner import RunRequest, run, slug
+from h3lab.run.problem import Problem
+from h3lab.run.runner import RunRequest, run, slug
 from tests.test_launch import _leftovers
 
 
@@ -35,8 +35,11 @@ def _workers_of(out: Path) -> list[int]:
 
 
 def _run(tmp_path: Path, layouts, **problem) -> dict:
-    return run(RunRequest(layouts=tuple(parse_layouts(layouts)), problem=Problem(**problem), out=tmp_path / "run",
-                          timeout_s=240))  # fmt: skip
+    return run(
+        RunRequest(
+            layouts=tuple(parse_layouts(layouts)), problem=Problem(**problem), out=tmp_path / "run", timeout_s=240
+        )
+    )
 
 
 def _assert_all_bitwise(summary: dict, out: Path, layouts) -> None:
@@ -70,8 +73,13 @@ def test_an_odd_row_count_is_padded_and_still_bitwise(tmp_path):
 
 
 def test_tp8_2x4_runs_as_two_torchrun_agents(tmp_path):
-    req = RunRequest(layouts=tuple(parse_layouts("tp8:2x4")), problem=Problem(rows=100, seed=5),
-                     out=tmp_path / "run", timeout_s=240, agents="per-node")  # fmt: skip
+    req = RunRequest(
+        layouts=tuple(parse_layouts("tp8:2x4")),
+        problem=Problem(rows=100, seed=5),
+        out=tmp_path / "run",
+        timeout_s=240,
+        agents="per-node",
+    )
     summary = run(req)
     _assert_all_bitwise(summary, tmp_path / "run", ["tp8:2x4"])
     commands = summary["layouts"]["tp8:2x4"]["launch"]["commands"]
@@ -92,8 +100,12 @@ def test_baseline_mode_diverges_where_expected(tmp_path):
 @pytest.mark.parametrize(("kind", "expect"), [("raise", "raised RuntimeError"), ("kill", "killed"), ("hang", "hung")])
 def test_a_failing_rank_is_named_and_nothing_is_left_behind(tmp_path, monkeypatch, kind, expect):
     monkeypatch.setenv("H3LAB_FAULT", f"{kind}:3")
-    req = RunRequest(layouts=tuple(parse_layouts("tp4")), problem=Problem(rows=64, seed=7), out=tmp_path / "run",
-                     timeout_s=30 if kind == "hang" else 240)  # fmt: skip
+    req = RunRequest(
+        layouts=tuple(parse_layouts("tp4")),
+        problem=Problem(rows=64, seed=7),
+        out=tmp_path / "run",
+        timeout_s=30 if kind == "hang" else 240,
+    )
     summary = run(req)
     rec = summary["layouts"]["tp4"]
     assert summary["status"] == "failed" and rec["status"] == "failed"
@@ -102,8 +114,11 @@ def test_a_failing_rank_is_named_and_nothing_is_left_behind(tmp_path, monkeypatc
     assert rec["launch"]["timed_out"] == (kind == "hang")
     assert not _leftovers(rec["launch"]["token"])
     monkeypatch.delenv("H3LAB_FAULT")  # the next run is unaffected
-    again = run(RunRequest(layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=64, seed=7),
-                           out=tmp_path / "again", timeout_s=240))  # fmt: skip
+    again = run(
+        RunRequest(
+            layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=64, seed=7), out=tmp_path / "again", timeout_s=240
+        )
+    )
     assert again["status"] == "passed"
 
 
@@ -119,16 +134,43 @@ def test_bad_requests_fail_before_any_process_starts(tmp_path):
     with pytest.raises(ValueError, match="exists and is not empty"):
         run(RunRequest(layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=8), out=tmp_path / "busy"))
     assert (tmp_path / "busy" / "x").read_text() == "keep me"
-    cli = subprocess.run([sys.executable, "-m", "h3lab", "run", "--layout", "tp3", "--synthetic", "tiny",
-                          "--out", str(tmp_path / "cli")], capture_output=True, text=True)  # fmt: skip
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h3lab",
+            "run",
+            "--layout",
+            "tp3",
+            "--synthetic",
+            "tiny",
+            "--out",
+            str(tmp_path / "cli"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert cli.returncode == 2 and "tp=3 not allowed; allowed: [1, 2, 4, 8]" in cli.stderr
     assert not (tmp_path / "cli").exists()
 
 
 def test_an_interrupted_run_is_never_mistaken_for_a_complete_one(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "h3lab", "run", "--layout", "tp4", "tp8", "--synthetic", "tiny", "--rows", "64",
-           "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "h3lab",
+        "run",
+        "--layout",
+        "tp4",
+        "tp8",
+        "--synthetic",
+        "tiny",
+        "--rows",
+        "64",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (out / "layouts" / "tp4" / "rank0.status.json").exists() and time.monotonic() < deadline:

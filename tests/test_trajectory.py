@@ -11,7 +11,7 @@ from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 from h3lab.config import H3Config
 from h3lab.metrics import error_stats
 from h3lab.model import SyntheticWeights, model_inputs, row_timesteps, transformer_forward
-from h3lab.trajectory import (
+from h3lab.model.trajectory import (
     AUDIO_SHIFT,
     VIDEO_SHIFT,
     digest,

@@ -34,10 +34,11 @@ import torch
 from diffusers.models.embeddings import get_timestep_embedding
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-from h3lab.checkpoint import synthesize_checkpoint
 from h3lab.comm import LocalComm
 from h3lab.config import H3Config
-from h3lab.layouts import Layout
+from h3lab.dist.layout import Layout
+from h3lab.dist.seqshard import SeqShard
+from h3lab.io.checkpoint import synthesize_checkpoint
 from h3lab.metrics import error_stats, ulp_distance
 from h3lab.model import (
     CheckpointWeights,
@@ -55,8 +56,7 @@ from h3lab.model import (
     timestep_sinusoid,
     transformer_forward,
 )
-from h3lab.model.layout import layout_positions
-from h3lab.seqshard import SeqShard
+from h3lab.model.packing import layout_positions
 from tests.conftest import assert_bitwise, random_diffusers_model
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"

@@ -1,1 +1,4 @@
-"""Benchmarks: scripts run as `python -m h3lab.bench.<name>`, each writing one JSON record (never timed tests)."""
+"""Benchmarks: `python -m h3lab.bench.<name>`, each writing one JSON record (never timed tests).
+
+May import anything below the workbench (core, io, model, reference, dist, run).
+"""

@@ -1,4 +1,4 @@
-"""Triton attention (h3lab.kernels.attention) against torch SDPA on one GPU, as one JSON record.
+"""Triton attention (h3lab.triton.attention) against torch SDPA on one GPU, as one JSON record.
 
     python -m h3lab.bench.attention_bench --out reports/h200/attention.json
 
@@ -26,16 +26,21 @@ import torch
 import triton
 from torch import Tensor
 
-from h3lab.kernels import attention as att
-from h3lab.kernels.configs import describe, node_of
+from h3lab.io.jsonfile import write_json
 from h3lab.metrics import bit_pattern
+from h3lab.triton import attention as att
+from h3lab.triton.configs import describe, node_of
 
 BENCH_FORMAT = "h3lab-bench-attention-v1"
 DH, DTYPE, DEVICE = 128, torch.bfloat16, "cuda"
 SHAPES = ((56, 4096), (56, 264), (7, 4096), (7, 264))  # (heads, rows = queries = keys); the first ranks
 CHECK_HEADS, CHECK_ROWS = 4, 1031  # contract checks: ragged for every tile size (1031 = 8 * 128 + 7)
-OUTPUTS = {"attention_fwd": ("o", "o_ref", "lse2"), "attention_delta": ("delta",), "attention_bwd_q": ("dq",),
-           "attention_bwd_kv": ("dk", "dv")}  # fmt: skip
+OUTPUTS = {
+    "attention_fwd": ("o", "o_ref", "lse2"),
+    "attention_delta": ("delta",),
+    "attention_bwd_q": ("dq",),
+    "attention_bwd_kv": ("dk", "dv"),
+}
 _C = lambda bm, bn, w, s: {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}  # noqa: E731
 # Why these: fwd 128-row query tiles = 2 warpgroups of wgmma M=64 (FA2/FA3 Hopper shape); 64 vs
 # 128 keys trades exp/softmax work per MMA against shared memory (k+v per stage: 32 vs 64 KiB).
@@ -43,20 +48,34 @@ _C = lambda bm, bn, w, s: {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_st
 # 8 warps) and streams 32/64 queries per step (the tutorial uses 128 x 32 at 4 warps for Dh=64).
 CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "attention_fwd": {
-        "m128n64w8s3": _C(128, 64, 8, 3), "m128n64w8s4": _C(128, 64, 8, 4), "m128n128w8s2": _C(128, 128, 8, 2),
-        "m128n128w8s3": _C(128, 128, 8, 3), "m64n64w4s3": _C(64, 64, 4, 3),
+        "m128n64w8s3": _C(128, 64, 8, 3),
+        "m128n64w8s4": _C(128, 64, 8, 4),
+        "m128n128w8s2": _C(128, 128, 8, 2),
+        "m128n128w8s3": _C(128, 128, 8, 3),
+        "m64n64w4s3": _C(64, 64, 4, 3),
     },
-    "attention_delta": {"r64w4": {"BLOCK_R": 64, "num_warps": 4}, "r32w4": {"BLOCK_R": 32, "num_warps": 4},
-                        "r128w8": {"BLOCK_R": 128, "num_warps": 8}},
+    "attention_delta": {
+        "r64w4": {"BLOCK_R": 64, "num_warps": 4},
+        "r32w4": {"BLOCK_R": 32, "num_warps": 4},
+        "r128w8": {"BLOCK_R": 128, "num_warps": 8},
+    },
     "attention_bwd_q": {
-        "m128n64w8s2": _C(128, 64, 8, 2), "m128n64w8s3": _C(128, 64, 8, 3), "m128n32w8s3": _C(128, 32, 8, 3),
-        "m64n64w4s3": _C(64, 64, 4, 3), "m64n64w8s3": _C(64, 64, 8, 3), "m128n128w8s2": _C(128, 128, 8, 2),
+        "m128n64w8s2": _C(128, 64, 8, 2),
+        "m128n64w8s3": _C(128, 64, 8, 3),
+        "m128n32w8s3": _C(128, 32, 8, 3),
+        "m64n64w4s3": _C(64, 64, 4, 3),
+        "m64n64w8s3": _C(64, 64, 8, 3),
+        "m128n128w8s2": _C(128, 128, 8, 2),
     },
     "attention_bwd_kv": {
-        "n128m64w8s2": _C(64, 128, 8, 2), "n128m64w8s3": _C(64, 128, 8, 3), "n128m32w8s3": _C(32, 128, 8, 3),
-        "n64m64w4s3": _C(64, 64, 4, 3), "n64m64w8s3": _C(64, 64, 8, 3), "n64m128w8s2": _C(128, 64, 8, 2),
+        "n128m64w8s2": _C(64, 128, 8, 2),
+        "n128m64w8s3": _C(64, 128, 8, 3),
+        "n128m32w8s3": _C(32, 128, 8, 3),
+        "n64m64w4s3": _C(64, 64, 4, 3),
+        "n64m64w8s3": _C(64, 64, 8, 3),
+        "n64m128w8s2": _C(128, 64, 8, 2),
     },
-}  # fmt: skip
+}
 
 
 def _inputs(heads: int, rows: int, seed: int) -> dict[str, Tensor]:
@@ -207,8 +226,12 @@ def bench_sdpa(scale: float) -> dict[str, Any]:
     """SDPA on the same bf16 data as [1, H, N, Dh] views of our [N, H, Dh] layout, per backend."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
+    backends = {
+        "default": None,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
     out: dict[str, Any] = {}
     for name, be in backends.items():
         out[name] = {}
@@ -262,21 +285,33 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("attention_bench needs a CUDA device")
     t0 = time.perf_counter()
     scale = DH**-0.5
-    env = {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-           "triton": triton.__version__}  # fmt: skip
+    env = {
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "triton": triton.__version__,
+    }
     stats_from = choose_stats_configs(scale)
     cands = bench_candidates(scale)
     sdpa = bench_sdpa(scale)
     pinned = {k: c for k, c in describe(node_of(DEVICE))["kernels"].items() if k in OUTPUTS}
     record = {
-        "format": BENCH_FORMAT, "env": env, "pinned": pinned, "backward_inputs_from": stats_from,
-        "head_dim": DH, "dtype": "bfloat16", "shapes": [{"heads": h, "rows": n} for h, n in SHAPES],
-        "summary": summarize(cands, sdpa), "candidates": cands, "sdpa": sdpa,
+        "format": BENCH_FORMAT,
+        "env": env,
+        "pinned": pinned,
+        "backward_inputs_from": stats_from,
+        "head_dim": DH,
+        "dtype": "bfloat16",
+        "shapes": [{"heads": h, "rows": n} for h, n in SHAPES],
+        "summary": summarize(cands, sdpa),
+        "candidates": cands,
+        "sdpa": sdpa,
         "wall_s": round(time.perf_counter() - t0, 1),
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
+    write_json(args.out, record)
     print(json.dumps({"env": env, "summary": record["summary"], "wall_s": record["wall_s"]}, indent=1))
     return 0
 

@@ -12,11 +12,9 @@ busy process shows up directly in the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
-import secrets
 import statistics
 import sys
 import time
@@ -29,6 +27,7 @@ import torch
 from h3lab.batch import packed_batch
 from h3lab.block import canonical_block
 from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.io.jsonfile import write_json
 from h3lab.metrics import sha256_tensor
 from h3lab.weights import synthetic_block
 
@@ -110,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/bench/block-cpu-{args.config}-{stamp}.json")
     record = bench(args.config, args.rows, args.repeats, args.warmup, args.seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, out)  # a reader never sees half a record
+    write_json(out, record)
     print(
         f"{args.config}, {args.rows} rows: median {record['median_s']:.3f} s "
         f"(min {record['min_s']:.3f}, max {record['max_s']:.3f}, {args.repeats} repeats, "

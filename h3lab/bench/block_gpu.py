@@ -24,7 +24,6 @@ until the graph is dropped).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -34,13 +33,14 @@ from typing import Any
 import torch
 
 from h3lab.batch import PackedBatch, packed_batch
-from h3lab.bench.eager import eager_block
 from h3lab.block import canonical_block
 from h3lab.config import H3Config
-from h3lab.env import capture as capture_env
 from h3lab.graph import GraphedBlock, capture
+from h3lab.io.env import capture as capture_env
+from h3lab.io.jsonfile import write_json
 from h3lab.metrics import bitwise_equal, error_stats
-from h3lab.oracle import oracle_block, rope_cos_sin
+from h3lab.reference.eager import eager_block
+from h3lab.reference.oracle import oracle_block, rope_cos_sin
 from h3lab.weights import BlockWeights, synthetic_block
 
 
@@ -58,8 +58,9 @@ def cuda_times(fn, reps: int) -> list[float]:
     return times
 
 
-def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int,
-                      sync: Callable[[], None] = torch.cuda.synchronize) -> dict[str, list[float]]:  # fmt: skip
+def interleaved_times(
+    fns: dict[str, Callable[[], Any]], reps: int, sync: Callable[[], None] = torch.cuda.synchronize
+) -> dict[str, list[float]]:
     """Wall seconds of `reps` synchronised calls of each fn, the fns called in turn within a rep
     (after 2 warm-up rounds), so slow drifts fall on every fn alike: {name: [seconds per rep]}.
     Odd reps call them in reverse order (ABBA), so whatever the previous call leaves behind (a hot
@@ -113,7 +114,7 @@ def main() -> None:
         b = packed_batch(c, rows, seed=1).to(dev)
         record["rows"][rows] = r = _measure(w, b, a.reps, with_error=i == 0)
         print(rows, {k: v for k, v in r.items() if k != "error_vs_fp64"}, flush=True)
-        a.out.write_text(json.dumps(record, indent=1, default=str))
+        write_json(a.out, record)
 
 
 def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> dict:
@@ -143,15 +144,18 @@ def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> di
         ref = oracle_block(w, b).tensors()
         eag = eager(True)
         r["error_vs_fp64"] = {
-            k: {"canonical_rel_l2": error_stats(one[k], ref[k].to(one[k].device))["rel_l2"],
-                "eager_rel_l2": error_stats(eag[k], ref[k].to(eag[k].device))["rel_l2"]}
+            k: {
+                "canonical_rel_l2": error_stats(one[k], ref[k].to(one[k].device))["rel_l2"],
+                "eager_rel_l2": error_stats(eag[k], ref[k].to(eag[k].device))["rel_l2"],
+            }
             for k in ref
-        }  # fmt: skip
+        }
     return r
 
 
-def _graphs(w: BlockWeights, b: PackedBatch, eager_bytes: dict, eager: Callable[[], Any], reps: int,
-            eager_s: float) -> dict:  # fmt: skip
+def _graphs(
+    w: BlockWeights, b: PackedBatch, eager_bytes: dict, eager: Callable[[], Any], reps: int, eager_s: float
+) -> dict:
     """Both blocks captured in CUDA graphs: times, the memory a capture keeps, the replay's bits."""
     r: dict[str, Any] = {}
     before = _reserved()
@@ -184,8 +188,12 @@ def _interleaved(turns: dict[str, list[float]], key: str) -> dict[str, Any]:
     """The median of per-rep ratios, each rep's seconds, and the ratio with canonical called first and
     second in its rep (ABBA order: even reps eager first), to see what the order does."""
     ratios = [c / e for e, c in zip(turns["eager"], turns["canonical"], strict=True)]
-    return {key: statistics.median(ratios), f"{key}_canonical_second": statistics.median(ratios[0::2]),
-            f"{key}_canonical_first": statistics.median(ratios[1::2]), f"{key}_seconds": turns}  # fmt: skip
+    return {
+        key: statistics.median(ratios),
+        f"{key}_canonical_second": statistics.median(ratios[0::2]),
+        f"{key}_canonical_first": statistics.median(ratios[1::2]),
+        f"{key}_seconds": turns,
+    }
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 from pathlib import Path
@@ -29,6 +28,7 @@ from h3lab.bench.gaps import SYNCS, gaps, marker_trace
 from h3lab.block import block_step, canonical_block
 from h3lab.comm import LocalComm
 from h3lab.config import H3Config
+from h3lab.io.jsonfile import write_json
 from h3lab.units import unit_weights
 from h3lab.weights import synthetic_block
 
@@ -68,29 +68,40 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> 
         torch.cuda.synchronize()
     marked.export_chrome_trace(str(out / f"trace-{rows}.json"))
     idle = gaps(out / f"trace-{rows}.json")
-    (out / f"gaps-{rows}.json").write_text(json.dumps(idle, indent=1))
-    text = "\n\n".join([
-        f"rows {rows}, backend {backend}: wall median {statistics.median(wall) * 1e3:.2f} ms, "
-        f"kernels {kernel_s * 1e3:.2f} ms, launches {launches}, syncs {syncs}; block_step wall "
-        f"{statistics.median(walls) * 1e3:.2f} ms, its event laps {statistics.median(laps) * 1e3:.2f} ms; "
-        f"marked run: GPU span {idle['span_us'] / 1e3:.2f} ms, idle {idle['idle_us'] / 1e3:.2f} ms in "
-        f"{idle['gaps']} gaps, most after "
-        + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in list(idle["idle_by_op_us"].items())[:6]),
-        events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90),
-        events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
-        events.table(sort_by="count", row_limit=30, max_name_column_width=90),
-        py.getvalue(),
-    ])  # fmt: skip
+    write_json(out / f"gaps-{rows}.json", idle)
+    text = "\n\n".join(
+        [
+            f"rows {rows}, backend {backend}: wall median {statistics.median(wall) * 1e3:.2f} ms, "
+            f"kernels {kernel_s * 1e3:.2f} ms, launches {launches}, syncs {syncs}; block_step wall "
+            f"{statistics.median(walls) * 1e3:.2f} ms, its event laps {statistics.median(laps) * 1e3:.2f} ms; "
+            f"marked run: GPU span {idle['span_us'] / 1e3:.2f} ms, idle {idle['idle_us'] / 1e3:.2f} ms in "
+            f"{idle['gaps']} gaps, most after "
+            + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in list(idle["idle_by_op_us"].items())[:6]),
+            events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90),
+            events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
+            events.table(sort_by="count", row_limit=30, max_name_column_width=90),
+            py.getvalue(),
+        ]
+    )
     record = {
-        "rows": rows, "backend": backend, "wall_median_s": statistics.median(wall), "wall_s": wall,
-        "kernel_s": kernel_s, "host_added_s": statistics.median(wall) - kernel_s, "launches": launches,
-        "syncs": syncs, "kernels": len(kernels),
-        "block_step_wall_median_s": statistics.median(walls), "block_step_laps_median_s": statistics.median(laps),
+        "rows": rows,
+        "backend": backend,
+        "wall_median_s": statistics.median(wall),
+        "wall_s": wall,
+        "kernel_s": kernel_s,
+        "host_added_s": statistics.median(wall) - kernel_s,
+        "launches": launches,
+        "syncs": syncs,
+        "kernels": len(kernels),
+        "block_step_wall_median_s": statistics.median(walls),
+        "block_step_laps_median_s": statistics.median(laps),
         "marked_run": {k: idle[k] for k in ("span_us", "busy_us", "idle_us", "gaps")}
-                      | {"idle_by_op_us": dict(list(idle["idle_by_op_us"].items())[:12])},
-        "top_kernels": [{"name": e.key[:120], "count": e.count, "total_ms": e.self_device_time_total / 1e3}
-                        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]],
-    }  # fmt: skip
+        | {"idle_by_op_us": dict(list(idle["idle_by_op_us"].items())[:12])},
+        "top_kernels": [
+            {"name": e.key[:120], "count": e.count, "total_ms": e.self_device_time_total / 1e3}
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
+        ],
+    }
     return record, text
 
 
@@ -109,7 +120,7 @@ def main() -> None:
         record, text = profile_rows(H3Config.named(a.config), rows, a.backend, a.reps, a.out)
         records.append(record)
         (a.out / f"profile-{rows}.txt").write_text(text)
-        (a.out / "profile.json").write_text(json.dumps(records, indent=1))
+        write_json(a.out / "profile.json", records)
         print(text.split("\n\n")[0], flush=True)
 
 

@@ -32,14 +32,15 @@ VARIANTS = (  # (pieces, b_kn, stages, lvl2_smem): the real calls (to_out, ff.ne
 )
 
 
-def compile_unit_sm90(pieces: int, b_kn: bool, stages: int, lvl2_smem: bool, block: int = 128,
-                      num_warps: int = 8) -> dict[str, Any]:  # fmt: skip
+def compile_unit_sm90(
+    pieces: int, b_kn: bool, stages: int, lvl2_smem: bool, block: int = 128, num_warps: int = 8
+) -> dict[str, Any]:
     """Resources of one unit_mm_sm90_kernel variant, compiled for sm90 with the installed Triton."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from h3lab.kernels import unit_gemm_sm90
+    from h3lab.triton import unit_gemm_sm90
 
     if not 1 <= pieces <= 3:
         raise ValueError(f"compile_unit_sm90: pieces={pieces}; allowed: 1, 2, 3")
@@ -58,12 +59,21 @@ def compile_unit_sm90(pieces: int, b_kn: bool, stages: int, lvl2_smem: bool, blo
             const[f"ad{i}"] = const[f"bd{i}"] = None
     sig["c_desc"] = f"tensordesc<fp32[{block},{block}],{c_l!r}>"
     sig["s_ptr"] = "*fp32"
-    const |= {"GROUP_M": 8, "PIECES": pieces, "B_KN": b_kn, "STAGES": stages, "LVL2_SMEM": lvl2_smem,
-              "num_warps": num_warps}  # fmt: skip
+    const |= {
+        "GROUP_M": 8,
+        "PIECES": pieces,
+        "B_KN": b_kn,
+        "STAGES": stages,
+        "LVL2_SMEM": lvl2_smem,
+        "num_warps": num_warps,
+    }
     sig |= {k: "constexpr" for k in const}
     src = GluonASTSource(fn, sig, constexprs=const)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": 1, "enable_fp_fusion": False})  # fmt: skip
+    kernel = triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": 1, "enable_fp_fusion": False},
+    )
     ptx: str = kernel.asm["ptx"]
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,12 +83,18 @@ def compile_unit_sm90(pieces: int, b_kn: bool, stages: int, lvl2_smem: bool, blo
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
     assert found, f"cuobjdump -res-usage printed no REG/STACK line: {usage.stdout[:300]}"
     return {
-        "pieces": pieces, "b_kn": b_kn, "stages": stages, "lvl2_smem": lvl2_smem,
-        "registers": int(found.group(1)), "stack_bytes": int(found.group(2)), "shared_bytes": kernel.metadata.shared,
+        "pieces": pieces,
+        "b_kn": b_kn,
+        "stages": stages,
+        "lvl2_smem": lvl2_smem,
+        "registers": int(found.group(1)),
+        "stack_bytes": int(found.group(2)),
+        "shared_bytes": kernel.metadata.shared,
         "wgmma_waits": re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx),
         "cta_barriers": len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)),
-        "triton": triton.__version__, "ptx": ptx,
-    }  # fmt: skip
+        "triton": triton.__version__,
+        "ptx": ptx,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     for pieces, b_kn, stages, lvl2 in VARIANTS:
         r = compile_unit_sm90(pieces, b_kn, stages, lvl2)
         layout, level2 = ("KN" if b_kn else "W.T"), ("smem" if lvl2 else "L2")
-        print(f"{pieces:>6} {layout:>4} {stages:>6} {level2:>5} {r['registers']:>5} {r['stack_bytes']:>6} "
-              f"{r['shared_bytes']:>7} {','.join(r['wgmma_waits'])}  (Triton {r['triton']})")  # fmt: skip
+        print(
+            f"{pieces:>6} {layout:>4} {stages:>6} {level2:>5} {r['registers']:>5} {r['stack_bytes']:>6} "
+            f"{r['shared_bytes']:>7} {','.join(r['wgmma_waits'])}  (Triton {r['triton']})"
+        )
         if args.ptx:
             args.ptx.mkdir(parents=True, exist_ok=True)
             (

@@ -55,10 +55,15 @@ def gaps(trace_path: Path | str, min_gap_us: float = 5.0) -> dict[str, Any]:
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
-    syncs = sorted((e for e in events if e.get("name") in SYNCS and e.get("cat") in ("cuda_runtime", "cuda_driver")),
-                   key=lambda e: e["ts"])  # fmt: skip
-    marks = sorted((e["ts"], e["name"][len(MARK) :]) for e in events
-                   if e.get("cat") == "user_annotation" and e.get("name", "").startswith(MARK))  # fmt: skip
+    syncs = sorted(
+        (e for e in events if e.get("name") in SYNCS and e.get("cat") in ("cuda_runtime", "cuda_driver")),
+        key=lambda e: e["ts"],
+    )
+    marks = sorted(
+        (e["ts"], e["name"][len(MARK) :])
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith(MARK)
+    )
     mark_ts = [t for t, _ in marks]
 
     def last_mark(ts: float) -> str:
@@ -72,8 +77,14 @@ def gaps(trace_path: Path | str, min_gap_us: float = 5.0) -> dict[str, Any]:
             launch = launches.get(e.get("args", {}).get("correlation"))
             launch_ts = launch["ts"] if launch else e["ts"]
             inside = [s["name"] for s in syncs if end <= s["ts"] + s.get("dur", 0) and s["ts"] <= e["ts"]]
-            found.append({"gap_us": gap, "before_kernel": e["name"][:80], "after_op": last_mark(launch_ts),
-                          "syncs": dict(collections.Counter(inside))})  # fmt: skip
+            found.append(
+                {
+                    "gap_us": gap,
+                    "before_kernel": e["name"][:80],
+                    "after_op": last_mark(launch_ts),
+                    "syncs": dict(collections.Counter(inside)),
+                }
+            )
         busy += e["dur"]
         end = max(end, e["ts"] + e["dur"])
     by_op: dict[str, float] = collections.defaultdict(float)

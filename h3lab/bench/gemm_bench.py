@@ -1,4 +1,4 @@
-"""Fixed-order GEMMs (h3lab.kernels.gemm.mm, unit_gemm.unit_mm) against cuBLAS on one GPU, as one JSON record.
+"""Fixed-order GEMMs (h3lab.triton.gemm.mm, unit_gemm.unit_mm) against cuBLAS on one GPU, as one JSON record.
 
     python -m h3lab.bench.gemm_bench --out reports/h200/gemm.json [--candidates all|NAME,...] [--ms 264,4096,16384]
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import time
 from collections.abc import Callable
@@ -28,9 +27,10 @@ import torch
 import triton
 from torch import Tensor
 
-from h3lab.kernels import gemm, unit_gemm
-from h3lab.kernels.configs import node_of
+from h3lab.io.jsonfile import write_json
 from h3lab.ops.fixed import round_to, unit_tree
+from h3lab.triton import gemm, unit_gemm
+from h3lab.triton.configs import node_of
 
 BENCH_FORMAT = "h3lab-bench-gemm-v1"
 BF16, F32, DEV = torch.bfloat16, torch.float32, "cuda"
@@ -38,14 +38,36 @@ TARGETS = {"mm_264": 0.6, "mm_4096+": 0.85, "unit": 0.75}  # fraction of cuBLAS 
 
 
 def _mm(bm: int, bn: int, w: int, s: int, split: int = 1, **kw: Any) -> dict[str, Any]:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": w, "num_stages": s,
-            "TMA": True, "TMA_STORE": True, "EPILOGUE_SPLIT": split, "FLATTEN": False, "WARP_SPECIALIZE": False,
-            **kw}  # fmt: skip
+    return {
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_K": 64,
+        "GROUP_M": 8,
+        "num_warps": w,
+        "num_stages": s,
+        "TMA": True,
+        "TMA_STORE": True,
+        "EPILOGUE_SPLIT": split,
+        "FLATTEN": False,
+        "WARP_SPECIALIZE": False,
+        **kw,
+    }
 
 
 def _unit(bm: int, bn: int, w: int, s: int, pending: bool, tma_store: bool = False, **kw: Any) -> dict[str, Any]:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": w, "num_stages": s,
-            "TMA": True, "TMA_STORE": tma_store, "PENDING_IN_REGS": pending, "SCRATCH_TMA": True, **kw}  # fmt: skip
+    return {
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_K": 64,
+        "GROUP_M": 8,
+        "num_warps": w,
+        "num_stages": s,
+        "TMA": True,
+        "TMA_STORE": tma_store,
+        "PENDING_IN_REGS": pending,
+        "SCRATCH_TMA": True,
+        **kw,
+    }
 
 
 # BLOCK_K stays 64 everywhere: it divides every real unit width (896, 1792, 12096) and keeps the
@@ -70,24 +92,31 @@ UNIT_CANDIDATES = {
     "m128n128w8s4": _unit(128, 128, 8, 4, pending=False),  # every level in scratch: fewer registers
     "m128n128w8s3p_tmastore": _unit(128, 128, 8, 3, pending=True, tma_store=True),
     # the entries above run unit_gemm.unit_mm_kernel (Triton; m128n128w8s4p was pinned before session
-    # 10); IMPL gluon: h3lab.kernels.unit_gemm_sm90, one pipeline across unit and tile boundaries (sm90
+    # 10); IMPL gluon: h3lab.triton.unit_gemm_sm90, one pipeline across unit and tile boundaries (sm90
     # compile, Triton 3.6: 208 registers, no spill, 192 KiB; 3 stages + level 2 in shared memory: 224
     # KiB); the calls the Gluon kernel cannot take run the Triton kernel of the same config
     "gluon_s4": _unit(128, 128, 8, 4, pending=True, IMPL="gluon", LVL2_SMEM=False),
     "gluon_s3_smem": _unit(128, 128, 8, 3, pending=True, IMPL="gluon", LVL2_SMEM=True),
 }
 # name: (K, N, b layout): "WT" = a weight [N, K] seen as b = W.T (forward), "KN" = [K, N] rows (dX);
-# K = 0: the weight-gradient form dW = dY^T X (h3lab.kernels.rows.row_mm): [5376, M] @ [M, N], K = M rows
+# K = 0: the weight-gradient form dW = dY^T X (h3lab.triton.rows.row_mm): [5376, M] @ [M, N], K = M rows
 MM_SHAPES = {
-    "q": (5376, 7168, "WT"), "qkv": (5376, 21504, "WT"), "to_out": (7168, 5376, "WT"), "ff.net.0": (5376, 28672, "WT"),
-    "ff.net.2": (14336, 5376, "WT"), "ff.net.2.dx": (5376, 14336, "KN"), "ff.net.2.dw": (0, 14336, "KN"),
-}  # fmt: skip
+    "q": (5376, 7168, "WT"),
+    "qkv": (5376, 21504, "WT"),
+    "to_out": (7168, 5376, "WT"),
+    "ff.net.0": (5376, 28672, "WT"),
+    "ff.net.2": (14336, 5376, "WT"),
+    "ff.net.2.dx": (5376, 14336, "KN"),
+    "ff.net.2.dw": (0, 14336, "KN"),
+}
 DW_ROWS = 5376  # the dW form's output rows (hidden size D)
 # name: (Kp per piece, N, b layout), U = 8
 UNIT_SHAPES = {
-    "to_out": ((896,), 5376, "WT"), "ff.net.2": ((1792,), 5376, "WT"),
-    "qkv.dx": ((896, 896, 896), 5376, "KN"), "ff.net.0.dx": ((1792, 1792), 5376, "KN"),
-}  # fmt: skip
+    "to_out": ((896,), 5376, "WT"),
+    "ff.net.2": ((1792,), 5376, "WT"),
+    "qkv.dx": ((896, 896, 896), 5376, "KN"),
+    "ff.net.0.dx": ((1792, 1792), 5376, "KN"),
+}
 
 
 # contract-check sizes: 4111 rows (prime), slices (start, rows) of 1, 3, 17, 264, 4099 rows; q-projection
@@ -161,8 +190,10 @@ def contract_mm(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _units_of(pieces: list[tuple[Tensor, Tensor]], lo: int, hi: int) -> list[tuple[Tensor, Tensor]]:
     """The pieces a TP rank holding units [lo, hi) of 8 sees."""
-    return [(a[:, lo * (a.shape[1] // 8) : hi * (a.shape[1] // 8)], b[lo * (b.shape[0] // 8) : hi * (b.shape[0] // 8)])
-            for a, b in pieces]  # fmt: skip
+    return [
+        (a[:, lo * (a.shape[1] // 8) : hi * (a.shape[1] // 8)], b[lo * (b.shape[0] // 8) : hi * (b.shape[0] // 8)])
+        for a, b in pieces
+    ]
 
 
 def contract_unit(cfg: dict[str, Any], mm_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -175,8 +206,9 @@ def contract_unit(cfg: dict[str, Any], mm_cfg: dict[str, Any]) -> dict[str, Any]
         full = run(pieces, 8)
         for tp in (2, 4, 8):
             per = 8 // tp
-            checks[f"{name}_tp{tp}"] = _same(unit_tree([run(_units_of(pieces, r * per, (r + 1) * per), per)
-                                                        for r in range(tp)]), full)  # fmt: skip
+            checks[f"{name}_tp{tp}"] = _same(
+                unit_tree([run(_units_of(pieces, r * per, (r + 1) * per), per) for r in range(tp)]), full
+            )
         checks[f"{name}_rows"] = _same(run([(a[17:20], b) for a, b in pieces], 8), full[17:20])
         checks[f"{name}_cols"] = _same(run([(a, b[:, 3:31]) for a, b in pieces], 8), full[:, 3:31])
         checks[f"{name}_repeat"] = _same(run(pieces, 8), full)
@@ -208,8 +240,15 @@ def _kernel_resources(fn: Any) -> list[dict[str, Any]]:
         for cache in fn.device_caches.values():
             for k in cache[0].values():
                 md = k.metadata
-                out.append({"regs": k.n_regs, "spills": k.n_spills, "shared": md.shared, "warps": md.num_warps,
-                            "stages": md.num_stages})  # fmt: skip
+                out.append(
+                    {
+                        "regs": k.n_regs,
+                        "spills": k.n_spills,
+                        "shared": md.shared,
+                        "warps": md.num_warps,
+                        "stages": md.num_stages,
+                    }
+                )
     except Exception as e:  # the cache layout is Triton-version specific
         out.append({"error": f"{type(e).__name__}: {e}"})
     return out
@@ -323,10 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     t0 = time.perf_counter()
     names = None if args.candidates == "all" else set(args.candidates.split(","))
-    env = {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "triton": triton.__version__, "node": node_of(DEV),
-           "cublas": "torch.mm, allow_tf32=False, allow_bf16_reduced_precision_reduction=False"}  # fmt: skip
+    env = {
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "node": node_of(DEV),
+        "cublas": "torch.mm, allow_tf32=False, allow_bf16_reduced_precision_reduction=False",
+    }
     rec = bench(names, [int(m) for m in args.ms.split(",")])
     record = {
         "format": BENCH_FORMAT,
@@ -336,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
+    write_json(args.out, record)
     print(f"{'candidate':34s} {'contract':8s} " + " ".join(f"{'M' + m:>16s}" for m in args.ms.split(",")))
     for name, s in record["summary"]["candidates"].items():
         cells = " ".join(

@@ -11,16 +11,16 @@ kernel's is programs x unroll x block_n x 4 bytes in flight against the memory l
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 import torch
 
 from h3lab.bench.block_gpu import cuda_times
-from h3lab.kernels import configs, rows
-from h3lab.kernels.index_cache import index_cache
+from h3lab.io.jsonfile import write_json
 from h3lab.metrics import bitwise_equal
+from h3lab.triton import configs, rows
+from h3lab.triton.index_cache import index_cache
 
 CANDIDATES = [(32, 16), (32, 32), (32, 64), (32, 128), (16, 64), (64, 64)]
 
@@ -60,7 +60,7 @@ def main() -> None:
     with index_cache():  # index facts once, as inside a block step: the times are the kernels'
         for block_n, unroll in CANDIDATES:
             _sweep(block_n, unroll, pinned, cases, reference, records, a.reps)
-    a.out.write_text(json.dumps({"rows": R, "pinned": pinned, "records": records}, indent=1))
+    write_json(a.out, {"rows": R, "pinned": pinned, "records": records})
 
 
 def _sweep(block_n: int, unroll: int, pinned: dict, cases: dict, reference: dict, records: list, reps: int) -> None:

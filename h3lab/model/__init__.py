@@ -1,15 +1,19 @@
-"""The whole MiniMax-H3 transformer under the h3-parallel-v1 contract (forward).
+"""The whole MiniMax-H3 transformer under the h3-parallel-v1 contract (forward), chains and trajectories.
 
 - `ModelInputs`: one packed request, in diffusers' forward arguments (inputs.py); `model_inputs`: the
-  H3 pipeline's layout (layout.py).
+  H3 pipeline's packing of video, audio and text rows (packing.py).
 - `ModelWeights`, `CheckpointWeights`, `SyntheticWeights`: parameters, one block at a time (weights.py).
 - `embed` -> `run_blocks` -> `head`, composed by `transformer_forward` (transformer.py): the seam a layout drives.
+- chain.py: forward through blocks A..B, backward in reverse (recomputing each block's forward).
+- trajectory.py: rectified-flow Euler steps through the whole transformer.
+
+May import: the core and io (checkpoints).
 """
 
 from h3lab.model.embed import Embedded, embed, project_rows, text_stream, time_embedding, timestep_sinusoid
 from h3lab.model.head import ModelOutput, head, norm_out_table, output_rows
 from h3lab.model.inputs import ModelInputs
-from h3lab.model.layout import model_inputs, row_timesteps
+from h3lab.model.packing import model_inputs, row_timesteps
 from h3lab.model.transformer import RowsShard, gather_sequence, run_blocks, transformer_forward
 from h3lab.model.weights import CheckpointWeights, ModelWeights, SyntheticWeights
 

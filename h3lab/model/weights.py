@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from h3lab.config import H3Config, model_param_shapes
-from h3lab.manifest import find_layout
+from h3lab.io.manifest import find_layout
 from h3lab.weights import BlockWeights, synthetic_block, synthetic_tensor
 
 
@@ -65,7 +65,7 @@ class _Cached:
 
 
 class CheckpointWeights(_Cached):
-    """A checkpoint folder (ours, or diffusers' `save_pretrained`), read lazily through h3lab.checkpoint.
+    """A checkpoint folder (ours, or diffusers' `save_pretrained`), read lazily through h3lab.io.checkpoint.
 
     Every read is checked against config.json and, when present, manifest.json (which hashes the
     block's shard at every `block(i)`; `verify=False` skips that for long trajectories on a
@@ -86,13 +86,13 @@ class CheckpointWeights(_Cached):
         super().__init__(dtype, device)
 
     def block(self, index: int) -> BlockWeights:
-        from h3lab.checkpoint import load_block
+        from h3lab.io.checkpoint import load_block
 
         self._check_block(index)
         return self._place_block(load_block(self.path, index, verify=self.verify))
 
     def _load(self, names: list[str]) -> dict[str, Tensor]:
-        from h3lab.checkpoint import load_tensors
+        from h3lab.io.checkpoint import load_tensors
 
         return load_tensors(self.path, names, verify=self.verify)
 

@@ -20,6 +20,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+# Operands of a unit-tree GEMM: pieces (a [M, U*Kp], b [U*Kp, N]); unit i is column block i of
+# every piece's a and row block i of its b. Each unit is one chain over its blocks, pieces in order
+# (q,k,v / hidden,gate), then the balanced tree over the U units.
+Pieces = Sequence[tuple[Tensor, Tensor]]
+
 # ---- rounding to the storage dtype ------------------------------------------------------------
 
 

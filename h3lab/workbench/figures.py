@@ -66,8 +66,10 @@ def _digest_only(verdicts: pd.DataFrame) -> pd.Series:
 
 
 def _labels(values: np.ndarray, unknown: np.ndarray, label) -> list[list[str]]:
-    return [["≠" if u == 1 else label(x) for x, u in zip(row, urow, strict=True)]
-            for row, urow in zip(values, unknown, strict=True)]  # fmt: skip
+    return [
+        ["≠" if u == 1 else label(x) for x, u in zip(row, urow, strict=True)]
+        for row, urow in zip(values, unknown, strict=True)
+    ]
 
 
 def _short(tensor: str) -> str:
@@ -240,11 +242,10 @@ def show(fig: Figure, path: str | Path | None = None) -> None:
 def divergence_timeline(rows: list[dict], title: str = "") -> Figure:
     """Every traced op in execution order: grey when bit-identical, else its max-ULP bin; a line at the first.
 
-    `rows` is `h3lab.trace.timeline(...)`; the x axis is the op index, labelled at each block's start.
+    `rows` is `h3lab.run.trace.timeline(...)`; the x axis is the op index, labelled at each block's start.
     """
     cmap, norm = binned_cmap(ULP_EDGES)
-    values = np.array([[_ulp_cell(r["bitwise_equal"], r.get("max_ulp", 0)) if r["present"] else np.nan
-                        for r in rows]])  # fmt: skip
+    values = np.array([[_ulp_cell(r["bitwise_equal"], r.get("max_ulp", 0)) if r["present"] else np.nan for r in rows]])
     fig = Figure(figsize=(min(14, 2 + 0.08 * len(rows)), 2.2))
     ax = fig.subplots()
     cmap = cmap.copy()
@@ -256,8 +257,11 @@ def divergence_timeline(rows: list[dict], title: str = "") -> Figure:
         ax.set_title(f"{title}: first divergence at op {first}, {rows[first]['name']}", fontsize=9)
     else:
         ax.set_title(f"{title}: every op bit-identical", fontsize=9)
-    starts = [r["index"] for r in rows if r["block"] is not None and (r["index"] == 0 or rows[r["index"] - 1]["block"]
-              != r["block"])]  # fmt: skip
+    starts = [
+        r["index"]
+        for r in rows
+        if r["block"] is not None and (r["index"] == 0 or rows[r["index"] - 1]["block"] != r["block"])
+    ]
     ax.set_xticks(starts, [f"b{rows[i]['block']}" for i in starts], fontsize=7)
     ax.set_yticks([])
     ax.set_xlabel("ops in execution order (forward, then backward)")

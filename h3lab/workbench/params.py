@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3lab.backend import CONTRACT_BACKENDS
 from h3lab.config import NAMED_CONFIGS, H3Config
-from h3lab.layouts import ALL_LAYOUTS, Layout, parse_layouts
-from h3lab.problem import DEVICES, KERNEL_BACKENDS, MODES
+from h3lab.dist.layout import ALL_LAYOUTS, Layout, parse_layouts
+from h3lab.run.problem import DEVICES, MODES
 
 TENSOR_NAMES = ("out", "dx", "dtemb")  # plus every "dw.<parameter>" of the block
 
@@ -60,7 +61,7 @@ class ReproduceParams:
     repeats: int = 1
     timeout: float = 600.0
     accuracy: bool = True
-    trace: bool = False  # record every op (h3lab.trace): the explore notebook's first-divergence timeline
+    trace: bool = False  # record every op (h3lab.run.trace): the explore notebook's first-divergence timeline
     run_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
@@ -85,8 +86,8 @@ class ReproduceParams:
         if not isinstance(seeds, list | tuple) or not seeds or not all(isinstance(s, int) for s in seeds):
             raise ValueError(f"parameter seeds={self.seeds!r}; allowed: an int or a non-empty list of ints")
         fix("seeds", list(seeds))
-        if self.backend not in KERNEL_BACKENDS:
-            raise ValueError(f"parameter backend={self.backend!r}; allowed: {list(KERNEL_BACKENDS)}")
+        if self.backend not in CONTRACT_BACKENDS:
+            raise ValueError(f"parameter backend={self.backend!r}; allowed: {list(CONTRACT_BACKENDS)}")
         for name in ("rows", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"parameter {name}={getattr(self, name)!r}; allowed: an int >= 1")
@@ -106,11 +107,13 @@ class ReproduceParams:
         """The block's shape: the checkpoint's config.json, or the named synthetic config."""
         if self.checkpoint is None:
             return H3Config.named(self.config)
-        from h3lab.manifest import find_layout
+        from h3lab.io.manifest import find_layout
 
         if not self.checkpoint.exists():
-            raise ValueError(f"parameter checkpoint={str(self.checkpoint)!r} does not exist; allowed: a "
-                             "diffusers checkpoint folder (holding config.json) or '' to synthesize one")  # fmt: skip
+            raise ValueError(
+                f"parameter checkpoint={str(self.checkpoint)!r} does not exist; allowed: a "
+                "diffusers checkpoint folder (holding config.json) or '' to synthesize one"
+            )
         folder = find_layout(self.checkpoint).folder
         config = H3Config.from_json(folder)
         if self.block >= config.num_layers:
@@ -171,9 +174,17 @@ class ExploreParams:
     def sweep_params(self, run_dir: Path) -> ReproduceParams:
         """The one-layout, one-mode sweep that explore runs when no run_dir is given."""
         return ReproduceParams(
-            device=self.device, layouts=[self.layout], config=self.config, rows=self.rows, seeds=[self.seed],
-            modes=[self.mode], timeout=self.timeout, accuracy=False, run_dir=run_dir, trace=self.trace,
-        )  # fmt: skip
+            device=self.device,
+            layouts=[self.layout],
+            config=self.config,
+            rows=self.rows,
+            seeds=[self.seed],
+            modes=[self.mode],
+            timeout=self.timeout,
+            accuracy=False,
+            run_dir=run_dir,
+            trace=self.trace,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nbformat
 
+from h3lab.io.jsonfile import write_json
 from h3lab.workbench import notebooks, tables
 from h3lab.workbench.rundata import Sweep, load_sweep
 
@@ -74,8 +75,16 @@ def screenshot(page: Path, png: Path, *, width: int = 1400, height: int = 2600, 
     exe = chromium()
     if exe is None:
         raise FileNotFoundError(f"no Chromium at {list(CHROMIUM)}; Debian: apt-get install -y chromium")
-    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={width},{height}",
-           f"--screenshot={png.resolve()}", page.resolve().as_uri()]  # fmt: skip
+    cmd = [
+        exe,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--window-size={width},{height}",
+        f"--screenshot={png.resolve()}",
+        page.resolve().as_uri(),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if not png.is_file():
         raise RuntimeError(f"chromium wrote no screenshot (exit {res.returncode}): {res.stderr[-500:]}")
@@ -83,9 +92,15 @@ def screenshot(page: Path, png: Path, *, width: int = 1400, height: int = 2600, 
 
 
 def publish(
-    runs: list[str | Path], out_dir: str | Path, *, title: str = "", element_layout: str = "",
-    element_tensor: str = "out", fp64: bool = True, take_screenshot: bool = True,
-) -> Path:  # fmt: skip
+    runs: list[str | Path],
+    out_dir: str | Path,
+    *,
+    title: str = "",
+    element_layout: str = "",
+    element_tensor: str = "out",
+    fp64: bool = True,
+    take_screenshot: bool = True,
+) -> Path:
     """Execute the report notebook over `runs` and write out_dir/report.html (+ report.json, data/, screenshot).
 
     Returns:
@@ -98,8 +113,12 @@ def publish(
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     # no out_dir: the figures live inline in the page, not as files beside it
-    params = {"runs": [str(s.path) for s in sweeps], "element_layout": element_layout,
-              "element_tensor": element_tensor, "fp64": fp64}  # fmt: skip
+    params = {
+        "runs": [str(s.path) for s in sweeps],
+        "element_layout": element_layout,
+        "element_tensor": element_tensor,
+        "fp64": fp64,
+    }
     if title:
         params["title"] = title
     executed = notebooks.execute("report", sweeps[0].path / "report.ipynb", params)
@@ -140,7 +159,7 @@ def _write_record(sweeps: list[Sweep], out_dir: Path, title: str) -> None:
         "deterministic_runs": len(det),
         "failed": int((layouts["status"] == "failed").sum()),
     }
-    (out_dir / "report.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_json(out_dir / "report.json", record)
 
 
 def _run_status(run: dict) -> str:

@@ -19,16 +19,16 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from h3lab.env import KNOWN_GPUS
-from h3lab.layouts import Layout
-from h3lab.problem import Problem
-from h3lab.runner import slug
-from h3lab.trace import load_trace, timeline
+from h3lab.dist.layout import Layout
+from h3lab.io.env import KNOWN_GPUS
+from h3lab.run.problem import Problem
+from h3lab.run.runner import slug
+from h3lab.run.trace import load_trace, timeline
 
 
 @dataclass(frozen=True)
 class RunnerRun:
-    """One `h3lab.runner.run` directory: every layout of one mode and one batch seed."""
+    """One `h3lab.run.runner.run` directory: every layout of one mode and one batch seed."""
 
     path: Path
     summary: dict[str, Any]
@@ -88,7 +88,7 @@ class RunnerRun:
         return load_file(str(self.path / "canonical.safetensors"))
 
     def divergence(self, layout: str) -> list[dict[str, Any]] | None:
-        """The layout's op-by-op comparison with the single process (h3lab.trace.timeline); None untraced."""
+        """The layout's op-by-op comparison with the single process (h3lab.run.trace.timeline); None untraced."""
         prefix = self._layout_path(layout, ".trace")
         if not (self.path / "canonical.trace.json").is_file() or not Path(f"{prefix}.json").is_file():
             return None
@@ -164,8 +164,13 @@ def load_sweep(path: str | Path) -> Sweep:
         env = json.loads((path / "env.json").read_text()) if (path / "env.json").is_file() else {}
         env = env or {**summary.get("environment", {}), "node_type": _node_type(summary.get("environment", {}))}
         status = summary.get("status", "incomplete")
-        return Sweep(path, env, {"problem": summary["request"]["problem"]}, [RunnerRun(path, summary)],
-                     {"status": "passed" if status == "passed" else status})  # fmt: skip
+        return Sweep(
+            path,
+            env,
+            {"problem": summary["request"]["problem"]},
+            [RunnerRun(path, summary)],
+            {"status": "passed" if status == "passed" else status},
+        )
     raise ValueError(f"{str(path)!r} is not a run directory; allowed: a sweep (params.json) or an `h3lab run` folder")
 
 
@@ -182,7 +187,7 @@ def oracle_tensors(run: RunnerRun) -> dict[str, Tensor]:
 
     The oracle is of one block: a chain or trajectory run gets {} (no FP64 comparison).
     """
-    from h3lab.oracle import oracle_block
+    from h3lab.reference.oracle import oracle_block
 
     problem = run.problem()
     if problem.task != "block":

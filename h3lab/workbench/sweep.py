@@ -2,14 +2,14 @@
 
 runs/<id>/
   reproduce.ipynb            the executed notebook (papermill writes it; absent for library calls)
-  env.json                   h3lab.env.capture(): versions, devices, node type, git state, determinism
+  env.json                   h3lab.io.env.capture(): versions, devices, node type, git state, determinism
   params.json                the validated parameters and the checkpoint actually used
   checkpoint/                the synthesized checkpoint (only when no checkpoint was given)
-  <mode>/seed<s>/            one h3lab.runner run directory (summary.json, canonical, layouts/, logs)
+  <mode>/seed<s>/            one h3lab.run.runner run directory (summary.json, canonical, layouts/, logs)
   accuracy.json              canonical bf16 vs FP64 vs diffusers (the `h3lab reproduce` table)
   verdicts|layouts|ranks|collectives.parquet, figures/
   sweep.json                 written last: status, every run and every failure
-Workers run under torchrun subprocesses started by h3lab.runner; nothing here runs a rank itself.
+Workers run under torchrun subprocesses started by h3lab.run.runner; nothing here runs a rank itself.
 """
 
 from __future__ import annotations
@@ -22,22 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from h3lab.config import H3Config
-from h3lab.env import capture, node_type
-from h3lab.layouts import parse_layouts
-from h3lab.problem import Problem
-from h3lab.runner import RunRequest, run
+from h3lab.dist.layout import parse_layouts
+from h3lab.io.env import capture, node_type
+from h3lab.io.jsonfile import write_json
+from h3lab.run.problem import Problem
+from h3lab.run.runner import RunRequest, run
 from h3lab.workbench import tables
 from h3lab.workbench.params import ReproduceParams, runs_root
 from h3lab.workbench.rundata import Sweep, load_sweep
 
 SWEEP_FORMAT = "h3lab-sweep-v1"
 WEIGHTS_SEED = 0  # synthetic checkpoints always use weight seed 0: seeds vary the batch, not the block
-
-
-def _atomic_json(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    tmp.replace(path)
 
 
 def new_run_dir(device: str = "cpu", root: Path | None = None) -> Path:
@@ -60,16 +55,16 @@ def prepare(p: ReproduceParams) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "params.json").exists():
         raise ValueError(f"run_dir {str(run_dir)!r} already holds a sweep; allowed: a new or empty folder")
-    _atomic_json(run_dir / "env.json", capture(p.device))
+    write_json(run_dir / "env.json", capture(p.device))
     checkpoint = p.checkpoint
     if checkpoint is None:  # only the blocks up to `block`: the real config's 50 would be 65 GB
-        from h3lab.checkpoint import synthesize_checkpoint
+        from h3lab.io.checkpoint import synthesize_checkpoint
 
         config = H3Config.named(p.config)
         checkpoint = synthesize_checkpoint(run_dir / "checkpoint", config, num_blocks=p.block + 1, seed=WEIGHTS_SEED)
     record = {"format": SWEEP_FORMAT, **p.to_dict(), "checkpoint_path": str(Path(checkpoint).resolve())}
     record["started"] = time.time()
-    _atomic_json(run_dir / "params.json", record)
+    write_json(run_dir / "params.json", record)
     return run_dir
 
 
@@ -79,11 +74,11 @@ def planned(params: dict[str, Any]) -> list[tuple[str, int, str]]:
 
 
 def run_sweep(run_dir: str | Path) -> Sweep:
-    """Run every (mode, seed) of params.json through h3lab.runner.run into <mode>/seed<s>/.
+    """Run every (mode, seed) of params.json through h3lab.run.runner.run into <mode>/seed<s>/.
 
     A layout that fails or mismatches does not stop the sweep: its record says which rank and log.
     """
-    from h3lab.commands.run import format_summary
+    from h3lab.run.summary import format_summary
 
     run_dir = Path(run_dir)
     params = json.loads((run_dir / "params.json").read_text())
@@ -91,13 +86,25 @@ def run_sweep(run_dir: str | Path) -> Sweep:
     for mode in params["modes"]:
         for seed in params["seeds"]:
             problem = Problem(
-                synthetic=None, checkpoint=params["checkpoint_path"], block=params["block"], rows=params["rows"],
-                seed=seed, device=params["device"], backend=params["backend"], mode=mode, repeats=params["repeats"],
-            )  # fmt: skip
+                synthetic=None,
+                checkpoint=params["checkpoint_path"],
+                block=params["block"],
+                rows=params["rows"],
+                seed=seed,
+                device=params["device"],
+                backend=params["backend"],
+                mode=mode,
+                repeats=params["repeats"],
+            )
             out = run_dir / mode / f"seed{seed}"
-            req = RunRequest(layouts=layouts, problem=problem, out=out, timeout_s=params["timeout"],
-                             trace=params.get("trace", False),
-                             command=["notebooks/reproduce.py", f"run_dir={run_dir}"])  # fmt: skip
+            req = RunRequest(
+                layouts=layouts,
+                problem=problem,
+                out=out,
+                timeout_s=params["timeout"],
+                trace=params.get("trace", False),
+                command=["notebooks/reproduce.py", f"run_dir={run_dir}"],
+            )
             summary = run(req)
             print(f"== {mode}, batch seed {seed}: {out}\n{format_summary(summary)}", flush=True)
     return load_sweep(run_dir)
@@ -107,9 +114,9 @@ def accuracy(run_dir: str | Path) -> dict[str, Any]:
     """canonical bf16 vs the FP64 oracle vs diffusers on the sweep's block and first seed -> accuracy.json."""
     import torch
 
-    from h3lab.accuracy import block_accuracy, format_table
     from h3lab.batch import packed_batch
-    from h3lab.checkpoint import load_block
+    from h3lab.io.checkpoint import load_block
+    from h3lab.reference.accuracy import block_accuracy, format_table
 
     run_dir = Path(run_dir)
     params = json.loads((run_dir / "params.json").read_text())
@@ -120,7 +127,7 @@ def accuracy(run_dir: str | Path) -> dict[str, Any]:
     batch = packed_batch(weights.config, params["rows"], seed=params["seeds"][0]).to(device)
     report = block_accuracy(weights, batch)
     report |= {"rows": params["rows"], "seed": params["seeds"][0], "table": format_table(report)}
-    _atomic_json(run_dir / "accuracy.json", report)
+    write_json(run_dir / "accuracy.json", report)
     return report
 
 
@@ -155,7 +162,7 @@ def finish(run_dir: str | Path) -> Sweep:
         "runs": [{"mode": r.mode, "seed": r.seed, "path": str(r.path), "status": r.summary["status"]} for r in runs],
         "problems": bad[cols].astype(object).where(bad[cols].notna(), None).to_dict("records"),
     }
-    _atomic_json(run_dir / "sweep.json", record)
+    write_json(run_dir / "sweep.json", record)
     return load_sweep(run_dir)
 
 

@@ -30,8 +30,15 @@ def _runs(sweeps: Iterable[Sweep]) -> Iterable[tuple[dict, RunnerRun, str, dict]
                 yield keys | {"layout": layout}, run, layout, rec
 
 
-VERDICT_FIELDS = ("dtype", "bitwise_equal", "num_elements", "num_differing", "frac_differing", "max_ulp",
-                  "nan_mismatches")  # fmt: skip
+VERDICT_FIELDS = (
+    "dtype",
+    "bitwise_equal",
+    "num_elements",
+    "num_differing",
+    "frac_differing",
+    "max_ulp",
+    "nan_mismatches",
+)
 
 
 def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
@@ -45,8 +52,9 @@ def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
         for name in run.tensor_names or list(tensors):
             t = tensors.get(name)
             # a digest-only verdict (`h3lab run --digests`) has bitwise_equal alone: the rest stays missing
-            rows.append(keys | {"layout_status": rec["status"], "tensor": name}
-                        | {c: (t or {}).get(c) for c in VERDICT_FIELDS})  # fmt: skip
+            rows.append(
+                keys | {"layout_status": rec["status"], "tensor": name} | {c: (t or {}).get(c) for c in VERDICT_FIELDS}
+            )
     df = pd.DataFrame(rows)
     for col, dtype in (("bitwise_equal", "boolean"), ("max_ulp", "Int64"), ("num_differing", "Int64")):
         if col in df:
@@ -67,17 +75,20 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     for keys, _, _, rec in _runs(sweeps):
         tensors = rec.get("tensors", {})
         failure = rec.get("failure") or {}
-        rows.append(keys | {
-            "status": rec["status"],
-            "world": rec.get("world"),
-            "tensors_equal": sum(t["bitwise_equal"] for t in tensors.values()) if tensors else None,
-            "tensors": len(tensors) if tensors else None,
-            "max_ulp": _worst_ulp(tensors),
-            "launch_s": rec.get("launch", {}).get("elapsed_s"),
-            "failed_rank": failure.get("rank"),
-            "failure": failure.get("reason"),
-            "log": failure.get("log"),
-        })  # fmt: skip
+        rows.append(
+            keys
+            | {
+                "status": rec["status"],
+                "world": rec.get("world"),
+                "tensors_equal": sum(t["bitwise_equal"] for t in tensors.values()) if tensors else None,
+                "tensors": len(tensors) if tensors else None,
+                "max_ulp": _worst_ulp(tensors),
+                "launch_s": rec.get("launch", {}).get("elapsed_s"),
+                "failed_rank": failure.get("rank"),
+                "failure": failure.get("reason"),
+                "log": failure.get("log"),
+            }
+        )
     df = pd.DataFrame(rows)
     for col in ("tensors_equal", "tensors", "max_ulp", "failed_rank"):
         if col in df:
@@ -93,16 +104,19 @@ def rank_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
             continue
         for r in run.rank_records(layout):
             dec = r.get("decisions", [])
-            rows.append(keys | {
-                "rank": r["rank"],
-                "device": r.get("device"),
-                "transport": r.get("transport"),
-                **{k: r["timings"].get(k) for k in ("forward_s", "backward_s", "collective_s")},
-                "collective_calls": sum(d.get("calls", 1) for d in dec),
-                "bytes_sent": sum(d.get("bytes_sent_total", 0) for d in dec),
-                "bytes_received": sum(d.get("bytes_received_total", 0) for d in dec),
-                "bytes_local": sum(d.get("bytes_local_total", 0) for d in dec),
-            })  # fmt: skip
+            rows.append(
+                keys
+                | {
+                    "rank": r["rank"],
+                    "device": r.get("device"),
+                    "transport": r.get("transport"),
+                    **{k: r["timings"].get(k) for k in ("forward_s", "backward_s", "collective_s")},
+                    "collective_calls": sum(d.get("calls", 1) for d in dec),
+                    "bytes_sent": sum(d.get("bytes_sent_total", 0) for d in dec),
+                    "bytes_received": sum(d.get("bytes_received_total", 0) for d in dec),
+                    "bytes_local": sum(d.get("bytes_local_total", 0) for d in dec),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -151,15 +165,17 @@ def timing_table(ranks: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     g = ranks.groupby(["layout", "mode"], sort=False)
     per_seed_bytes = ranks.groupby(["layout", "mode", "run_id", "seed"], sort=False)["bytes_sent"].sum()
-    t = pd.DataFrame({
-        "fwd median s": g["forward_s"].median(),
-        "fwd spread s": g["forward_s"].max() - g["forward_s"].min(),
-        "bwd median s": g["backward_s"].median(),
-        "bwd spread s": g["backward_s"].max() - g["backward_s"].min(),
-        "coll median s": g["collective_s"].median(),
-        "MiB sent": per_seed_bytes.groupby(["layout", "mode"], sort=False).median() / 2**20,
-        "ranks": g["rank"].nunique(),
-    })  # fmt: skip
+    t = pd.DataFrame(
+        {
+            "fwd median s": g["forward_s"].median(),
+            "fwd spread s": g["forward_s"].max() - g["forward_s"].min(),
+            "bwd median s": g["backward_s"].median(),
+            "bwd spread s": g["backward_s"].max() - g["backward_s"].min(),
+            "coll median s": g["collective_s"].median(),
+            "MiB sent": per_seed_bytes.groupby(["layout", "mode"], sort=False).median() / 2**20,
+            "ranks": g["rank"].nunique(),
+        }
+    )
     wide = t.unstack("mode").swaplevel(axis=1)  # columns (mode, metric)
     modes = [m for m in MODE_ORDER if m in wide.columns.get_level_values("mode")]
     wide = wide.reindex(columns=pd.MultiIndex.from_product([modes, t.columns], names=["mode", None]))
@@ -179,8 +195,13 @@ def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
             if pd.isna(r["tensors"]):
                 parts.append(f"{r['status']} (rank {r['failed_rank']})")
             else:
-                worst = ("" if r["status"] == "passed" else ", digests differ" if pd.isna(r["max_ulp"])
-                         else f", max {r['max_ulp']} ULP")  # fmt: skip
+                worst = (
+                    ""
+                    if r["status"] == "passed"
+                    else ", digests differ"
+                    if pd.isna(r["max_ulp"])
+                    else f", max {r['max_ulp']} ULP"
+                )
                 parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst}")
         return "; ".join(dict.fromkeys(parts))
 
@@ -208,8 +229,11 @@ def terminal_summary(sweep: Sweep) -> str:
     """The sweep in a fixed-width table: per layout and mode, the verdict and the slowest rank's fwd+bwd."""
     layouts, ranks = layout_frame([sweep]), rank_frame([sweep])
     verdicts = verdict_table(layouts)
-    step = (ranks.assign(step=ranks["forward_s"] + ranks["backward_s"]).groupby(["layout", "mode"])["step"].max()
-            if not ranks.empty else pd.Series(dtype=float))  # fmt: skip
+    step = (
+        ranks.assign(step=ranks["forward_s"] + ranks["backward_s"]).groupby(["layout", "mode"])["step"].max()
+        if not ranks.empty
+        else pd.Series(dtype=float)
+    )
     modes = list(verdicts.columns)
     width = max(28, *(len(str(v)) + 2 for v in verdicts.to_numpy().ravel()))
     head = f"{'layout':<12}" + "".join(f"{m:<{width}}{'fwd+bwd s':>10}  " for m in modes)

@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
+from h3lab.io.jsonfile import write_json
 from h3lab.metrics import error_stats
 from h3lab.workbench import figures, tables
 from h3lab.workbench.rundata import RunnerRun, Sweep, oracle_tensors
@@ -72,16 +73,20 @@ def show_verdicts(sweeps: list[Sweep]) -> None:
         _display(tables.verdict_table(df))
         failed = df[df["status"] == "failed"]
         for _, r in failed.iterrows():
-            _md(f"- **{r['layout']}** ({r['mode']}, seed {r['seed']}) failed on rank {r['failed_rank']}: "
-                f"{r['failure']} (log `{r['log']}`)")  # fmt: skip
+            _md(
+                f"- **{r['layout']}** ({r['mode']}, seed {r['seed']}) failed on rank {r['failed_rank']}: "
+                f"{r['failure']} (log `{r['log']}`)"
+            )
 
 
 def show_heatmaps(sweeps: list[Sweep], out_dir: Path | None = None) -> None:
     """Per node type: the layout x tensor heatmap of max ULP and fraction differing, both modes."""
     verdicts = tables.verdict_frame(sweeps)
     for node in _nodes(sweeps):
-        fig = figures.verdict_heatmap(verdicts[verdicts["node_type"] == node], title=f"{node}: every layout "
-                                      "against the single-process block of the same mode")  # fmt: skip
+        fig = figures.verdict_heatmap(
+            verdicts[verdicts["node_type"] == node],
+            title=f"{node}: every layout against the single-process block of the same mode",
+        )
         figures.show(fig, out_dir / "figures" / f"heatmap-{node.lower()}.png" if out_dir else None)
 
 
@@ -103,8 +108,10 @@ def show_element_maps(
     """Per mode: the per-element ULP map of `tensor` of `layout` against the single-process block and FP64."""
     layout = layout or sweep.runs[0].layouts[-1]
     if not all(run.has_tensors(layout) for run in sweep.runs if run.record(layout)["status"] != "failed"):
-        _md(f"*{layout}: this run kept digests, not tensors (real-size runs are pruned to save GBs): no per-element "
-            "map; the verdicts above compare every tensor's digest.*")  # fmt: skip
+        _md(
+            f"*{layout}: this run kept digests, not tensors (real-size runs are pruned to save GBs): no per-element "
+            "map; the verdicts above compare every tensor's digest.*"
+        )
         return
     ref64 = oracle_tensors(sweep.runs[0])[tensor] if fp64 else None
     for run in sweep.runs:
@@ -123,13 +130,15 @@ def accuracy_frame(report: dict[str, Any]) -> pd.DataFrame:
     for name, cols in report["tensors"].items():
         rel = {k: v["rel_l2"] if v else None for k, v in cols.items()}
         ours, theirs = rel["canonical_bf16_vs_fp64"], rel["diffusers_bf16_vs_fp64"]
-        rows.append({
-            "tensor": name,
-            "canonical bf16 vs FP64": ours,
-            "diffusers bf16 vs FP64": theirs,
-            "ratio": ours / theirs if ours is not None and theirs else None,
-            "fp32 parity": rel["canonical_fp32_vs_diffusers_fp32"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "tensor": name,
+                "canonical bf16 vs FP64": ours,
+                "diffusers bf16 vs FP64": theirs,
+                "ratio": ours / theirs if ours is not None and theirs else None,
+                "fp32 parity": rel["canonical_fp32_vs_diffusers_fp32"],
+            }
+        )
     return pd.DataFrame(rows).set_index("tensor")
 
 
@@ -140,8 +149,10 @@ def show_accuracy(sweeps: list[Sweep]) -> None:
             continue
         det = sw.accuracy["determinism"]
         verdict = "bitwise equal" if det["bitwise_equal"] else f"DIFFER in {det['tensors_differing']}"
-        _md(f"### {sw.node_type}: `{sw.run_id}` ({sw.accuracy['rows']} rows, batch seed {sw.accuracy['seed']})\n\n"
-            f"Two canonical bf16 runs: **{verdict}**; sha256(out) `{det['sha256']['out'][:16]}…`")  # fmt: skip
+        _md(
+            f"### {sw.node_type}: `{sw.run_id}` ({sw.accuracy['rows']} rows, batch seed {sw.accuracy['seed']})\n\n"
+            f"Two canonical bf16 runs: **{verdict}**; sha256(out) `{det['sha256']['out'][:16]}…`"
+        )
         styled = accuracy_frame(sw.accuracy).style.format("{:.2e}", na_rep="-")
         _display(styled.format("{:.2f}", subset=["ratio"], na_rep="-"))
 
@@ -152,15 +163,22 @@ def environment_frame(sweeps: list[Sweep]) -> pd.DataFrame:
     for sw in sweeps:
         e = sw.env
         gpus = e.get("gpus") or []
-        rows.append({
-            "run": sw.run_id,
-            "node type": sw.node_type,
-            "device": f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['memory_gib']} GiB)" if gpus
-            else f"CPU: {e.get('cpu', {}).get('model', '?')} x {e.get('cpu', {}).get('count', '?')}",
-            "torch": e.get("torch"), "triton": e.get("triton"), "cuda": e.get("cuda"), "driver": e.get("driver"),
-            "nccl": e.get("nccl"), "python": e.get("python"),
-            "commit": ((e.get("git") or {}).get("describe") or "?"),
-        })  # fmt: skip
+        rows.append(
+            {
+                "run": sw.run_id,
+                "node type": sw.node_type,
+                "device": f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['memory_gib']} GiB)"
+                if gpus
+                else f"CPU: {e.get('cpu', {}).get('model', '?')} x {e.get('cpu', {}).get('count', '?')}",
+                "torch": e.get("torch"),
+                "triton": e.get("triton"),
+                "cuda": e.get("cuda"),
+                "driver": e.get("driver"),
+                "nccl": e.get("nccl"),
+                "python": e.get("python"),
+                "commit": ((e.get("git") or {}).get("describe") or "?"),
+            }
+        )
     return pd.DataFrame(rows).set_index("run")
 
 
@@ -173,10 +191,13 @@ def tensor_table(run: RunnerRun, layout: str) -> pd.DataFrame:
     """Per tensor of one layout: byte equality with the single-process block, differing elements, max ULP."""
     rec = run.record(layout)
     rows = [
-        {"tensor": k, **{c: t.get(c) for c in ("dtype", "bitwise_equal", "num_differing", "frac_differing", "max_ulp")},
-         "sha256": t["sha256_a"][:16]}
+        {
+            "tensor": k,
+            **{c: t.get(c) for c in ("dtype", "bitwise_equal", "num_differing", "frac_differing", "max_ulp")},
+            "sha256": t["sha256_a"][:16],
+        }
         for k, t in rec.get("tensors", {}).items()
-    ]  # fmt: skip
+    ]
     df = pd.DataFrame(rows)
     order = {name: i for i, name in enumerate(run.tensor_names)}
     return df.sort_values("tensor", key=lambda s: s.map(order)).set_index("tensor") if len(df) else df
@@ -191,11 +212,16 @@ def fp64_table(layout: dict[str, Tensor], canonical: dict[str, Tensor], fp64: di
         )
     for name, ref in fp64.items():
         a, b = error_stats(layout[name], ref), error_stats(canonical[name], ref)
-        rows.append({
-            "tensor": name,
-            "layout rel L2": a["rel_l2"], "layout max abs": a["max_abs"], "layout max ULP": a["max_ulp_vs_rounded_ref"],
-            "single-process rel L2": b["rel_l2"], "single-process max ULP": b["max_ulp_vs_rounded_ref"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "tensor": name,
+                "layout rel L2": a["rel_l2"],
+                "layout max abs": a["max_abs"],
+                "layout max ULP": a["max_ulp_vs_rounded_ref"],
+                "single-process rel L2": b["rel_l2"],
+                "single-process max ULP": b["max_ulp_vs_rounded_ref"],
+            }
+        )
     return pd.DataFrame(rows).set_index("tensor")
 
 
@@ -204,7 +230,7 @@ def save_record(path: str | Path, **frames: pd.DataFrame) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {k: json.loads(v.reset_index().to_json(orient="records")) for k, v in frames.items()}
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_json(path, record)
     return path
 
 
@@ -216,7 +242,10 @@ def show_divergence(run: RunnerRun, layout: str) -> dict[str, Any] | None:
         return None
     _display(figures.divergence_timeline(rows, title=layout))
     first = next((r for r in rows if not r["bitwise_equal"]), None)
-    _md("every op is bit-identical" if first is None else
-        f"first divergence: op {first['index']} `{first['name']}` — {first['num_differing']} elements differ, "
-        f"max {first['max_ulp']} ULP")  # fmt: skip
+    _md(
+        "every op is bit-identical"
+        if first is None
+        else f"first divergence: op {first['index']} `{first['name']}` — {first['num_differing']} elements differ, "
+        f"max {first['max_ulp']} ULP"
+    )
     return first

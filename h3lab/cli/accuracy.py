@@ -1,0 +1,79 @@
+"""`h3lab accuracy`: synthesize a checkpoint, load one block, measure it against the FP64 oracle and diffusers.
+
+A run folder holds `checkpoint/` (unless `--checkpoint` names one) and, written last and
+atomically, `summary.json`: a folder without it is an incomplete run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from h3lab.batch import packed_batch
+from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.contract import describe
+from h3lab.io.checkpoint import load_block, synthesize_checkpoint
+from h3lab.io.env import brief, capture
+from h3lab.io.jsonfile import write_json
+from h3lab.io.manifest import MANIFEST_NAME, find_layout
+from h3lab.reference.accuracy import block_accuracy, format_table
+from h3lab.reference.parity import diffusers_available
+
+SUMMARY_FORMAT = "h3lab-reproduce-v1"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    parser.add_argument("--out", default=None, help="run folder (default: runs/accuracy-<UTC timestamp>)")
+    parser.add_argument("--config", default="tiny", choices=NAMED_CONFIGS, help="synthetic checkpoint's shape")
+    parser.add_argument("--checkpoint", default=None, help="use this checkpoint folder instead of synthesizing one")
+    parser.add_argument("--block", type=int, default=0, help="transformer block to run (default 0)")
+    parser.add_argument("--rows", type=int, default=264, help="packed rows of the batch (default 264)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and of the batch")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+
+    def run(args: argparse.Namespace) -> int:
+        out = Path(args.out or f"runs/accuracy-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"run folder {str(out)!r} is not empty; pass a new --out")
+        out.mkdir(parents=True, exist_ok=True)
+        if args.checkpoint is None:  # only the blocks needed: the real config's 50 would be 65 GB
+            config = H3Config.named(args.config)
+            ckpt = synthesize_checkpoint(out / "checkpoint", config, num_blocks=args.block + 1, seed=args.seed)
+            print(f"synthesized {args.config} checkpoint ({args.block + 1} block(s), seed {args.seed}): {ckpt}")
+        else:
+            ckpt = Path(args.checkpoint)
+        verified = (find_layout(ckpt).folder / MANIFEST_NAME).is_file()
+        weights = load_block(ckpt, args.block).to(args.device)
+        batch = packed_batch(weights.config, args.rows, seed=args.seed).to(args.device)
+        print(f"block {args.block} loaded ({'sha256-verified' if verified else 'no manifest.json: unverified'})")
+        if not diffusers_available():
+            print("diffusers not installed: diffusers columns skipped (pip install -e '.[parity]')")
+        report = block_accuracy(weights, batch)
+        print(format_table(report))
+
+        summary = {
+            "format": SUMMARY_FORMAT,
+            "contract": describe(),
+            "config": weights.config.to_dict(),
+            "checkpoint": {"path": str(ckpt), "block": args.block, "manifest_verified": verified},
+            "batch": {"rows": args.rows, "seed": args.seed, "timesteps": batch.num_timesteps},
+            "environment": brief(capture(batch.device))
+            | {"device": str(batch.device), "diffusers": _diffusers_version()},
+            **report,
+        }
+        path = out / "summary.json"
+        write_json(path, summary)  # last: a run folder without summary.json is incomplete
+        print(f"summary: {path}")
+        return 0 if report["determinism"]["bitwise_equal"] else 1
+
+    return run
+
+
+def _diffusers_version() -> str | None:
+    if not diffusers_available():
+        return None
+    import diffusers
+
+    return diffusers.__version__

@@ -1,0 +1,60 @@
+"""`h3lab report RUN...`: run directories -> a self-contained HTML report under reports/<node type>/."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+REPORTS = Path(__file__).resolve().parents[2] / "reports"  # the checkout's published reports
+
+
+def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="sweeps (runs/<id>) or `h3lab run` folders")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="one report of all RUNs here (default: one per node type in ROOT/<node type>/)",
+    )
+    p.add_argument("--root", type=Path, default=REPORTS, help=f"reports folder holding index.html (default {REPORTS})")
+    p.add_argument("--title", default="", help="the report's title")
+    p.add_argument("--element-layout", default="", help="layout of the per-element maps (default: the last)")
+    p.add_argument("--element-tensor", default="out", help="tensor of the per-element maps (default: out)")
+    p.add_argument("--no-fp64", action="store_true", help="skip the FP64 oracle (a real block's holds ~10 GB)")
+    p.add_argument("--no-screenshot", action="store_true", help="skip the Chromium screenshot")
+
+    def handle(a: argparse.Namespace) -> int:
+        from h3lab.workbench.notebooks import NotebookError
+        from h3lab.workbench.publish import publish, write_index
+        from h3lab.workbench.rundata import load_sweep
+
+        groups: dict[Path, list[Path]] = {}
+        for run in a.runs:
+            node = load_sweep(run).node_type
+            groups.setdefault(a.out or a.root / node.lower(), []).append(run)
+        status = 0
+        for out, runs in groups.items():
+            try:
+                page = publish(
+                    runs,
+                    out,
+                    title=a.title,
+                    element_layout=a.element_layout,
+                    element_tensor=a.element_tensor,
+                    fp64=not a.no_fp64,
+                    take_screenshot=not a.no_screenshot,
+                )
+            except NotebookError as err:
+                print(f"h3lab report: {err}")
+                status = 1
+                continue
+            print(f"report: {page}")
+        root = a.root.resolve()
+        if all(out.resolve().is_relative_to(root) for out in groups):
+            print(f"index: {write_index(root)}")
+        else:  # a report written elsewhere (--out) is not listed in the repository's index
+            print(f"index: not updated ({root}/index.html lists reports under {root} only)")
+        return status
+
+    return handle

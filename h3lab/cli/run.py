@@ -1,0 +1,105 @@
+"""`h3lab run`: launch layouts through torchrun and compare every rank with the canonical block."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from h3lab.backend import CONTRACT_BACKENDS
+from h3lab.dist.layout import ALL_LAYOUTS, parse_layouts
+from h3lab.run.problem import Problem
+from h3lab.run.runner import RunRequest, run
+from h3lab.run.summary import format_summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    p.add_argument("--layout", nargs="+", required=True, metavar="L", help=f"{', '.join(ALL_LAYOUTS)} or all")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--synthetic", choices=["tiny", "real"], help="synthetic weights of a named config")
+    src.add_argument("--checkpoint", type=Path, help="a diffusers checkpoint folder")
+    p.add_argument("--block", type=int, default=0, help="block index (default 0)")
+    p.add_argument("--blocks", default=None, metavar="A-B", help="a chain of blocks A..B (inclusive), e.g. 0-49")
+    p.add_argument(
+        "--trajectory",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="a denoising trajectory of STEPS sampler steps through the whole model (blocks 0..B of --blocks)",
+    )
+    p.add_argument("--trace", action="store_true", help="record every op and name each layout's first divergence")
+    p.add_argument(
+        "--digests",
+        action="store_true",
+        help="compare weight gradients by sha256 per unit slice (for runs too big to store them)",
+    )
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
+    p.add_argument("--rows", type=int, default=264)
+    p.add_argument("--padding", type=int, default=0, help="padding rows inside the batch")
+    p.add_argument("--seed", type=int, default=0, help="seed of the packed batch")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backend", choices=CONTRACT_BACKENDS, default="torch")
+    p.add_argument("--mode", choices=["deterministic", "baseline"], default="deterministic")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default runs/run-<time>)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
+    p.add_argument("--algorithm", choices=["auto", "gather_tree", "scatter_tree"], default="auto")
+    p.add_argument(
+        "--agents",
+        choices=["one", "per-node"],
+        default="one",
+        help="per-node: one torchrun agent per layout node on 127.0.0.1",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="block steps per rank (timing)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (several machines)")
+
+    def handle(a: argparse.Namespace) -> int:
+        first, last = _block_range(a.blocks, a.block)
+        task = "trajectory" if a.trajectory else ("chain" if a.blocks else "block")
+        problem = Problem(
+            synthetic=a.synthetic,
+            checkpoint=str(a.checkpoint) if a.checkpoint else None,
+            block=first,
+            last_block=last,
+            task=task,
+            steps=a.trajectory or 2,
+            digests=a.digests,
+            weights_seed=a.weights_seed,
+            rows=a.rows,
+            padding=a.padding,
+            seed=a.seed,
+            device=a.device,
+            backend=a.backend,
+            mode=a.mode,
+            repeats=a.repeats,
+        )
+        out = a.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+        req = RunRequest(
+            layouts=tuple(parse_layouts(a.layout)),
+            problem=problem,
+            out=out,
+            timeout_s=a.timeout,
+            algorithm=a.algorithm,
+            agents=a.agents,
+            nnodes=a.nnodes,
+            node_rank=a.node_rank,
+            rdzv_endpoint=a.rdzv_endpoint,
+            trace=a.trace,
+        )
+        summary = run(req)
+        print(format_summary(summary))
+        print(f"run directory: {out}")
+        return 0 if summary["status"] == "passed" else 1
+
+    return handle
+
+
+def _block_range(blocks: str | None, block: int) -> tuple[int, int | None]:
+    if blocks is None:
+        return block, None
+    first, sep, last = blocks.partition("-")
+    if not (first.isdigit() and (not sep or last.isdigit())):
+        raise ValueError(f"--blocks {blocks!r}; allowed: A-B with A <= B, e.g. 0-49, or a single index")
+    return int(first), int(last or first)

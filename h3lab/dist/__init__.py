@@ -1,0 +1,10 @@
+"""Distribution: how a layout spreads the block over processes, and the bytes they exchange.
+
+  layout       `Layout`, parsed from `tp{T}[xcp{C}][+sp][:{N}x{L}]` or `cp{C}`: validated data
+  seqshard     `SeqShard`: which rows of the packed sequence each rank holds (with padding)
+  collectives  deterministic reductions over torch.distributed (gather_tree, scatter_tree, hierarchical)
+  distcomm     `DistComm`/`BaselineComm`: the block's `BlockComm` seam for one rank of a layout
+
+May import: the core only. The block never imports this package: a layout is applied from outside,
+through `h3lab.comm.BlockComm` and `h3lab.units`.
+"""

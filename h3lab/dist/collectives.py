@@ -1,0 +1,568 @@
+"""Deterministic collectives over torch.distributed: the backend only moves bytes, the arithmetic is ours.
+
+Every reduction over the P members of a group is `balanced_tree` over the members' tensors in member
+order, evaluated by h3lab on the tensor's device. The input dtype is the accumulation dtype (callers
+pass FP32 partials). For P = 2/4/8 this is the contract's tree, so TP ranks handing in subtree roots
+get the single-process 8-unit result bit for bit. The backend (gloo, NCCL) only ever sees uint8
+views: all-gathers and all-to-alls, never a backend sum. All algorithms evaluate the same tree, so
+which one runs (even a size-dependent choice) cannot change a bit; it only changes bytes and time.
+
+Algorithms for all_reduce, per member, S = bytes of one member's partial:
+- gather_tree: all-gather every partial, add the tree locally; (P-1)*S received.
+- scatter_tree: all-to-all of P chunks of the flattened tensor (owner j gets all P partials of chunk
+  j), the owner adds them, then an all-gather of the reduced chunks; 2(P-1)/P*S received, a ring
+  all-reduce's volume (chunks padded to ceil(numel/P) elements: at most 2(P-1) elements more).
+- hierarchical: G = P/L node groups of L consecutive members; the tree over the L local partials
+  (CPU: through /dev/shm frames, no backend; CUDA: a process-group all-gather), then an all-gather
+  of the G group partials along "lanes" (members with the same local index), then the tree over
+  the G partials. Allowed only where that nested tree is the flat tree: G a power of two (or L = 1),
+  so 2x4 gives ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)) and 2x3 ((r0+r1)+r2)+((r3+r4)+r5); 3x2 is refused.
+Metadata exchanges (shape signatures, sizes for all_gather) are not counted in the byte figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from h3lab.ops.fixed import balanced_tree
+
+ALGORITHMS = ("auto", "gather_tree", "scatter_tree", "hierarchical")
+REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_WIRE_DTYPES = (*REDUCE_DTYPES, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_NDIM = 10  # shape signatures carry up to 10 dims; the block's tensors have at most 4
+
+# auto: gather_tree below, scatter_tree at or above these sizes of one member's partial. scatter_tree
+# saves (P-1)(P-2)/P*S received bytes but pays a second collective (latency a), so it wins above
+# S* = a*B*P/((P-1)(P-2)) (B = bandwidth). gloo: measured with `collective_check --bench`, P=8 on the
+# 2-core box (oversubscribed, a ~ 5 ms): gather_tree vs scatter_tree 8.9 vs 10.7 ms at 64 KiB,
+# 12.6 vs 13.4 ms at 256 KiB, 27.6 vs 17.2 ms at 1 MiB -> 256 KiB. NCCL on NVLink: a ~ 15 us,
+# B ~ 370 GB/s busBw -> S* ~ 1 MiB at P=8 (estimate until the 8-GPU bench replaces it). At P=2
+# both move S bytes, so gather_tree (one collective) always.
+AUTO_SCATTER_MIN_BYTES = {"gloo": 256 << 10, "nccl": 1 << 20}
+_SHM_DIR = Path("/dev/shm")
+# torch 2.13 renamed all_gather_into_tensor (now a deprecated alias); GPU nodes may bring torch 2.11
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SHM_MIN_CAPACITY = 1 << 20  # frames start at 1 MiB and at least double: 10 re-maps up to 1 GiB
+
+
+def tree_string(labels: Sequence[str]) -> str:
+    """The `balanced_tree` expression over `labels`, e.g. "((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7))"."""
+    if not labels:
+        raise ValueError("tree_string needs at least one label")
+    if len(labels) == 1:
+        return labels[0]
+    mid = (len(labels) + 1) // 2
+    sides = [tree_string(labels[:mid]), tree_string(labels[mid:])]
+    return "+".join(f"({s})" if "+" in s else s for s in sides)
+
+
+def hierarchical_tree_string(labels: Sequence[str], local_size: int) -> str:
+    """The nested tree: `tree_string` over groups of `local_size` consecutive labels, then over the groups."""
+    return tree_string([tree_string(labels[i : i + local_size]) for i in range(0, len(labels), local_size)])
+
+
+def hierarchical_local_sizes(num_members: int) -> list[int]:
+    """Local sizes L whose nested tree (L-trees, then a tree over the groups) is the flat balanced tree."""
+    labels = [f"r{i}" for i in range(num_members)]
+    divisors = [d for d in range(1, num_members + 1) if num_members % d == 0]
+    return [d for d in divisors if hierarchical_tree_string(labels, d) == tree_string(labels)]
+
+
+@dataclass(frozen=True)
+class CollectiveDecision:
+    """What one call site of a collective ran, and why (recorded at its first call)."""
+
+    site: str
+    op: str  # "all_reduce" | "reduce_scatter" | "all_gather"
+    algorithm: str  # "gather_tree" | "scatter_tree" | "hierarchical" | "copy" | "identity"
+    reason: str
+    tree: str  # the expression over members' global ranks ("copy" for all_gather)
+    group: dict  # {"ranks": [...], "groups": [[...], ...], "local_size": L or None}
+    dtype: str
+    numel: int
+    bytes_sent: int  # per member, what this member asked the backend to move (payload, padding included)
+    bytes_received: int
+    transport: str
+    bytes_local: int = 0  # bytes read from other members' /dev/shm frames (no backend involved)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _SiteStats:
+    decision: CollectiveDecision
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    seconds: float = 0.0
+    algorithms: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class _Bytes:
+    sent: int = 0
+    received: int = 0
+    local: int = 0
+
+
+def choose_algorithm(
+    op: str, requested: str, *, nbytes: int, num_members: int, local_size: int | None, transport: str
+) -> tuple[str, str]:
+    """(algorithm, reason) for one call; `local_size` is None unless the hierarchical tree is allowed."""
+    P = num_members
+    if op == "all_gather":
+        return "copy", "all_gather is a copy: one backend all-gather in member order, no arithmetic"
+    if P == 1:
+        return "identity", "one member: the tree is the member's tensor"
+    if requested != "auto":
+        return requested, f"requested {requested!r}"
+    L = local_size
+    if L is not None and L < P:
+        return "hierarchical", (
+            f"auto: local_size {L} < {P} members: tree over {L} node-local partials, "
+            f"then an all-gather of {P // L} group partials per lane"
+        )
+    if op == "reduce_scatter":
+        return "scatter_tree", "auto: reduce_scatter is scatter_tree's first half ((P-1)/P*S received, not (P-1)*S)"
+    if P == 2:
+        return "gather_tree", "auto: P=2: gather_tree and scatter_tree both receive S; one collective beats two"
+    key = "nccl" if transport == "nccl" else "gloo"
+    threshold = AUTO_SCATTER_MIN_BYTES[key]
+    if nbytes < threshold:
+        return "gather_tree", f"auto: {nbytes} B < {threshold} B ({key}): latency-bound, one collective"
+    return "scatter_tree", f"auto: {nbytes} B >= {threshold} B ({key}): bandwidth-bound, 2(P-1)/P*S received"
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A process group seen in member order: torch numbers a group's ranks in sorted global order."""
+
+    pg: dist.ProcessGroup
+    order: tuple[int, ...]  # order[j]: group rank of the j-th member (member order)
+    me: int  # this rank's position in member order
+
+    @classmethod
+    def make(cls, ranks: list[int], rank: int) -> _Group | None:
+        """Every rank of the world calls this for every group, in the same order (dist.new_group)."""
+        pg = dist.new_group(ranks)
+        if rank not in ranks:
+            return None
+        return cls(pg, tuple(dist.get_group_rank(pg, q) for q in ranks), ranks.index(rank))
+
+    @property
+    def identity(self) -> bool:
+        return self.order == tuple(range(len(self.order)))
+
+
+def _transport(device: torch.device, group: _Group) -> str:
+    backend = str(dist.get_backend(group.pg)).lower()
+    if device.type == "cuda" and "nccl" in backend:
+        return "nccl"
+    if "gloo" in backend:
+        return "gloo" if device.type == "cpu" else "gloo (staged through CPU)"
+    allowed = "cpu/cuda tensors on gloo, cuda tensors on nccl"
+    raise ValueError(f"no transport for {device.type} tensors on backend {backend!r}; allowed: {allowed}")
+
+
+def _wire(t: Tensor, transport: str) -> Tensor:
+    """Flat contiguous uint8 bytes where the backend can move them (CPU for gloo)."""
+    t = t.reshape(-1).contiguous()
+    if transport != "nccl":
+        t = t.cpu()
+    return t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+
+
+def _gather_rows(group: _Group, flat: Tensor, transport: str, moved: _Bytes) -> Tensor:
+    """All-gather one flat tensor per member: [n, numel] on `flat`'s device, member order."""
+    n = len(group.order)
+    wire = _wire(flat, transport)
+    out = wire.new_empty(n * wire.numel())
+    _all_gather_single(out, wire, group=group.pg)
+    moved.sent += (n - 1) * wire.numel()
+    moved.received += (n - 1) * wire.numel()
+    rows = out.view(flat.dtype).view(n, flat.numel())
+    if not group.identity:
+        rows = rows[list(group.order)]
+    return rows.to(flat.device)
+
+
+def _all_to_all(group: _Group, flat: Tensor, in_numels: list[int], out_numels: list[int], transport: str,
+                moved: _Bytes) -> Tensor:
+    """Member j receives `flat`'s j-th piece (sizes `in_numels`, member order); returns what this member
+    received from members 0..n-1 (sizes `out_numels`), concatenated in member order."""
+    item, me = flat.element_size(), group.me
+    by_grank = sorted(range(len(group.order)), key=lambda j: group.order[j])  # member positions, group-rank order
+    if not group.identity:
+        pieces = torch.split(flat, in_numels)
+        flat = torch.cat([pieces[j] for j in by_grank]) if flat.numel() else flat
+    wire = _wire(flat, transport)
+    out = wire.new_empty(sum(out_numels) * item)
+    dist.all_to_all_single(
+        out, wire, output_split_sizes=[out_numels[j] * item for j in by_grank],
+        input_split_sizes=[in_numels[j] * item for j in by_grank], group=group.pg,
+    )
+    moved.sent += (sum(in_numels) - in_numels[me]) * item
+    moved.received += (sum(out_numels) - out_numels[me]) * item
+    got = (out.view(flat.dtype) if out.numel() else flat.new_empty(0)).to(flat.device)
+    if not group.identity and got.numel():
+        pieces = dict(zip(by_grank, torch.split(got, [out_numels[j] for j in by_grank]), strict=True))
+        got = torch.cat([pieces[j] for j in range(len(group.order))])
+    return got
+
+
+def _chunk_numels(numel: int, parts: int) -> list[int]:
+    """Element counts of `torch.tensor_split(x, parts)` pieces: the first numel % parts get one more."""
+    return [numel // parts + (j < numel % parts) for j in range(parts)]
+
+
+class _SharedFrames:
+    """Double-buffered per-member frames in /dev/shm for one node group (the node-local IPC path).
+
+    Call k writes frame k % 2, then one barrier, then every member reads all L frames. A member
+    writing call k+2 into the same frame has passed call k+1's barrier, which every member reached
+    only after its call-k reads: two frames need one barrier per call, not two.
+    Files are unlinked once every member has mapped them, so a killed process leaks nothing.
+    """
+
+    def __init__(self, group: _Group, local_size: int, group_id: int, first_rank: int) -> None:
+        self.group, self.me, self.L, self.group_id = group.pg, group.me, local_size, group_id
+        token = [uuid.uuid4().hex]  # one name for the group, from its first member
+        dist.broadcast_object_list(token, src=first_rank, group=self.group)
+        self.token, self.generation, self.capacity, self.calls = token[0], 0, 0, 0
+        self.frames: list[Tensor] = []
+
+    def _path(self, member: int) -> Path:
+        return _SHM_DIR / f"h3lab-{self.token}-g{self.group_id}-v{self.generation}-m{member}"
+
+    def _map(self, capacity: int) -> None:
+        self.generation += 1
+        self.frames = []
+        own = self._path(self.me)
+        need = self.L * 2 * capacity  # every member's frames of this group, on this host
+        try:  # the file is sparse until written; a full tmpfs would SIGBUS the first write, so check first
+            own_frames = torch.from_file(str(own), shared=True, size=2 * capacity, dtype=torch.uint8)
+            dist.barrier(group=self.group)
+            missing = sum(not self._path(m).exists() for m in range(self.L))
+            stat = os.statvfs(_SHM_DIR)
+            short = stat.f_bavail * stat.f_frsize < need
+            flags = torch.tensor([missing, short], dtype=torch.uint8)
+            seen = torch.empty(2 * self.L, dtype=torch.uint8)
+            _all_gather_single(seen, flags, group=self.group)  # every member sees every verdict: all raise
+            missing_by, short_by = seen.view(self.L, 2).t().tolist()
+            if any(missing_by):
+                raise ValueError(
+                    f"node group {self.group_id}: members cannot see each other's {_SHM_DIR} frames (missing per "
+                    f"member: {missing_by}); allowed: local_size grouping processes of one host"
+                )
+            if any(short_by):
+                raise ValueError(
+                    f"node group {self.group_id}: {_SHM_DIR} lacks {need} B free for {self.L} x 2 frames of "
+                    f"{capacity} B (short on members {short_by}); enlarge it (docker --shm-size) or use CUDA tensors"
+                )
+            peers = {m: torch.from_file(str(self._path(m)), shared=True, size=2 * capacity, dtype=torch.uint8)
+                     for m in range(self.L) if m != self.me}
+            dist.barrier(group=self.group)  # everyone mapped everything: the names can go
+        finally:
+            own.unlink(missing_ok=True)
+        peers[self.me] = own_frames
+        self.frames = [peers[m].view(2, capacity) for m in range(self.L)]
+        self.capacity = capacity
+
+    def tree(self, x: Tensor, moved: _Bytes) -> Tensor:
+        """balanced_tree over the L members' `x` (same shape and dtype on every member)."""
+        nbytes = x.numel() * x.element_size()
+        if nbytes > self.capacity:  # every member sees the same nbytes, so all re-map together
+            self._map(-(-max(nbytes, 2 * self.capacity, _SHM_MIN_CAPACITY) // 64) * 64)
+        frame = self.calls % 2
+        self.calls += 1
+        self.frames[self.me][frame, :nbytes].copy_(_wire(x, "gloo"))
+        dist.barrier(group=self.group)
+        parts = [self.frames[m][frame, :nbytes].view(x.dtype).view(x.shape) for m in range(self.L)]
+        moved.local += (self.L - 1) * nbytes
+        return balanced_tree(parts)
+
+    def close(self) -> None:
+        self.frames = []  # the mappings go with the last reference
+
+
+class DeterministicCollective:
+    """all_reduce / reduce_scatter / all_gather over a fixed member list, with one tree (see module doc)."""
+
+    def __init__(self, *, members: list[int], rank: int, algorithm: str, local_size: int | None, hierarchical: bool,
+                 device: torch.device | None, flat_group, intra_group, lane_group) -> None:
+        self.members, self.rank, self.algorithm = list(members), rank, algorithm
+        self.local_size, self.device = local_size, device
+        self.index = self.members.index(rank) if rank in self.members else None
+        self._hier_L = local_size if hierarchical else None  # None: the hierarchical tree is not allowed
+        self._flat, self._intra, self._lane = flat_group, intra_group, lane_group
+        self._shm: _SharedFrames | None = None
+        self._sites: dict[tuple[str, str], _SiteStats] = {}
+        self._closed = False
+        P, L = len(members), local_size or len(members)
+        self.tree = tree_string([f"r{q}" for q in members])
+        self.group = {"ranks": list(members), "groups": [list(members[i : i + L]) for i in range(0, P, L)],
+                      "local_size": local_size}
+
+    # ---- public ops ---------------------------------------------------------------------------
+
+    def all_reduce(self, x: Tensor, site: str) -> Tensor:
+        """Every member gets balanced_tree([x_member0, ..., x_member{P-1}]) (a new tensor)."""
+        return self._run("all_reduce", site, x)
+
+    def reduce_scatter(self, x: Tensor, site: str) -> Tensor:
+        """This member's dim-0 chunk (torch.tensor_split into P, member order) of all_reduce(x)."""
+        if x.dim() < 1:
+            raise ValueError(f"reduce_scatter at {site!r}: x has 0 dims; allowed: dim 0 to split over members")
+        return self._run("reduce_scatter", site, x)
+
+    def all_gather(self, x: Tensor, site: str, dim: int = 0, sizes: Sequence[int] | None = None) -> Tensor:
+        """Members' tensors concatenated along `dim` in member order (a copy; sizes along `dim` may differ).
+
+        `sizes` (members' sizes along `dim`), when the caller knows them, skips the size exchange.
+        """
+        if not -x.dim() <= dim < x.dim():
+            raise ValueError(f"all_gather at {site!r}: dim {dim}; allowed: -{x.dim()}..{x.dim() - 1} for {x.dim()}-d x")
+        return self._run("all_gather", site, x, dim=dim % x.dim(), sizes=sizes)
+
+    @property
+    def shared_memory_token(self) -> str | None:
+        """The name token of this member's /dev/shm frames (files h3lab-<token>-*), None if none were made."""
+        return self._shm.token if self._shm is not None else None
+
+    def decisions(self) -> list[dict]:
+        """One dict per (op, site), first-call order: the decision plus call count, total bytes, seconds."""
+        rows = []
+        for stats in self._sites.values():
+            row = stats.decision.to_dict()
+            row.update(calls=stats.calls, bytes_sent_total=stats.bytes_sent, bytes_received_total=stats.bytes_received,
+                       bytes_local_total=stats.bytes_local, seconds_total=stats.seconds,
+                       algorithms=dict(stats.algorithms))
+            rows.append(row)
+        return rows
+
+    def close(self) -> None:
+        """Release the shared-memory frames; the collective is unusable afterwards."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        self._closed = True
+
+    # ---- dispatch and records -----------------------------------------------------------------
+
+    def _run(self, op: str, site: str, x: Tensor, *, dim: int = 0, sizes: Sequence[int] | None = None) -> Tensor:
+        self._check_usable(x, op, site)
+        start = time.perf_counter()
+        transport = _transport(x.device, self._flat) if self._flat is not None else "none"
+        key = (op, site)
+        first = key not in self._sites
+        if first and op != "all_gather" and len(self.members) > 1:
+            self._check_signatures(x, op, site, transport)
+        nbytes = x.numel() * x.element_size()
+        hier_L = self._hier_L if self._hier_L is not None and self.algorithm in ("auto", "hierarchical") else None
+        alg, reason = choose_algorithm(op, self.algorithm, nbytes=nbytes, num_members=len(self.members),
+                                       local_size=hier_L, transport=transport)
+        moved = _Bytes()
+        if op == "all_gather":
+            out, used_transport = self._gather(x, dim, sizes, moved, transport)
+        else:
+            out, used_transport = self._reduce(x, alg, moved, transport, scatter=op == "reduce_scatter")
+        stats = self._sites.get(key)
+        if stats is None:
+            decision = CollectiveDecision(
+                site=site, op=op, algorithm=alg, reason=reason, tree="copy" if op == "all_gather" else self.tree,
+                group=self.group, dtype=str(x.dtype), numel=x.numel(), bytes_sent=moved.sent,
+                bytes_received=moved.received, transport=used_transport, bytes_local=moved.local,
+            )
+            stats = self._sites[key] = _SiteStats(decision)
+        stats.calls += 1
+        stats.bytes_sent += moved.sent
+        stats.bytes_received += moved.received
+        stats.bytes_local += moved.local
+        stats.algorithms[alg] += 1
+        stats.seconds += time.perf_counter() - start
+        return out
+
+    def _check_usable(self, x: Tensor, op: str, site: str) -> None:
+        if self._closed:
+            raise ValueError(f"{op} at {site!r}: collective over ranks {self.members} is closed")
+        if self.index is None:
+            raise ValueError(f"{op} at {site!r}: rank {self.rank} is not a member; allowed ranks: {self.members}")
+        if self.device is not None and x.device.type != self.device.type:
+            raise ValueError(f"{op} at {site!r}: x on {x.device}; allowed: {self.device} (the collective's device)")
+        allowed = _WIRE_DTYPES if op == "all_gather" else REDUCE_DTYPES
+        if x.dtype not in allowed:
+            raise ValueError(f"{op} at {site!r}: dtype {x.dtype}; allowed: {list(allowed)}")
+
+    def _signatures(self, x: Tensor, transport: str) -> list[tuple[str, tuple[int, ...]]]:
+        """(dtype, shape) of every member, by one small all-gather."""
+        if x.dim() > _MAX_NDIM:
+            raise ValueError(f"x has {x.dim()} dims; allowed: at most {_MAX_NDIM}")
+        sig = torch.full((2 + _MAX_NDIM,), -1, dtype=torch.int64, device=x.device)
+        sig[0], sig[1] = _WIRE_DTYPES.index(x.dtype), x.dim()
+        sig[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        rows = _gather_rows(self._flat, sig, transport, _Bytes()).cpu().tolist()
+        return [(str(_WIRE_DTYPES[r[0]]), tuple(r[2 : 2 + r[1]])) for r in rows]
+
+    def _check_signatures(self, x: Tensor, op: str, site: str, transport: str) -> None:
+        sigs = self._signatures(x, transport)
+        if len(set(sigs)) > 1:  # every member sees the same list, so every member raises
+            by_rank = dict(zip(self.members, sigs, strict=True))
+            raise ValueError(f"{op} at {site!r}: members disagree on (dtype, shape): {by_rank}")
+
+    # ---- algorithms ---------------------------------------------------------------------------
+
+    def _reduce(self, x: Tensor, alg: str, moved: _Bytes, transport: str, *, scatter: bool) -> tuple[Tensor, str]:
+        P, me = len(self.members), self.index
+        if alg == "identity" or x.numel() == 0:  # nothing to add (numel agrees on all members)
+            return (torch.tensor_split(x, P, dim=0)[me].clone() if scatter else x.clone()), "none"
+        if alg == "hierarchical":
+            return self._hierarchical(x, moved, transport, scatter=scatter)
+        if alg == "gather_tree":
+            out = balanced_tree(list(_gather_rows(self._flat, x, transport, moved).unbind(0))).view(x.shape)
+            return (torch.tensor_split(out, P, dim=0)[me].clone() if scatter else out), transport
+        assert alg == "scatter_tree", alg
+        if scatter:  # the owner of chunk j (dim-0 rows, tensor_split) receives chunk j of every member
+            rows = _chunk_numels(x.shape[0], P)
+            numels = [r * (x.numel() // x.shape[0]) for r in rows]
+            got = _all_to_all(self._flat, x.reshape(-1), numels, [numels[me]] * P, transport, moved)
+            out = balanced_tree(list(got.view(P, numels[me]).unbind(0)))
+            return out.view(rows[me], *x.shape[1:]), transport
+        # all_reduce: any chunking of the flat tensor gives the same elementwise tree; equal chunks of
+        # c = ceil(numel/P) elements (zero padding) let both steps use even splits
+        c = -(-x.numel() // P)
+        flat = x.reshape(-1)
+        if P * c != flat.numel():
+            flat = torch.cat([flat, flat.new_zeros(P * c - flat.numel())])
+        got = _all_to_all(self._flat, flat, [c] * P, [c] * P, transport, moved)
+        mine = balanced_tree(list(got.view(P, c).unbind(0)))
+        out = _gather_rows(self._flat, mine, transport, moved).reshape(-1)[: x.numel()]
+        return out.view(x.shape), transport
+
+    def _hierarchical(self, x: Tensor, moved: _Bytes, transport: str, *, scatter: bool) -> tuple[Tensor, str]:
+        P, me = len(self.members), self.index
+        L = self._hier_L
+        G, local_index, group_id = P // L, me % L, me // L
+        if L == 1:
+            part, intra = x, "none"
+        elif x.device.type == "cpu" and _SHM_DIR.is_dir():
+            if self._shm is None:
+                first = self.members[group_id * L]
+                self._shm = _SharedFrames(self._intra, L, group_id, first)
+            part, intra = self._shm.tree(x, moved), f"{_SHM_DIR} frames"
+        else:
+            part = balanced_tree(list(_gather_rows(self._intra, x, transport, moved).unbind(0))).view(x.shape)
+            intra = transport
+        lanes = "none" if G == 1 else transport
+        used = f"intra-group: {intra}; lanes: {lanes}"
+        if not scatter:
+            if G == 1:
+                return (part.clone() if L == 1 else part), used
+            out = balanced_tree(list(_gather_rows(self._lane, part, transport, moved).unbind(0)))
+            return out.view(x.shape), used
+        rows = _chunk_numels(x.shape[0], P)
+        row_numel = x.numel() // x.shape[0]
+        numels = [r * row_numel for r in rows]
+        offsets = [sum(numels[:j]) for j in range(P)]
+        flat = part.reshape(-1)
+        if G == 1:
+            return flat[offsets[me] : offsets[me] + numels[me]].clone().view(rows[me], *x.shape[1:]), used
+        # lane member g (member g*L + local_index) owns chunk g*L + local_index of every group partial
+        owned = [g * L + local_index for g in range(G)]
+        send = torch.cat([flat[offsets[j] : offsets[j] + numels[j]] for j in owned])
+        got = _all_to_all(self._lane, send, [numels[j] for j in owned], [numels[me]] * G, transport, moved)
+        out = balanced_tree(list(got.view(G, numels[me]).unbind(0)))
+        return out.view(rows[me], *x.shape[1:]), used
+
+    def _gather(self, x: Tensor, dim: int, sizes: Sequence[int] | None, moved: _Bytes, transport: str):
+        P = len(self.members)
+        if P == 1:
+            return x.clone(), "none"
+        if sizes is None:
+            sigs = self._signatures(x, transport)
+            rest = {(dt, s[:dim] + s[dim + 1 :], len(s)) for dt, s in sigs}
+            if len(rest) > 1:
+                raise ValueError(f"all_gather along dim {dim}: members disagree on dtype or other dims: "
+                                 f"{dict(zip(self.members, sigs, strict=True))}")
+            sizes = [s[dim] for _, s in sigs]
+        elif len(sizes) != P:
+            raise ValueError(f"all_gather: {len(sizes)} sizes given; allowed: one per member ({P})")
+        top = max(sizes)
+        out_shape = [*x.shape[:dim], sum(sizes), *x.shape[dim + 1 :]]
+        if math.prod(out_shape) == 0:  # nothing to move (and gloo refuses empty all-gathers)
+            return x.new_empty(out_shape), "none"
+        padded = x
+        if x.shape[dim] < top:  # gloo's all-gather needs equal sizes: pad to the largest, trim after
+            pad_shape = list(x.shape)
+            pad_shape[dim] = top - x.shape[dim]
+            padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        rows = _gather_rows(self._flat, padded, transport, moved)
+        pieces = [rows[j].view(padded.shape).narrow(dim, 0, sizes[j]) for j in range(P)]
+        return torch.cat(pieces, dim=dim), transport
+
+
+def new_collective(
+    ranks: list[int],
+    *,
+    algorithm: str = "auto",
+    local_size: int | None = None,
+    device: torch.device | None = None,
+) -> DeterministicCollective:
+    """A deterministic collective over global `ranks` (member order = list order).
+
+    Every rank of the world must call this, in the same order with the same arguments: it creates
+    the process groups (flat, and for hierarchical the node groups and lanes). Non-members get an
+    object that raises ValueError when used.
+
+    Raises:
+        ValueError: unknown algorithm, bad ranks, a local size that does not divide the members or
+            (for "hierarchical") whose nested tree differs from the flat balanced tree.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r} not allowed; allowed: {list(ALGORITHMS)}")
+    P = len(ranks)
+    if P == 0 or len(set(ranks)) != P:
+        raise ValueError(f"ranks {ranks}: need at least one rank, each once")
+    if local_size is not None and (local_size < 1 or P % local_size):
+        divisors = [d for d in range(1, P + 1) if P % d == 0]
+        raise ValueError(f"local_size {local_size} does not split {P} members into equal groups; allowed: {divisors}")
+    labels = [f"r{q}" for q in ranks]
+    nested_ok = local_size is not None and local_size in hierarchical_local_sizes(P)
+    if algorithm == "hierarchical" and not nested_ok:
+        if local_size is None:
+            raise ValueError("algorithm 'hierarchical' needs local_size; allowed: a divisor of the member count")
+        raise ValueError(
+            f"local_size {local_size} with {P} members: nested tree {hierarchical_tree_string(labels, local_size)} "
+            f"!= flat {tree_string(labels)}; allowed: {hierarchical_local_sizes(P)} (power-of-two group count, or 1)"
+        )
+    if not dist.is_initialized():
+        raise ValueError("new_collective needs torch.distributed initialised (init_process_group)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if any(not 0 <= q < world for q in ranks):
+        raise ValueError(f"ranks {ranks}: allowed: 0..{world - 1} (world size {world})")
+    flat = _Group.make(ranks, rank) if P > 1 else None
+    intra = lane = None
+    if nested_ok and algorithm in ("auto", "hierarchical") and P > 1:
+        L, G = local_size, P // local_size
+        intra, lane = flat if G == 1 else None, flat if L == 1 else None
+        if 1 < L < P:  # every rank creates every group, in the same order
+            for g in range(G):
+                intra = _Group.make(ranks[g * L : (g + 1) * L], rank) or intra
+            for lane_index in range(L):
+                lane = _Group.make(ranks[lane_index::L], rank) or lane
+    return DeterministicCollective(
+        members=ranks, rank=rank, algorithm=algorithm, local_size=local_size, hierarchical=nested_ok,
+        device=device, flat_group=flat, intra_group=intra, lane_group=lane,
+    )

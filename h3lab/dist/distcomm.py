@@ -1,0 +1,148 @@
+"""`DistComm`: a layout's implementation of the block's `BlockComm` seam over torch.distributed.
+
+Deterministic mode: every reduction goes through h3lab.dist.collectives (the backend moves bytes, the
+balanced tree adds them), so a TP rank's unit subtree root is finished exactly as the 8-unit
+tree would. Baseline mode (`BaselineComm`): what people run today — `all_reduce(SUM)` of the
+bf16 partial, whatever order the backend picks; gathers are copies in both.
+
+`build_comm` must be called by every rank in the same order: it creates all process groups.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from h3lab.dist.collectives import DeterministicCollective, new_collective
+from h3lab.contract import units_of_rank
+from h3lab.dist.layout import Layout
+
+
+class Progress:
+    """Counts this rank's collective calls into a status file, so a hang can name the straggler."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self.calls, self.site = path, 0, ""
+
+    def tick(self, site: str) -> None:
+        self.calls, self.site = self.calls + 1, site
+        if self.path is not None:
+            self.path.write_text(json.dumps({"state": "running", "calls": self.calls, "site": site}))
+
+
+class DistComm:
+    """Deterministic collectives for one rank of `layout` (TP group, CP group)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        rank: int,
+        tp: DeterministicCollective | None,
+        cp: DeterministicCollective | None,
+        progress: Progress,
+    ) -> None:
+        self.layout, self.rank, self.tp, self.cp, self.progress = layout, rank, tp, cp, progress
+        self.units = units_of_rank(layout.coords(rank)[1], layout.tp)
+        self.seconds = 0.0
+
+    def _timed(self, site: str, fn: Callable[[], Tensor]) -> Tensor:
+        self.progress.tick(site)
+        t = time.perf_counter()
+        out = fn()
+        self.seconds += time.perf_counter() - t
+        return out
+
+    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
+        if self.tp is None:
+            return root
+        if scatter_rows and self.layout.sp:
+            return self._timed(site, lambda: self.tp.reduce_scatter(root, site))
+        return self._timed(site, lambda: self.tp.all_reduce(root, site))
+
+    def gather_units(self, part: Tensor, site: str, *, dim: int) -> Tensor:
+        if self.tp is None:
+            return part
+        return self._timed(site, lambda: self.tp.all_gather(part, site, dim=dim, sizes=_equal(self.tp, part, dim)))
+
+    def gather_tp_rows(self, x: Tensor, site: str) -> Tensor:
+        if not self.layout.sp:
+            return x
+        return self._timed(site, lambda: self.tp.all_gather(x, site, dim=0, sizes=_equal(self.tp, x, 0)))
+
+    def gather_seq_rows(self, x: Tensor, site: str) -> Tensor:
+        if self.cp is None:
+            return x
+        return self._timed(site, lambda: self.cp.all_gather(x, site, dim=0, sizes=_equal(self.cp, x, 0)))
+
+    def decisions(self) -> list[dict]:
+        return [d for c in (self.tp, self.cp) if c is not None for d in c.decisions()]
+
+    def close(self) -> None:
+        for c in (self.tp, self.cp):
+            if c is not None:
+                c.close()
+
+
+def _equal(coll: DeterministicCollective, x: Tensor, dim: int) -> list[int]:
+    # SeqShard pads rows and units split evenly, so every member holds the same size: no size exchange
+    return [x.shape[dim]] * len(coll.members)
+
+
+class BaselineComm(DistComm):
+    """The non-deterministic way: all_reduce(SUM) of the partial in the activation dtype."""
+
+    def __init__(self, *args, act_dtype: torch.dtype, tp_group: dist.ProcessGroup | None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.act_dtype, self.tp_group = act_dtype, tp_group
+
+    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
+        if self.tp is None:
+            return root
+
+        def reduce() -> Tensor:
+            x = root.to(self.act_dtype)  # people reduce the rounded partial (half the bytes)
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.tp_group)
+            if scatter_rows and self.layout.sp:
+                x = x.tensor_split(self.layout.tp)[self.layout.coords(self.rank)[1]]
+            return x.to(torch.float32)
+
+        return self._timed(site, reduce)
+
+
+def build_comm(
+    layout: Layout,
+    rank: int,
+    *,
+    mode: str,
+    algorithm: str,
+    device: torch.device,
+    act_dtype: torch.dtype,
+    progress: Progress,
+) -> DistComm:
+    """The comm of `rank`; every rank calls this with the same arguments (it creates the groups)."""
+    local_size = layout.local if layout.hierarchical else None
+    algo = "hierarchical" if layout.hierarchical else algorithm
+    tp_colls = [
+        new_collective(layout.tp_group(c), algorithm=algo, local_size=local_size, device=device)
+        if layout.tp > 1
+        else None
+        for c in range(layout.cp)
+    ]
+    cp_colls = [
+        new_collective(layout.cp_group(t), algorithm=algorithm, device=device) if layout.cp > 1 else None
+        for t in range(layout.tp)
+    ]
+    cp_index, tp_index = layout.coords(rank)
+    tp, cp = tp_colls[cp_index], cp_colls[tp_index]
+    if mode == "deterministic":
+        return DistComm(layout, rank, tp, cp, progress)
+    if mode == "baseline":
+        groups = [dist.new_group(layout.tp_group(c)) if layout.tp > 1 else None for c in range(layout.cp)]
+        return BaselineComm(layout, rank, tp, cp, progress, act_dtype=act_dtype, tp_group=groups[cp_index])
+    raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")

@@ -1,0 +1,13 @@
+"""Runs: a problem, computed once in a single process and on every rank of each layout, compared.
+
+  problem   `Problem`: weights, batch and task (block, chain, trajectory) of a run, as data
+  tasks     what a rank computes for a problem (one code path for the canonical process and ranks)
+  trace     op-level traces and the first-divergence finder
+  launch    the one launch path: torchrun as a subprocess, process groups killed on every exit
+  runner    `h3lab run`: the canonical result, each layout on N processes, every byte compared
+  summary   a run's summary as text (verdict lines, failure lines)
+  golden    the published digests of a reference problem per node type (`h3lab verify`)
+  workers/  the modules torchrun starts (one rank of a layout, collective checks, eager TP)
+
+May import: the core, io, model, reference, dist.
+"""

@@ -1,0 +1,119 @@
+"""`Problem`: the block, the batch and the arithmetic a run compares across layouts, as data.
+
+The runner and every worker rebuild the same weights and batch from this record (weights from a
+checkpoint or the deterministic synthetic generator, the batch from `packed_batch`), so nothing
+but a small JSON travels to the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from h3lab.backend import CONTRACT_BACKENDS
+from h3lab.batch import PackedBatch, packed_batch
+from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.dist.layout import Layout
+from h3lab.weights import BlockWeights, synthetic_block
+
+MODES = ("deterministic", "baseline")
+TASKS = ("block", "chain", "trajectory")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    synthetic: str | None = "tiny"  # a named config with synthetic weights, or None with `checkpoint`
+    checkpoint: str | None = None  # a diffusers checkpoint folder
+    task: str = "block"  # one block, a chain of blocks, or a denoising trajectory through the model
+    block: int = 0  # the block of task "block"; the first block of a chain
+    last_block: int | None = None  # the last block of a chain (inclusive)
+    steps: int = 2  # sampler steps of a trajectory
+    weights_seed: int = 0
+    rows: int = 264
+    padding: int = 0
+    seed: int = 0
+    device: str = "cpu"
+    backend: str = "torch"  # kernels of the deterministic mode
+    mode: str = "deterministic"
+    repeats: int = 1
+    digests: bool = False  # compare weight gradients by sha256 per unit slice (runs too big to store them)
+
+    def __post_init__(self) -> None:
+        if (self.synthetic is None) == (self.checkpoint is None):
+            raise ValueError("give exactly one of a synthetic config (tiny, real) or a checkpoint folder")
+        if self.synthetic is not None and self.synthetic not in NAMED_CONFIGS:
+            raise ValueError(f"unknown synthetic config {self.synthetic!r}; allowed: {list(NAMED_CONFIGS)}")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; allowed: {list(TASKS)}")
+        if self.task == "chain" and (self.last_block is None or self.last_block < self.block):
+            raise ValueError(f"a chain needs last_block >= block, got blocks {self.block}-{self.last_block}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; allowed: {list(MODES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; allowed: {list(DEVICES)}")
+        if self.backend not in CONTRACT_BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; allowed: {list(CONTRACT_BACKENDS)}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch sees no CUDA device; allowed here: ['cpu']")
+        for name in ("rows", "repeats", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.padding < 0 or self.block < 0:
+            raise ValueError(f"padding={self.padding}, block={self.block}: both must be >= 0")
+
+    @property
+    def block_backend(self) -> str:
+        """The kernels block_step runs: the baseline mode always runs library kernels."""
+        return "baseline" if self.mode == "baseline" else self.backend
+
+    @property
+    def block_range(self) -> range:
+        """The blocks of a chain, in order (one block otherwise)."""
+        return range(self.block, (self.last_block if self.last_block is not None else self.block) + 1)
+
+    def config(self) -> H3Config:
+        """The model's config; a synthetic chain or trajectory has as many blocks as it reaches."""
+        if self.synthetic is not None:
+            c = H3Config.named(self.synthetic)
+            return c.replace(num_layers=max(self.block_range.stop, 1)) if self.task != "block" else c
+        return H3Config.from_json(self.checkpoint)  # type: ignore[arg-type]
+
+    def weights(self, device: torch.device | str = "cpu") -> BlockWeights:
+        if self.synthetic is not None:
+            w = synthetic_block(self.config(), self.block, seed=self.weights_seed)
+        else:
+            from h3lab.io.checkpoint import load_block
+
+            w = load_block(self.checkpoint, self.block)
+        return w.to(device)
+
+    def model_weights(self, device: torch.device | str = "cpu"):
+        """A lazy whole-model weight provider (h3lab.model.weights), for chains and trajectories."""
+        from h3lab.model.weights import CheckpointWeights, SyntheticWeights
+
+        if self.synthetic is not None:  # chains on a GPU draw their weights there: 50 real blocks in seconds
+            return SyntheticWeights(self.config(), seed=self.weights_seed, device=device, generator=device)
+        return CheckpointWeights(self.checkpoint, device=device)  # type: ignore[arg-type]
+
+    def batch(self, device: torch.device | str = "cpu") -> PackedBatch:
+        return packed_batch(self.config(), self.rows, seed=self.seed, padding=self.padding).to(device)
+
+    def rank_device(self, local_rank: int) -> torch.device:
+        if self.device == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+    def one_gpu_per_rank(self, layout: Layout) -> bool:
+        """NCCL needs distinct GPUs; with fewer GPUs than local ranks, bytes travel over gloo (CPU)."""
+        return torch.cuda.device_count() >= layout.local
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Problem:
+        return cls(**raw)

@@ -1,0 +1,33 @@
+"""A run's summary as text: one line per layout, and one line per failed or mismatched layout."""
+
+from __future__ import annotations
+
+
+def format_summary(summary: dict) -> str:
+    """One line per layout: verdict, tensors equal, slowest rank's forward/backward, collective time."""
+    lines = [f"{'layout':<14} {'status':<9} {'equal':>7}  {'fwd s':>7} {'bwd s':>7} {'coll s':>7}"]
+    for name, rec in summary["layouts"].items():
+        tensors = rec.get("tensors", {})
+        equal = f"{sum(t['bitwise_equal'] for t in tensors.values())}/{len(tensors)}" if tensors else "-"
+        fwd, bwd, coll = (_slowest(rec.get("ranks", []), k) for k in ("forward_s", "backward_s", "collective_s"))
+        lines.append(f"{name:<14} {rec['status']:<9} {equal:>7}  {fwd:7.3f} {bwd:7.3f} {coll:7.3f}")
+    lines.append(f"overall: {summary['status']}")
+    return "\n".join(lines)
+
+
+def _slowest(ranks: list[dict], key: str) -> float:
+    return max((r["timings"].get(key, float("nan")) for r in ranks), default=float("nan"))
+
+
+def failure_line(layout: str, record: dict, context: str = "") -> str | None:
+    """`layout (context): FAILED on rank R: reason (log: path)` or `...: MISMATCH in tensors`; None if it passed.
+
+    `context` names the sweep cell (mode, batch seed) when a layout runs more than once."""
+    where = f"{layout} ({context})" if context else layout
+    if record["status"] == "failed":
+        f = record["failure"]
+        return f"{where}: FAILED on rank {f['rank']}: {f['reason']} (log: {f['log']})"
+    if record["status"] == "mismatch":
+        bad = [k for k, t in record.get("tensors", {}).items() if not t["bitwise_equal"]]
+        return f"{where}: MISMATCH in {', '.join(bad) or 'rank shards'}"
+    return None

@@ -1,0 +1,163 @@
+"""What a run computes — one block, a chain of blocks, or a denoising trajectory — with one code path
+for the canonical single process and for every rank of a layout.
+
+A rank reports flat tensor names whose form says how the parent reassembles them:
+- `out`, `dx`: this rank's local rows (concatenated over row shards);
+- `[block{i}.]dw.<unit-grad>@u{u}`: canonical unit u of a weight gradient (collected over TP ranks);
+- anything else (`dtemb`, replicated dW, `step{k}.video`...): identical on every rank.
+Canonical tensors use the assembled names: `out`, `dx`, `[block{i}.]dtemb`, `[block{i}.]dw.<parameter>`,
+`step{k}.video`, `step{k}.audio`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from h3lab.block import BlockStep, Trace, block_step
+from h3lab.comm import BlockComm, LocalComm
+from h3lab.config import H3Config, block_param_shapes
+from h3lab.dist.layout import Layout
+from h3lab.dist.seqshard import SeqShard
+from h3lab.metrics import digest
+from h3lab.model.chain import chain_step
+from h3lab.run.problem import Problem
+from h3lab.units import UNIT_GRAD_FIELDS, assemble_unit_grads, unit_slice, unit_weights
+from h3lab.weights import BlockWeights
+
+ROW_TENSORS = ("out", "dx")
+_UNIT = re.compile(r"^(?P<prefix>(?:block\d+\.)?)dw\.(?P<grad>[^@]+)@u(?P<unit>\d)$")
+
+
+@dataclass(frozen=True, eq=False)
+class Computed:
+    tensors: dict[str, Tensor]
+    digests: dict[str, str]  # digests-only runs: sha256 of every non-row tensor, instead of the tensor
+    timings: dict[str, float]
+
+
+def compute(
+    problem: Problem,
+    comm: BlockComm,
+    device: torch.device,
+    *,
+    layout: Layout | None = None,
+    rank: int = 0,
+    trace: Trace | None = None,
+) -> Computed:
+    """This rank's tensors (all of them for the canonical process, `layout=None`) and its timings.
+
+    With `problem.digests` only the row tensors (out, dx) stay tensors; every other tensor becomes
+    its sha256 as soon as it exists — a 50-block real chain's weight gradients are 65 GB.
+    """
+    shard = None if layout is None else _shard_fn(layout, rank)
+    if problem.task == "trajectory":
+        tensors, timings = _trajectory(problem, comm, device, shard)
+        return _split(tensors, problem.digests, timings)
+    batch = problem.batch(device)
+    local = batch if shard is None else shard(batch)
+    if problem.task == "block":
+        w = problem.weights(device)
+        step = block_step(unit_weights(w, comm.units), local, comm, backend=problem.block_backend, trace=trace)
+        return _split(_step_tensors(step, ""), problem.digests, step.timings)
+    digests: dict[str, str] = {}
+
+    def keep(i: int, step: BlockStep) -> BlockStep:
+        if not problem.digests:
+            return step
+        digests.update({k: digest(v) for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS})
+        return dataclasses.replace(step, dw_units={}, dw_replicated={}, dtemb=None)
+
+    chain = chain_step(
+        problem.model_weights(device),
+        local,
+        comm,
+        problem.block_range,
+        backend=problem.block_backend,
+        trace=trace,
+        keep=keep,
+    )
+    tensors = {"out": chain.out, "dx": chain.dx}
+    if not problem.digests:
+        for i, step in chain.blocks.items():
+            tensors |= {k: v for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
+    return Computed(tensors, digests, chain.timings)
+
+
+def _split(tensors: dict[str, Tensor], digests: bool, timings: dict[str, float]) -> Computed:
+    if not digests:
+        return Computed(tensors, {}, timings)
+    rows = {k: v for k, v in tensors.items() if k in ROW_TENSORS}
+    return Computed(rows, {k: digest(v) for k, v in tensors.items() if k not in ROW_TENSORS}, timings)
+
+
+def canonical(problem: Problem, device: torch.device) -> Computed:
+    """The single-process result: tensors under assembled names; digests under per-unit names (as ranks name them)."""
+    c = compute(problem, LocalComm(), device)
+    return Computed(assemble_units(c.tensors, problem.config(), units=range(8)), c.digests, c.timings)
+
+
+def _shard_fn(layout: Layout, rank: int) -> Callable:
+    return lambda batch: SeqShard(layout, batch.num_rows).coshard(batch, rank)
+
+
+def _step_tensors(step: BlockStep, prefix: str) -> dict[str, Tensor]:
+    out = {k: v for k, v in (("out", step.out), ("dx", step.dx), (f"{prefix}dtemb", step.dtemb)) if v is not None}
+    out |= {f"{prefix}dw.{k}": v for k, v in step.dw_replicated.items()}
+    out |= {f"{prefix}dw.{k}@u{u}": t for k, per in step.dw_units.items() for u, t in per.items()}
+    return out
+
+
+def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) -> tuple[dict, dict]:
+    from h3lab.model.packing import model_inputs
+    from h3lab.model.trajectory import trajectory
+
+    inputs = model_inputs(problem.config(), seed=problem.seed).to(device)
+    start = time.perf_counter()
+    traj = trajectory(
+        problem.model_weights(device),
+        inputs,
+        steps=problem.steps,
+        backend=problem.block_backend,
+        comm=comm,
+        rows_shard=shard,
+    )
+    tensors = {}
+    for k, s in enumerate(traj.latents_per_step):
+        tensors |= {f"step{k}.video": s.video, f"step{k}.audio": s.audio}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return tensors, {"forward_s": time.perf_counter() - start, "backward_s": 0.0}  # sampling has no backward
+
+
+def assemble_units(tensors: dict[str, Tensor], config: H3Config, units: range) -> dict[str, Tensor]:
+    """Replace `...dw.<grad>@u{u}` entries by diffusers-shaped `...dw.<parameter>` covering `units`."""
+    out, per_prefix = {}, {}
+    for k, v in tensors.items():
+        m = _UNIT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            per_prefix.setdefault(m["prefix"], {}).setdefault(m["grad"], {})[int(m["unit"])] = v
+    for prefix, grads in per_prefix.items():
+        assert set(grads) == set(UNIT_GRAD_FIELDS), sorted(grads)
+        out |= {f"{prefix}dw.{k}": v for k, v in assemble_unit_grads(grads, units).items()}
+    return out
+
+
+def expected_shard(name: str, canon: dict[str, Tensor], config: H3Config, rows: slice) -> Tensor:
+    """The slice of the canonical result that a rank's tensor `name` must equal byte for byte."""
+    if name in ROW_TENSORS:
+        return canon[name][rows]
+    m = _UNIT.match(name)
+    if m is None:
+        return canon[name]
+    prefix, params = m["prefix"] + "dw.", set(block_param_shapes(config))
+    block = {k[len(prefix) :]: v for k, v in canon.items() if k.startswith(prefix) and k[len(prefix) :] in params}
+    return unit_slice(unit_weights(BlockWeights(config, block, "canonical")), m["grad"], int(m["unit"]))

@@ -1,0 +1,123 @@
+"""Op-level traces and the first-divergence finder.
+
+A run with tracing on records every op's output on every rank (`TraceRecorder`, plugged into
+block_step's trace hook), reassembles the ranks' shards into the canonical view per op
+(`assemble_trace`), and `first_divergence` walks two traces in execution order to name the first
+op, block and tensor whose bits differ, with its ULP statistics. Traces are safetensors plus a
+JSON list of (name, space) in execution order; nothing else is needed to compare two machines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from h3lab.dist.layout import Layout
+from h3lab.dist.seqshard import SeqShard
+from h3lab.metrics import bit_pattern, compare
+
+SPACES = ("local", "tp_units", "replicated")
+
+
+class TraceRecorder:
+    """Keeps a CPU copy of every traced tensor; optionally flips one bit of one op's output.
+
+    `flip=(name, flat_index)` plants a single-bit fault where `name` is produced (tests of the
+    finder); the block then goes on with the faulty tensor, as a real silent corruption would.
+    """
+
+    def __init__(self, flip: tuple[str, int] | None = None) -> None:
+        self.tensors: dict[str, Tensor] = {}
+        self.order: list[tuple[str, str]] = []
+        self.flip = flip
+
+    def __call__(self, name: str, t: Tensor, space: str) -> Tensor:
+        if space not in SPACES:
+            raise ValueError(f"trace space {space!r}; allowed: {list(SPACES)}")
+        if self.flip is not None and self.flip[0] == name:
+            t = t.clone()
+            bits = bit_pattern(t).view(-1)
+            bits[self.flip[1]] ^= 1  # the lowest mantissa bit: one ULP
+        if name in self.tensors:
+            raise ValueError(f"op {name!r} traced twice; trace names must be unique in a run")
+        self.tensors[name] = t.detach().contiguous().cpu().clone()
+        self.order.append((name, space))
+        return t
+
+    def save(self, prefix: Path) -> None:
+        save_file(self.tensors, str(prefix) + ".safetensors")
+        Path(str(prefix) + ".json").write_text(json.dumps(self.order))
+
+
+def load_trace(prefix: Path | str) -> tuple[dict[str, Tensor], list[tuple[str, str]]]:
+    prefix = str(prefix).removesuffix(".safetensors").removesuffix(".json")
+    if not Path(prefix + ".json").is_file():
+        raise ValueError(f"no trace at {prefix!r} (expected {prefix}.safetensors and {prefix}.json)")
+    return load_file(prefix + ".safetensors"), [tuple(x) for x in json.loads(Path(prefix + ".json").read_text())]
+
+
+def assemble_trace(layout_dir: Path, layout: Layout, num_rows: int) -> tuple[dict[str, Tensor], list]:
+    """The ranks' traces of one layout -> one trace in the canonical view (rows trimmed to `num_rows`)."""
+    parts = [load_trace(layout_dir / f"rank{r}.trace") for r in range(layout.world)]
+    order = parts[0][1]
+    shard = SeqShard(layout, num_rows)
+    full = {}
+    for name, space in order:
+        ranks = [p[0][name] for p in parts]
+        if space == "replicated":
+            full[name] = ranks[0]
+        elif space == "local":
+            full[name] = torch.cat([ranks[o] for o in shard.owner_ranks()])[:num_rows]
+        else:  # TP rows x unit-major columns: columns over a CP group's TP ranks, then rows over CP groups
+            groups = [torch.cat([ranks[r] for r in layout.tp_group(c)], dim=1) for c in range(layout.cp)]
+            full[name] = torch.cat(groups)[:num_rows]
+    return full, order
+
+
+def save_trace(prefix: Path, tensors: dict[str, Tensor], order: list) -> None:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(prefix) + ".safetensors")
+    Path(str(prefix) + ".json").write_text(json.dumps(order))
+
+
+_BLOCK = re.compile(r"^block(?P<block>\d+)\.(?P<op>.+)$")
+
+
+def timeline(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> list[dict]:
+    """Per op of `a` (execution order): whether `b` has the same bits, and the ULP statistics."""
+    rows = []
+    for i, (name, space) in enumerate(order):
+        m = _BLOCK.match(name)
+        row = {
+            "index": i,
+            "name": name,
+            "space": space,
+            "block": int(m["block"]) if m else None,
+            "op": m["op"] if m else name,
+        }
+        if name not in b:
+            rows.append(row | {"present": False, "bitwise_equal": False})
+            continue
+        c = compare(a[name], b[name], name=name).to_dict()
+        rows.append(
+            row
+            | {
+                "present": True,
+                **{
+                    k: c[k] for k in ("bitwise_equal", "num_differing", "frac_differing", "max_ulp", "first_diff_index")
+                },
+            }
+        )
+    return rows
+
+
+def first_divergence(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> dict | None:
+    """The first op (execution order of `a`) whose bits differ in `b`, or None when every op matches."""
+    for row in timeline(a, order, b):
+        if not row["bitwise_equal"]:
+            return row
+    return None

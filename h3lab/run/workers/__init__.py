@@ -1,0 +1,8 @@
+"""The modules torchrun starts, launched only through h3lab.run.launch (one module per kind of job).
+
+rank              one rank of a layout: the block (or chain, trajectory) on its rows and units
+agent             torchrun with every TCP store of a one-machine run on 127.0.0.1
+collective_check  deterministic collectives against the local tree; their bandwidth
+eager_tp          the eager, non-deterministic TP block timed on every rank
+hello             joins the process group and reports (a launch smoke test)
+"""

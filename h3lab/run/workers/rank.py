@@ -1,0 +1,200 @@
+"""One rank of a layout: run the block on its rows and units, compare its shards, write them out.
+
+Launched only by h3lab.run.runner through h3lab.run.launch: `python -m h3lab.run.workers.rank SPEC.json`.
+The rank writes, under the layout directory: rank{r}.log (stdout and stderr), rank{r}.status.json
+(running / done / error / terminated, updated at every collective call so a hang can be traced
+to the straggler), rank{r}.safetensors (its out/dx rows, its dW unit slices, replicated grads)
+and rank{r}.json (verdicts against the canonical block, timings, collective decisions).
+
+H3LAB_FAULT=<raise|hang|kill>:<rank> injects a fault on one rank after the process group is up
+(fault-handling tests; documented, never set by the runner itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from h3lab.dist.distcomm import Progress, build_comm
+from h3lab.dist.layout import Layout
+from h3lab.dist.seqshard import SeqShard
+from h3lab.io.jsonfile import write_json
+from h3lab.metrics import compare
+from h3lab.run.problem import Problem
+from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard
+from h3lab.run.trace import TraceRecorder
+
+
+def _redirect_output(log: Path) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1), os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+
+
+def _inject_fault(rank: int) -> None:
+    spec = os.environ.get("H3LAB_FAULT", "")
+    if not spec:
+        return
+    kind, _, target = spec.partition(":")
+    if int(target) != rank:
+        return
+    print(f"H3LAB_FAULT: injecting {kind!r} on rank {rank}", flush=True)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank}")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ValueError(f"H3LAB_FAULT kind {kind!r}; allowed: raise, hang, kill")
+
+
+HEARTBEAT_S = 0.2
+
+
+def _start_heartbeat(path: Path) -> None:
+    """Write the time every 0.2 s from a thread; it keeps beating while the main thread waits in a
+    collective (torch releases the GIL there), so the rank whose beat stopped first died first."""
+
+    def beat() -> None:
+        while True:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(repr(time.time()))
+            tmp.replace(path)
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="h3lab-heartbeat").start()
+
+
+def run_rank(spec: dict) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out_dir = Path(spec["layout_dir"])
+    status = out_dir / f"rank{rank}.status.json"
+    _redirect_output(out_dir / f"rank{rank}.log")
+
+    progress = Progress(status)
+
+    def on_term(signum: int, _frame: object) -> None:  # the agent or the runner stops us
+        record = {"state": "terminated", "signal": signum, "time": time.time(), "calls": progress.calls}
+        write_json(status, record | {"site": progress.site})
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    progress.tick("start")
+    _start_heartbeat(out_dir / f"rank{rank}.heartbeat")
+    try:
+        record = _run(spec, rank, world, progress)
+    except BaseException as err:
+        write_json(
+            status,
+            {
+                "state": "error",
+                "error": f"{type(err).__name__}: {err}",
+                "time": time.time(),
+                "traceback": traceback.format_exc(),
+            },
+        )
+        traceback.print_exc()
+        return 1
+    write_json(status, {"state": "done", "time": time.time(), "all_equal": record["all_equal"]})
+    return 0
+
+
+def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
+    layout = Layout.parse(spec["layout"])
+    if layout.world != world:
+        raise ValueError(f"layout {layout.name} needs {layout.world} ranks, torchrun started {world}")
+    problem = Problem.from_dict(spec["problem"])
+    device = problem.rank_device(int(os.environ.get("LOCAL_RANK", 0)))
+    transport = "nccl" if device.type == "cuda" and problem.one_gpu_per_rank(layout) else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
+    dist.init_process_group(transport, device_id=device if transport == "nccl" else None)
+    progress.tick("process group up")  # phases count as progress, so a hang names its straggler
+    _inject_fault(rank)
+    progress.tick("fault check")
+    comm = build_comm(
+        layout,
+        rank,
+        mode=problem.mode,
+        algorithm=spec.get("algorithm", "auto"),
+        device=device,
+        act_dtype=torch.bfloat16,
+        progress=progress,
+    )
+    recorder = TraceRecorder() if spec.get("trace") else None
+    result = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder)
+    for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
+        dist.barrier()  # every rank starts the step together: its forward_s then excludes the others' digests
+        result = compute(problem, comm, device, layout=layout, rank=rank)
+    tensors, timings = result.tensors, result.timings
+    out_dir = Path(spec["layout_dir"])
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
+    if recorder is not None:
+        recorder.save(out_dir / f"rank{rank}.trace")
+    verdicts = _compare_with_canonical(tensors, Path(spec["canonical"]), problem, layout, rank)
+    if result.digests:  # digests-only run: the same per-unit names as the canonical process
+        canon = json.loads(Path(spec["canonical"]).with_name("canonical.digests.json").read_text())
+        verdicts |= {
+            k: {"bitwise_equal": canon.get(k) == v, "sha256_a": v, "sha256_b": canon.get(k)}
+            for k, v in result.digests.items()
+        }
+    record = {
+        "rank": rank,
+        "layout": layout.name,
+        "coords": layout.coords(rank),
+        "units": list(comm.units),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(device),
+        "transport": transport,
+        "timings": {**timings, "collective_s": comm.seconds},
+        "decisions": comm.decisions(),
+        "verdicts": verdicts,
+        "digests": result.digests,
+        "all_equal": all(v["bitwise_equal"] for v in verdicts.values()),
+    }
+    if problem.task != "trajectory":
+        rows = SeqShard(layout, problem.batch().num_rows).local_rows(rank)
+        record["local_rows"] = [rows.start, rows.stop]
+    write_json(out_dir / f"rank{rank}.json", record)
+    comm.close()
+    dist.destroy_process_group()
+    return record
+
+
+def _compare_with_canonical(tensors: dict, canonical_path: Path, problem: Problem, layout: Layout, rank: int) -> dict:
+    """This rank's shards against the same slices of the canonical result, byte for byte."""
+    canon = load_file(str(canonical_path))
+    config = problem.config()
+    real = slice(0)
+    if problem.task != "trajectory":
+        S = problem.batch().num_rows
+        rows = SeqShard(layout, S).local_rows(rank)
+        real = slice(rows.start, min(rows.stop, S))  # rows past S are SeqShard padding
+    verdicts = {}
+    for name, t in tensors.items():
+        want = expected_shard(name, canon, config, real)
+        got = t[: want.shape[0]] if name in ROW_TENSORS else t
+        verdicts[name] = compare(got.contiguous().cpu(), want.contiguous()).to_dict()
+    return verdicts
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    return run_rank(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

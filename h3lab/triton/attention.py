@@ -1,0 +1,310 @@
+"""Attention launchers (Backend protocol): forward, delta, dq, dk/dv over keys in canonical order.
+
+Kernels: h3lab.triton.attention_fwd (forward) and h3lab.triton.attention_bwd (delta, dq, dk/dv).
+Reference arithmetic: h3lab.ops.attention. Pinned tiles: kernels/<node>.json, keys attention_fwd,
+attention_delta, attention_bwd_q, attention_bwd_kv, each {"by_head_dim": {"<Dh>": config}}.
+
+Dimension legend: Q query rows, K key rows (active keys, canonical order), H heads, Dh head_dim.
+Layout: q [Q, H, Dh], k/v [K, H, Dh], head_dim contiguous, any row/head stride.
+
+Contract (tested in tests/test_kernels_attention.py): a query row's o, lse2, delta and dq depend
+only on that row and the whole key set; a key row's dk/dv only on that key and the whole query set
+(passed in canonical order); a head's results only on that head; repeat runs are bitwise equal.
+Statistics: `stats = (lse2,)`, lse2 [H, Q] FP32 the base-2 log-sum-exp of s2 = (q . k) * scale * log2(e).
+`o_ref` is the FP32 output before rounding (o itself when out_dtype is FP32): delta = rowsum(dO * O)
+then uses the unrounded O, as the reference does (costs one extra FP32 [Q, H, Dh] write + read:
+~1-2% of fwd+bwd at Q=K=4096, H=56).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from h3lab.triton.attention_bwd import attention_bwd_kv_kernel, attention_bwd_q_kernel, attention_delta_kernel
+from h3lab.triton.attention_fwd import attention_fwd_kernel
+from h3lab.triton.configs import cdiv, interpreting, node_of, pinned
+
+F32 = torch.float32
+LOG2E = 1.4426950408889634  # 1 / ln 2; qk_scale = scale * LOG2E is rounded once to FP32 at launch
+KERNELS = ("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd_kv")
+# tensor-core input dtypes on CUDA; the interpreter computes bf16 wrong (numpy has no bf16 dot), so
+# there FP32 with IEEE dots is the only honest input
+GPU_DTYPES = (torch.bfloat16, torch.float16)
+INTERPRETER_DTYPES = (torch.float32,)
+
+
+def config_for(kernel: str, head_dim: int, node: str) -> dict[str, Any]:
+    """The pinned configuration of one attention kernel for `head_dim` on `node`; raises if none."""
+    assert kernel in KERNELS, kernel
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"no pinned configuration for head_dim={head_dim}: must be a power of two >= 16")
+    by_dim = pinned(kernel, node)["by_head_dim"]
+    if str(head_dim) not in by_dim:
+        allowed = sorted(int(d) for d in by_dim)
+        raise ValueError(f"no pinned configuration for head_dim={head_dim} ({kernel} on {node}); allowed: {allowed}")
+    return dict(by_dim[str(head_dim)])
+
+
+def _launch_cfg(kernel: str, x: Tensor, node: str | None, config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`config` overrides the pinned one (benchmarks of candidates); production passes None."""
+    if config is not None:
+        return dict(config)
+    return config_for(kernel, x.shape[-1], node or node_of(x.device))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # FP32 operands must not silently become TF32 (10-bit mantissa); bf16/fp16 ignore the flag
+    return "ieee" if dtype == F32 else "tf32"
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        raise ValueError(f"need q [Q, H, Dh], k and v [K, H, Dh]; got {shapes}")
+    if q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"q and k must agree on (H, Dh); got {tuple(q.shape[1:])} and {tuple(k.shape[1:])}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must share a device; got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    allowed = INTERPRETER_DTYPES if interpreting() else GPU_DTYPES
+    if q.dtype not in allowed:
+        where = "under TRITON_INTERPRET=1" if interpreting() else "on CUDA"
+        raise ValueError(f"attention kernels take q/k/v in {list(allowed)} {where}; got {q.dtype}")
+    if k.shape[0] == 0:
+        raise ValueError("attention needs at least one key")
+
+
+def _check_scale(scale: float) -> None:
+    # the forward takes max(q . k) * scale as max(s): exact only for a positive scale
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number (1/sqrt(head_dim)); got {scale}")
+
+
+def _lastdim(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _lse(stats: Sequence[Tensor], h: int, n: int) -> Tensor:
+    if len(stats) != 1:
+        raise ValueError(f"stats must be (lse2,) as attention_fwd of this module returns; got {len(stats)} tensors")
+    return _stat(stats[0], h, n)
+
+
+def _stat(t: Tensor, h: int, n: int) -> Tensor:
+    """A per-(head, query) statistic as the contiguous FP32 [H, Q] the kernels index (h * Q + i)."""
+    if t.shape != (h, n) or t.dtype != F32:
+        raise ValueError(f"stats/delta must be FP32 [H, Q] = [{h}, {n}]; got {t.dtype} {tuple(t.shape)}")
+    return t.contiguous()
+
+
+def attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+    *,
+    node: str | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> tuple[Tensor, Tensor, tuple[Tensor]]:
+    """(o [Q, H, Dh] out_dtype, o_ref [Q, H, Dh] FP32, (lse2 [H, Q] FP32,)) of softmax(q k^T * scale) v."""
+    _check_inputs(q, k, v)
+    _check_scale(scale)
+    if out_dtype not in (torch.bfloat16, torch.float16, F32):
+        raise ValueError(f"out_dtype {out_dtype} not supported; allowed: torch.bfloat16, torch.float16, torch.float32")
+    q, k, v = _lastdim(q), _lastdim(k), _lastdim(v)
+    (Q, H, Dh), K = q.shape, k.shape[0]
+    cfg = _launch_cfg("attention_fwd", q, node, config)
+    o = torch.empty((Q, H, Dh), dtype=out_dtype, device=q.device)
+    o_ref = o if out_dtype == F32 else torch.empty((Q, H, Dh), dtype=F32, device=q.device)
+    lse = torch.empty((H, Q), dtype=F32, device=q.device)
+    if Q == 0:
+        return o, o_ref, (lse,)
+    grid = (cdiv(Q, cfg["BLOCK_M"]), H)
+    attention_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        o,
+        o_ref,
+        lse,
+        Q,
+        K,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        o.stride(0),
+        o.stride(1),
+        o_ref.stride(0),
+        o_ref.stride(1),
+        HEAD_DIM=Dh,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        WRITE_REF=o_ref is not o,
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return o, o_ref, (lse,)
+
+
+def attention_delta(
+    do: Tensor, o_ref: Tensor, *, node: str | None = None, config: Mapping[str, Any] | None = None
+) -> Tensor:
+    """delta [H, Q] FP32 = rowsum over head_dim of dO * O, one fixed tree per row (not torch.sum,
+    whose CUDA reduction plan depends on the tensor's shape)."""
+    if do.dim() != 3 or do.shape != o_ref.shape:
+        raise ValueError(f"need dO and O of one shape [Q, H, Dh]; got {tuple(do.shape)}, {tuple(o_ref.shape)}")
+    do, o_ref = _lastdim(do), _lastdim(o_ref)
+    Q, H, Dh = do.shape
+    cfg = _launch_cfg("attention_delta", do, node, config)
+    delta = torch.empty((H, Q), dtype=F32, device=do.device)
+    if Q == 0:
+        return delta
+    attention_delta_kernel[(cdiv(Q, cfg["BLOCK_R"]), H)](
+        do,
+        o_ref,
+        delta,
+        Q,
+        do.stride(0),
+        do.stride(1),
+        o_ref.stride(0),
+        o_ref.stride(1),
+        HEAD_DIM=Dh,
+        BLOCK_R=cfg["BLOCK_R"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 1),
+    )
+    return delta
+
+
+def _bwd_operands(
+    q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, ...]:
+    """The backward kernels' checked operands: q, dO, k, v with unit last stride, lse and delta [H, Q]."""
+    _check_inputs(q, k, v)
+    _check_scale(scale)
+    if do.shape != q.shape or do.dtype != q.dtype:
+        raise ValueError(f"dO must match q: {q.dtype} {tuple(q.shape)}; got {do.dtype} {tuple(do.shape)}")
+    Q, H = q.shape[0], q.shape[1]
+    return _lastdim(q), _lastdim(do), _lastdim(k), _lastdim(v), _lse(stats, H, Q), _stat(delta, H, Q)
+
+
+def attention_bwd_q(
+    q: Tensor,
+    do: Tensor,
+    stats: Sequence[Tensor],
+    delta: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    *,
+    node: str | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """dq [Q, H, Dh] FP32 for these queries over all keys; scaled once, in the kernel epilogue."""
+    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    (Q, H, Dh), K = q.shape, k.shape[0]
+    cfg = _launch_cfg("attention_bwd_q", q, node, config)
+    dq = torch.empty((Q, H, Dh), dtype=F32, device=q.device)
+    if Q == 0:
+        return dq
+    attention_bwd_q_kernel[(cdiv(Q, cfg["BLOCK_M"]), H)](
+        q,
+        do,
+        lse,
+        delta,
+        k,
+        v,
+        dq,
+        Q,
+        K,
+        scale * LOG2E,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        do.stride(0),
+        do.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        HEAD_DIM=Dh,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return dq
+
+
+def attention_bwd_kv(
+    q: Tensor,
+    do: Tensor,
+    stats: Sequence[Tensor],
+    delta: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    *,
+    node: str | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """dk, dv [K, H, Dh] FP32 for these keys; q, dO, stats, delta must be every query in canonical order."""
+    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    (Q, H, Dh), K = q.shape, k.shape[0]
+    cfg = _launch_cfg("attention_bwd_kv", q, node, config)
+    dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
+    dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
+    if Q == 0:  # no queries: the gradients are exact zeros
+        return dk.zero_(), dv.zero_()
+    attention_bwd_kv_kernel[(cdiv(K, cfg["BLOCK_N"]), H)](
+        q,
+        do,
+        lse,
+        delta,
+        k,
+        v,
+        dk,
+        dv,
+        Q,
+        K,
+        scale * LOG2E,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        do.stride(0),
+        do.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        HEAD_DIM=Dh,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return dk, dv
+
+
+def flops(n_q: int, n_k: int, heads: int, head_dim: int) -> dict[str, float]:
+    """Tensor-core FLOPs: fwd 2 GEMMs (QK^T, PV); dq 3 (QK^T, dO V^T, dS K); dk/dv 4 (+ P^T dO, dS^T Q)."""
+    gemm = 2.0 * n_q * n_k * heads * head_dim
+    return {"fwd": 2 * gemm, "bwd_q": 3 * gemm, "bwd_kv": 4 * gemm, "bwd": 7 * gemm}

@@ -1,0 +1,165 @@
+"""Attention backward kernels: delta = rowsum(dO * O), dq per query block, dk/dv per key block.
+
+References: h3lab.ops.attention.attention_delta / attention_bwd_q / attention_bwd_kv.
+Launchers: h3lab.triton.attention.
+
+All three recompute p = exp2(s2 - lse2) from the forward's base-2 log-sum-exp (s2 = q . k * qk_scale)
+and accumulate in FP32; dS and P enter the tensor core in the input dtype (bf16 on GPU). The
+softmax scale that turns d(s2-space) into d(q . k) is applied once, to the FP32 accumulator in the
+epilogue (dq *= scale, dk *= scale), as in the reference.
+
+Invariance, as in attention_fwd: the dq program of a query walks every key block ascending, the
+dk/dv program of a key walks every query block of the canonical query set ascending; rows are
+never mixed by any operation, so a query's dq depends only on it and the keys, a key's dk/dv only
+on it and the queries. No atomics, no split over the reduced axis. Row counts are not specialised.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["n_q"])
+def attention_delta_kernel(
+    do_ptr, o_ptr, delta_ptr, n_q,  #
+    stride_dm, stride_dh, stride_om, stride_oh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,  #
+):
+# fmt: on
+    """delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] in FP32: one fixed per-row tree (tl.sum)."""
+    offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_q
+    rows = offs_m.to(tl.int64)[:, None]
+    do = tl.load(do_ptr + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = tl.load(o_ptr + h * stride_oh + rows * stride_om + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    tl.store(delta_ptr + h * n_q + offs_m, tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1), mask=row_ok)
+
+
+@triton.jit
+def _dq_key_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n, n_k, qk_scale,
+                  MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    if MASK:
+        key_ok = offs_n < n_k
+        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    p = tl.math.exp2(s2 - lse[:, None])
+    if MASK:
+        p = tl.where(key_ok[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["n_q", "n_k"])
+def attention_bwd_q_kernel(
+    q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dq_ptr,  #
+    n_q, n_k, qk_scale, scale,  #
+    stride_qm, stride_qh, stride_dm, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,  #
+    stride_gm, stride_gh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,  #
+):
+# fmt: on
+    """dq [n_q, H, D] FP32 = scale * sum over key blocks of dS @ K; lse2/delta [H, n_q] contiguous."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_q
+    rows = offs_m.to(tl.int64)[:, None]
+    # padded query rows load q = dO = 0, lse = delta = 0: p = 1, dS = 0, no inf/NaN, never stored
+    q = tl.load(q_ptr + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + h * n_q + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + h * n_q + offs_m, mask=row_ok, other=0.0)
+    k_ptrs = k_ptr + h * stride_kh + offs_n[:, None] * stride_km + offs_d[None, :]
+    v_ptrs = v_ptr + h * stride_vh + offs_n[:, None] * stride_vm + offs_d[None, :]
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    n_full = n_k // BLOCK_N
+    for _ in range(n_full):
+        dq = _dq_key_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n, n_k, qk_scale, False, DOT_PREC)
+        k_ptrs += BLOCK_N * stride_km
+        v_ptrs += BLOCK_N * stride_vm
+    if n_full * BLOCK_N < n_k:
+        dq = _dq_key_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n + n_full * BLOCK_N, n_k, qk_scale,
+                           True, DOT_PREC)
+    dq = dq * scale  # the one scaling of dq, on the FP32 sum (reference: chain_bmm(ds, k) * scale)
+    tl.store(dq_ptr + h * stride_gh + rows * stride_gm + offs_d[None, :], dq, mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_query_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m, n_q, qk_scale,
+                      MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    if MASK:
+        row_ok = offs_m < n_q
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    s2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M] = s2^T
+    p_t = tl.math.exp2(s2_t - lse[None, :])
+    if MASK:
+        p_t = tl.where(row_ok[None, :], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["n_q", "n_k"])
+def attention_bwd_kv_kernel(
+    q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr,  #
+    n_q, n_k, qk_scale, scale,  #
+    stride_qm, stride_qh, stride_dm, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,  #
+    stride_gm, stride_gh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,  #
+):
+# fmt: on
+    """dk, dv [n_k, H, D] FP32 (same strides) for this key block, summed over all n_q queries ascending."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.program_id(1).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < n_k
+    keys = offs_n.to(tl.int64)[:, None]
+    # padded key rows load k = v = 0: their columns of dS and P are harmless and never stored
+    k = tl.load(k_ptr + h * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + h * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    q_ptrs = q_ptr + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    do_ptrs = do_ptr + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :]
+    lse_ptrs = lse_ptr + h * n_q + offs_m
+    delta_ptrs = delta_ptr + h * n_q + offs_m
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    n_full = n_q // BLOCK_M
+    for _ in range(n_full):
+        dk, dv = _dkdv_query_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m, n_q, qk_scale,
+                                   False, DOT_PREC)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dm
+        lse_ptrs += BLOCK_M
+        delta_ptrs += BLOCK_M
+    if n_full * BLOCK_M < n_q:
+        dk, dv = _dkdv_query_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m + n_full * BLOCK_M,
+                                   n_q, qk_scale, True, DOT_PREC)
+    dk = dk * scale  # the one scaling of dk, on the FP32 sum (reference: chain_bmm(ds^T, q) * scale)
+    out = h * stride_gh + keys * stride_gm + offs_d[None, :]
+    tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
+    tl.store(dv_ptr + out, dv, mask=key_ok[:, None])

@@ -1,0 +1,94 @@
+"""Attention forward kernel (FlashAttention-2 order): one program per (query block, head).
+
+Reference: h3lab.ops.attention.attention_fwd (same softmax, chains instead of tensor-core tiles).
+Launcher: h3lab.triton.attention.attention_fwd.
+
+Why a query row's bits never depend on the call: the program walks the key blocks 0, BLOCK_N,
+2*BLOCK_N, ... of the full key set in ascending order (no split-KV, no atomics), and every value
+of row i (scores, running max, running sum, accumulator) is computed by element- or row-local
+operations whose order is fixed by the compiled tile shape alone: MMA sums over head channels in
+the instruction's fixed k order, `tl.max`/`tl.sum` reduce a row with one fixed tree per row. So the
+row's position inside the tile, the number of rows in the call and the other heads don't enter.
+The key count is not a specialised argument (`do_not_specialize`), so one binary serves every Q, K.
+
+Softmax runs in base 2 (exp2 is the hardware instruction): s2 = (q . k) * qk_scale with
+qk_scale = scale * log2(e) rounded once to FP32 by the launcher; lse2 = m2 + log2(l) is the one
+statistic the backward needs to replay p = exp2(s2 - lse2).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd_key_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_n, n_k, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key block of the online softmax; MASK only for the ragged last block (keys >= n_k)."""
+    if MASK:
+        key_ok = offs_n < n_k
+        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] FP32
+    if MASK:
+        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+    # max(qk) * qk_scale == max(qk * qk_scale) exactly (qk_scale > 0, rounding is monotone): one
+    # multiply per row instead of per score; the per-score multiply can then fuse into the
+    # subtraction (FFMA). Fused or not is decided once per compiled binary, the same for every row.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # finite: every block holds >= 1 real key
+    alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # P enters the tensor core in the input dtype (bf16 on GPU, as every flash kernel does);
+    # the accumulator stays FP32
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["n_q", "n_k"])
+def attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, oref_ptr, lse_ptr,  #
+    n_q, n_k, qk_scale,  #
+    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,  #
+    stride_om, stride_oh, stride_rm, stride_rh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    WRITE_REF: tl.constexpr, DOT_PREC: tl.constexpr,  #
+):
+# fmt: on
+    """q [n_q, H, D], k/v [n_k, H, D] (last dim contiguous) -> o [n_q, H, D], lse2 [H, n_q] (contiguous)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_q
+    rows = offs_m.to(tl.int64)[:, None]  # rows * stride exceeds int32 past ~300k rows of 7168
+
+    q = tl.load(q_ptr + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_ptrs = k_ptr + h * stride_kh + offs_n[:, None] * stride_km + offs_d[None, :]
+    v_ptrs = v_ptr + h * stride_vh + offs_n[:, None] * stride_vm + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    n_full = n_k // BLOCK_N
+    for _ in range(n_full):  # full key blocks, unmasked
+        acc, l_i, m_i = _fwd_key_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_n, n_k, qk_scale, False, DOT_PREC)
+        k_ptrs += BLOCK_N * stride_km
+        v_ptrs += BLOCK_N * stride_vm
+    if n_full * BLOCK_N < n_k:  # the ragged last block: depends on n_k only, never on the queries
+        acc, l_i, m_i = _fwd_key_block(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_n + n_full * BLOCK_N, n_k, qk_scale, True, DOT_PREC
+        )
+
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + h * stride_oh + rows * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    if WRITE_REF:  # the FP32 output the backward's delta = rowsum(dO * O) reads
+        tl.store(oref_ptr + h * stride_rh + rows * stride_rm + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_ptr + h * n_q + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)

@@ -1,0 +1,458 @@
+"""Fixed-order GEMM: c = a @ b, FP32 accumulation over K in BLOCK_K chunks, ascending, one rounding.
+
+Reference: h3lab.ops.fixed.chain_mm (the torch backend's chain). Launcher: `mm`.
+
+Why a row's bits never depend on M and a column's never on N: every output element is the chain
+acc = dot(a[m, k0:k0+BK], b[k0:k0+BK, n]) + acc over k0 = 0, BK, 2*BK, ... with one pinned config
+per node type (kernels/<node>.json): same BLOCK_K, same tensor-core instruction, no split-K, no
+stream-K, no autotuning. M and N are not specialised (`do_not_specialize`), so one binary serves
+every M and N. Rows past M and columns past N only ever feed their own (discarded) outputs; the
+K tail is read as zeros, and a zero product added to a chain leaves it unchanged. Persistence (a
+grid of one program per SM walking tiles in grouped order) only decides which SM computes a tile.
+
+A row tail (the last M % BLOCK_M rows, a few) can ride on the full row tiles instead of taking row
+tiles of its own (`tail_operands`, config keys TAIL_M/TAIL_N): the same chunks in the same order,
+so the same bits; at M = 264 it turns two rounds of tiles into one for q, k, v, hidden and gate.
+
+Operands come through TMA tensor descriptors where their layout allows (16-byte aligned base and
+strides, one unit stride) and through masked pointer loads otherwise; both feed the same dot with
+the same values. bf16 x bf16 runs on the tensor cores (wgmma on sm90); an fp32 operand makes the
+product an IEEE FP32 one (`input_precision="ieee"`, never TF32), with its own pinned tile shape.
+The device helpers here (tile order, operand loads, the multiply-accumulate) are shared with the
+unit-tree GEMM (h3lab.triton.unit_gemm).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from h3lab.triton import configs
+
+OPERAND_DTYPES = (torch.bfloat16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "TMA")  # required
+OPTIONAL_KEYS = {  # per kernel: a key another kernel reads (IMPL for mm, say) is a mistake, not a no-op
+    "gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE", "TAIL_M", "TAIL_N"),
+    "unit_gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "PENDING_IN_REGS", "SCRATCH_TMA", "IMPL", "LVL2_SMEM"),
+}
+INTERPRETER_PROGRAMS = 3  # fewer programs than tiles in the tests, so the persistent loop is exercised
+
+
+# ---- device helpers (shared with unit_gemm) ------------------------------------------------------
+
+
+@triton.jit
+def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row-tiles share a column-tile's b in L2 before moving on."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def load_a(
+    a_ptr, a_desc, m0, k0, k_end, M, s_am, s_ak, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr
+):
+    """a[m0:m0+BM, k0:k0+BK]. MODE 1: TMA over [M, K]; 2: TMA over [K, M] (a^T rows); 0: pointers.
+
+    Pointer mode reads columns >= k_end as 0 (the K tail, or a unit's end in unit_gemm) and clamps
+    rows past M to row 0 (valid memory; those rows only feed outputs that are never stored). TMA
+    zero-fills past the tensor's end, which is the K tail; the launchers use TMA only where every
+    chunk boundary they need is the tensor's end or a multiple of BLOCK_K.
+    """
+    if MODE == 1:
+        tile = a_desc.load([m0, k0])
+    elif MODE == 2:
+        tile = a_desc.load([k0, m0]).T
+    else:
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rm = tl.where(rm < M, rm, 0).to(tl.int64)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        ptrs = a_ptr + rm[:, None] * s_am + rk[None, :].to(tl.int64) * s_ak
+        tile = tl.load(ptrs, mask=rk[None, :] < k_end, other=0.0)
+    return tile
+
+
+@triton.jit
+def load_b(
+    b_ptr, b_desc, k0, n0, k_end, N, s_bk, s_bn, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr
+):
+    """b[k0:k0+BK, n0:n0+BN]. MODE 1: TMA over [N, K] (a weight W with b = W.T); 2: TMA over [K, N]; 0: pointers."""
+    if MODE == 1:
+        tile = b_desc.load([n0, k0]).T
+    elif MODE == 2:
+        tile = b_desc.load([k0, n0])
+    else:
+        rn = n0 + tl.arange(0, BLOCK_N)
+        rn = tl.where(rn < N, rn, 0).to(tl.int64)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn
+        tile = tl.load(ptrs, mask=rk[:, None] < k_end, other=0.0)
+    return tile
+
+
+@triton.jit
+def mac(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b in FP32: tensor cores for bf16 x bf16; IEEE FP32 products when an operand is fp32."""
+    if IEEE:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def store_tile(
+    c_ptr,
+    c_desc,
+    acc,
+    m0,
+    n0,
+    M,
+    N,
+    s_cm,
+    s_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OUT_TMA: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """The one rounding: FP32 accumulator -> c's dtype (round to nearest even), rows < M, columns < N.
+
+    OUT_TMA: a bulk tensor store through shared memory in SPLIT column slices (the staging buffer of
+    a 128x256 FP32 tile would be 128 KiB); TMA clips rows and columns past the end. Otherwise
+    masked pointer stores straight from the accumulator's registers.
+    """
+    if OUT_TMA:
+        if SPLIT == 2:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c_desc.store([m0, n0], left.to(c_ptr.dtype.element_ty))
+            c_desc.store([m0, n0 + BLOCK_N // 2], right.to(c_ptr.dtype.element_ty))
+        else:
+            c_desc.store([m0, n0], acc.to(c_ptr.dtype.element_ty))
+    else:
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :].to(tl.int64) * s_cn
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def tail_chain(acc_t, a_tail_desc, w_tail_desc, m_tail, n_t, k0, IEEE: tl.constexpr):
+    """acc_t [TAIL_N, TAIL_M] += W[n_t:+TAIL_N, k0:+BK] @ a[m_tail:+TAIL_M, k0:+BK]^T: the tail rows' chunk k0.
+
+    Swapped (c^T = W a^T) so that the few tail rows are the tensor cores' N side (wgmma's M side is
+    64, its N side may be 16) and the product stays an async wgmma beside the main one. The same
+    products of the same chunk summed in the same order as the row tile's: the same bits (H200,
+    session 12: swapped wgmma tiles and 16- and 32-row mma.sync tiles all matched the 64x256 tile's
+    bytes). Per tile, against the plain 64x256 tile (to_out, ff.net.2 at 264 rows, one round each),
+    this tail costs 11-14% more, an unswapped 16-row mma.sync one 35-54% more (it is synchronous).
+    """
+    a_sub = a_tail_desc.load([m_tail, k0])
+    w_sub = w_tail_desc.load([n_t, k0])
+    return mac(w_sub, a_sub.T, acc_t, IEEE)
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["M", "N", "num_programs"])
+def mm_kernel(
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc, a_tail_desc, w_tail_desc,
+    M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_MODE: tl.constexpr, B_MODE: tl.constexpr, IEEE: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TAIL: tl.constexpr, TAIL_M: tl.constexpr, TAIL_N: tl.constexpr,
+):
+    # fmt: on
+    # TAIL: the last M % BLOCK_M (<= TAIL_M) rows get no row tile of their own; for each column tile,
+    # the row tiles pid_m < BLOCK_N // TAIL_N each compute the tail rows of one TAIL_N-wide slice
+    # of it (the host checks there are that many row tiles). At M = 264 on 64x256 tiles: 112 tiles
+    # in one round instead of 140 in two, each 1/16 more products (reports/h200/session12).
+    if TAIL:
+        num_pid_m = M // BLOCK_M
+    else:
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_chunks = tl.cdiv(K, BLOCK_K)
+    # the epilogue keeps its own tile counter so a flattened loop's prologue and epilogue share no value
+    tile_c = tl.program_id(0) - num_programs
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if TAIL and pid_m < BLOCK_N // TAIL_N:  # this tile also carries a slice of the tail rows
+            m_tail = num_pid_m * BLOCK_M
+            n_t = n0 + pid_m * TAIL_N
+            acc_t = tl.zeros((TAIL_N, TAIL_M), dtype=tl.float32)
+            for kc in tl.range(0, k_chunks):  # ascending K, never split: both chains
+                k0 = kc * BLOCK_K
+                a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
+                b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+                acc = mac(a, b, acc, IEEE)
+                acc_t = tail_chain(acc_t, a_tail_desc, w_tail_desc, m_tail, n_t, k0, IEEE)
+            rn = n_t + tl.arange(0, TAIL_N)
+            rt = m_tail + tl.arange(0, TAIL_M)
+            ptrs = c_ptr + rn[:, None].to(tl.int64) * s_cn + rt[None, :].to(tl.int64) * s_cm  # acc_t is c^T
+            tl.store(ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rt[None, :] < M))
+        else:
+            for kc in tl.range(0, k_chunks, warp_specialize=WARP_SPECIALIZE):  # ascending K, never split
+                k0 = kc * BLOCK_K
+                a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
+                b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+                acc = mac(a, b, acc, IEEE)
+        tile_c += num_programs
+        pid_m, pid_n = tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
+
+
+# ---- host helpers (shared with unit_gemm) ---------------------------------------------------------
+
+
+def check_config(what: str, cfg: dict[str, Any], kernel: str) -> dict[str, Any]:
+    """A configuration of `kernel` ("gemm" or "unit_gemm") must name every required key and nothing
+    that kernel does not read (typos, or another kernel's keys, would pass silently)."""
+    if kernel not in OPTIONAL_KEYS:
+        raise ValueError(f"{what}: kernel {kernel!r}; allowed: {sorted(OPTIONAL_KEYS)}")
+    optional = OPTIONAL_KEYS[kernel]
+    missing = [k for k in CONFIG_KEYS if k not in cfg]
+    unknown = [k for k in cfg if k not in CONFIG_KEYS + optional]
+    if missing or unknown:
+        raise ValueError(
+            f"{what} config: missing {missing}, unknown {unknown}; required {list(CONFIG_KEYS)}, "
+            f"optional {list(optional)}"
+        )
+    if "TAIL_M" in cfg or "TAIL_N" in cfg:
+        _check_tail(what, cfg)
+    return cfg
+
+
+def _check_tail(what: str, cfg: dict[str, Any]) -> None:
+    """TAIL_M/TAIL_N (see tail_operands): both set, tl.dot-sized, fitting the row tile, without the
+    loop forms the tail branch does not have."""
+    tail_m, tail_n, BM, BN = cfg.get("TAIL_M"), cfg.get("TAIL_N"), cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731  (tl.dot's smallest side)
+    if not (pow2(tail_m) and pow2(tail_n) and tail_m <= BM and BN % tail_n == 0):
+        raise ValueError(
+            f"{what} config TAIL_M={tail_m}, TAIL_N={tail_n} with BLOCK_M={BM}, BLOCK_N={BN}; allowed: both set, "
+            "powers of two >= 16, TAIL_M <= BLOCK_M, TAIL_N dividing BLOCK_N"
+        )
+    if cfg.get("FLATTEN") or cfg.get("WARP_SPECIALIZE"):
+        raise ValueError(
+            f"{what} config TAIL_M={tail_m}, TAIL_N={tail_n} with FLATTEN={cfg.get('FLATTEN')}, "
+            f"WARP_SPECIALIZE={cfg.get('WARP_SPECIALIZE')}; allowed: both false (or absent) with the tail"
+        )
+
+
+def kernel_config(kernel: str, node: str, ieee: bool, rows: int | None = None) -> dict[str, Any]:
+    """The pinned configuration of `kernel` on `node`; its "fp32" entries apply when an operand is fp32.
+
+    A `by_rows` list ({"max_rows": n or null, ...overrides}) picks tile shapes by the row count M,
+    as vLLM's batch-invariant tables do. Only BLOCK_M/N, warps, stages and the row tail (TAIL_M/N)
+    may differ: BLOCK_K (the K order) must be the same in every bucket, and h3lab.bench.gemm_bench
+    checks on the GPU that all pinned shapes give identical bits (one bit class) — the row-slice
+    tests cross the bucket edge, and the tail's GPU test compares it with rows of a 4111-row call.
+    """
+    cfg = configs.pinned(kernel, node)
+    fp32 = cfg.pop("fp32", {})
+    buckets = cfg.pop("by_rows", [])
+    cfg.pop("comment", None)
+    if ieee:
+        cfg.update(fp32)
+    elif buckets and rows is not None:
+        bucket = next(b for b in buckets if b["max_rows"] is None or rows <= b["max_rows"])
+        if bucket.get("BLOCK_K", cfg["BLOCK_K"]) != cfg["BLOCK_K"]:
+            raise ValueError(f"{node}.json {kernel!r}: a by_rows bucket changes BLOCK_K; allowed: {cfg['BLOCK_K']}")
+        cfg.update({k: v for k, v in bucket.items() if k != "max_rows"})
+    return check_config(f"{node}.json {kernel!r}", cfg, kernel)
+
+
+def check_device(fn: str, *tensors: Tensor) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{fn}: operands on {sorted(map(str, devices))}; allowed: all on one device")
+    device = devices.pop()
+    if device.type != "cuda" and not (device.type == "cpu" and configs.interpreting()):
+        raise ValueError(f"{fn}: operands on {device}; allowed: cuda (or cpu under TRITON_INTERPRET=1)")
+    return device
+
+
+def check_operand(fn: str, name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor) or t.dim() != 2:
+        raise ValueError(f"{fn}: {name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if t.dtype not in OPERAND_DTYPES:
+        raise ValueError(f"{fn}: {name} has dtype {t.dtype}; allowed: {list(OPERAND_DTYPES)}")
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def programs(device: torch.device | str) -> int:
+    """Programs a persistent grid may hold at once: the SMs (INTERPRETER_PROGRAMS in the interpreter)."""
+    device = torch.device(device)
+    return INTERPRETER_PROGRAMS if device.type == "cpu" else _sm_count(device)
+
+
+def grid_size(device: torch.device, num_tiles: int) -> int:
+    """A persistent grid: one program per SM (fewer when there are fewer tiles)."""
+    return max(1, min(programs(device), num_tiles))
+
+
+def tma_aligned(t: Tensor, major_stride: int) -> bool:
+    """A TMA descriptor can walk t: 16-byte aligned base and major stride."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and (major_stride * size) % 16 == 0 and major_stride > 0
+
+
+def a_mode(a_MK: Tensor) -> int:
+    """How TMA can walk a: 1 = rows contiguous in K, 2 = columns contiguous in M, 0 = it cannot."""
+    if a_MK.stride(1) == 1 and tma_aligned(a_MK, a_MK.stride(0)):
+        return 1
+    if a_MK.stride(0) == 1 and tma_aligned(a_MK, a_MK.stride(1)):
+        return 2
+    return 0
+
+
+def b_mode(b_KN: Tensor) -> int:
+    """How TMA can walk b: 1 = a weight W [N, K] seen as b = W.T, 2 = rows contiguous in N, 0 = it cannot."""
+    if b_KN.stride(0) == 1 and tma_aligned(b_KN, b_KN.stride(1)):
+        return 1
+    if b_KN.stride(1) == 1 and tma_aligned(b_KN, b_KN.stride(0)):
+        return 2
+    return 0
+
+
+def operand_a(a_MK: Tensor, block_m: int, block_k: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
+    """(mode, descriptor) for load_a: a_mode's, 0 = pointers (without TMA too)."""
+    M, K = a_MK.shape
+    mode = a_mode(a_MK) if tma else 0
+    if mode == 1:
+        return 1, TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [block_m, block_k])
+    if mode == 2:
+        return 2, TensorDescriptor(a_MK, [K, M], [a_MK.stride(1), 1], [block_k, block_m])
+    return 0, None
+
+
+def operand_b(b_KN: Tensor, block_k: int, block_n: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
+    """(mode, descriptor) for load_b: b_mode's, 0 = pointers (without TMA too)."""
+    K, N = b_KN.shape
+    mode = b_mode(b_KN) if tma else 0
+    if mode == 1:
+        return 1, TensorDescriptor(b_KN, [N, K], [b_KN.stride(1), 1], [block_n, block_k])
+    if mode == 2:
+        return 2, TensorDescriptor(b_KN, [K, N], [b_KN.stride(0), 1], [block_k, block_n])
+    return 0, None
+
+
+def output_desc(c_MN: Tensor, block_m: int, block_n: int, cfg: dict[str, Any]) -> tuple[bool, int, Any]:
+    """(OUT_TMA, SPLIT, descriptor) for store_tile: a TMA store when the config asks and rows are 16-byte aligned."""
+    split = int(cfg.get("EPILOGUE_SPLIT", 1))
+    if split not in (1, 2):
+        raise ValueError(f"EPILOGUE_SPLIT={split}; allowed: 1, 2")
+    if not cfg.get("TMA_STORE", False) or c_MN.stride(1) != 1 or not tma_aligned(c_MN, c_MN.stride(0)):
+        return False, 1, None
+    return True, split, TensorDescriptor(c_MN, list(c_MN.shape), [c_MN.stride(0), 1], [block_m, block_n // split])
+
+
+def tail_operands(
+    a_MK: Tensor, b_KN: Tensor, a_mode: int, b_mode: int, cfg: dict[str, Any], sms: int, out_dtype: torch.dtype
+) -> tuple[int, int, TensorDescriptor | None, TensorDescriptor | None]:
+    """(TAIL_M, TAIL_N, a's and W's tail descriptors) when the row tail rides on the row tiles, else Nones.
+
+    It rides when the config names TAIL_M and TAIL_N, 0 < M % BLOCK_M <= TAIL_M, there are at least
+    BLOCK_N // TAIL_N full row tiles to carry its slices, both operands go through TMA as a [M, K]
+    and a weight W [N, K] (the forward's form), the output is bf16 (an fp32 tile's TMA staging
+    buffer is 32 KiB, not 16: with the tail's 4 stages 237,632 bytes of shared memory, over sm90's
+    232,448), and the plain tiling needs more than one round of the `sms` programs: where it fits
+    in one, the tail only lengthens the tiles (H200, M = 264: to_out 45 -> 50 us, ff.net.2 86 ->
+    99 us; q, whose 140 tiles need two rounds, 66 -> 41 us). Where both tilings need the same
+    number of rounds past one, it still paid on every shape measured (M = 520, two rounds either
+    way: 0.53-0.79 -> 0.59-0.89 of cuBLAS; one row tile fewer re-reads W), hence not a round count.
+    Otherwise the tail gets row tiles of its own: the same bits, only the tile computing them changes.
+    `cfg` has passed check_config (mm's configs all do), which checks the TAIL keys, once per call.
+    """
+    tail_m, tail_n = cfg.get("TAIL_M"), cfg.get("TAIL_N")
+    if tail_m is None and tail_n is None:
+        return 1, 1, None, None
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    (M, K), N = a_MK.shape, b_KN.shape[1]
+    plain_tiles = configs.cdiv(M, BM) * configs.cdiv(N, BN)
+    carriers = M // BM  # full row tiles
+    fits = out_dtype == torch.bfloat16 and a_mode == b_mode == 1
+    if not (fits and 0 < M % BM <= tail_m and carriers >= BN // tail_n and plain_tiles > sms):
+        return 1, 1, None, None
+    w_NK = b_KN.t()
+    a_tail = TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [tail_m, BK])
+    w_tail = TensorDescriptor(w_NK, [N, K], [w_NK.stride(0), 1], [tail_n, BK])
+    return tail_m, tail_n, a_tail, w_tail
+
+
+# ---- the launcher --------------------------------------------------------------------------------
+
+
+def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, node: str | None = None,
+       config: dict[str, Any] | None = None) -> Tensor:
+    """a @ b: FP32 chains over K in BLOCK_K chunks, ascending, rounded once to `out_dtype`.
+
+    Args:
+        a_MK, b_KN: bf16 or fp32, any strides (b is usually a weight's transposed view W.T).
+        out_dtype: torch.bfloat16 or torch.float32.
+        node: node type whose pinned config runs (default: that of the operands' CUDA device).
+        config: an explicit configuration instead of the pinned one (benchmarks and tests only).
+
+    Raises:
+        ValueError: wrong rank, dtype, device or shapes; a node without a pinned "gemm" entry.
+    """
+    check_operand("mm", "a_MK", a_MK)
+    check_operand("mm", "b_KN", b_KN)
+    device = check_device("mm", a_MK, b_KN)
+    if a_MK.shape[1] != b_KN.shape[0]:
+        raise ValueError(
+            f"mm: a_MK {tuple(a_MK.shape)} and b_KN {tuple(b_KN.shape)}; allowed: a.shape[1] == b.shape[0]"
+        )
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"mm: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
+    ieee = torch.float32 in (a_MK.dtype, b_KN.dtype)
+    if config is not None:
+        cfg = check_config("mm", config, "gemm")
+    else:
+        cfg = kernel_config("gemm", node or configs.node_of(device), ieee, rows=a_MK.shape[0])
+    (M, K), N = a_MK.shape, b_KN.shape[1]
+    c_MN = torch.empty((M, N), dtype=out_dtype, device=device)
+    if M == 0 or N == 0:
+        return c_MN
+    if K == 0:
+        return c_MN.zero_()  # the empty chain
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_mode, a_desc = operand_a(a_MK, BM, BK, cfg["TMA"])
+    b_mode, b_desc = operand_b(b_KN, BK, BN, cfg["TMA"])
+    out_tma, split, c_desc = output_desc(c_MN, BM, BN, cfg)
+    tail_m, tail_n, a_tail, w_tail = tail_operands(a_MK, b_KN, a_mode, b_mode, cfg, programs(device), out_dtype)
+    grid = grid_size(device, (M // BM if a_tail is not None else configs.cdiv(M, BM)) * configs.cdiv(N, BN))
+    mm_kernel[(grid,)](
+        a_MK, a_desc, b_KN, b_desc, c_MN, c_desc, a_tail, w_tail,  #
+        M, N, K, a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1), c_MN.stride(0), c_MN.stride(1),
+        grid, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
+        A_MODE=a_mode, B_MODE=b_mode, IEEE=ieee, OUT_TMA=out_tma, SPLIT=split, FLATTEN=cfg.get("FLATTEN", False),
+        WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", False), TAIL=a_tail is not None, TAIL_M=tail_m, TAIL_N=tail_n,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False,
+    )
+    return c_MN

@@ -1,0 +1,150 @@
+"""The shape of the library: h3lab's import graph has no cycle, and no package imports one above it.
+
+The graph is read from the source (every `import` statement, also inside functions and under
+TYPE_CHECKING), so an import that only runs on a GPU counts as much as one that runs here. The
+layers are ARCHITECTURE.md's; a package may import its own modules and those of the packages it
+lists.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "h3lab"
+
+CORE = "core"  # the flat modules of h3lab/, the torch references (ops) and the GPU kernels (triton)
+MAY_IMPORT: dict[str, set[str]] = {
+    CORE: set(),
+    "io": {CORE},
+    "model": {CORE, "io"},
+    "reference": {CORE, "io", "model"},
+    "dist": {CORE},
+    "run": {CORE, "io", "model", "reference", "dist"},
+    "bench": {CORE, "io", "model", "reference", "dist", "run"},
+    "workbench": {CORE, "io", "model", "reference", "dist", "run"},
+    "cli": {CORE, "io", "model", "reference", "dist", "run", "bench", "workbench"},
+    "facade": {CORE, "io"},  # h3lab/__init__.py: the public surface
+}
+PACKAGES = {
+    "ops": CORE,
+    "triton": CORE,
+    "io": "io",
+    "model": "model",
+    "reference": "reference",
+    "dist": "dist",
+    "run": "run",
+    "bench": "bench",
+    "workbench": "workbench",
+    "cli": "cli",
+}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """The h3lab modules `path` imports (a `from pkg import name` counts pkg.name where that is a module)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m == "h3lab" or m.startswith("h3lab.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module(p): p for p in ROOT.rglob("*.py")}
+    return {m: {i for i in _imports(p, m) if i in paths and i != m} for m, p in paths.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if module == "h3lab":
+        return "facade"
+    if module == "h3lab.__main__":
+        return "cli"
+    return PACKAGES.get(parts[1], CORE) if len(parts) > 2 or parts[1] in PACKAGES else CORE
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _parent_packages(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def test_the_import_graph_has_no_cycle():
+    # a module importing its own package's __init__ (h3lab.triton.gemm -> h3lab.triton) is how Python
+    # loads it anyway, not a cycle of ours: those edges are left out
+    graph = {m: {i for i in deps if i not in _parent_packages(m)} for m, deps in _graph().items()}
+    assert _cycles(graph) == []
+
+
+def test_no_package_imports_one_above_it():
+    bad = []
+    for module, deps in sorted(_graph().items()):
+        layer = _layer(module)
+        for dep in sorted(deps):
+            other = _layer(dep)
+            if other != layer and other not in MAY_IMPORT[layer] and dep not in _parent_packages(module):
+                bad.append(f"{module} ({layer}) imports {dep} ({other})")
+    assert bad == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}, [["a", "b", "c"]]), ({"a": {"b"}, "b": set()}, [])],
+)
+def test_the_cycle_finder_sees_a_planted_cycle(graph, expected):
+    assert _cycles(graph) == expected
+
+
+def test_the_layer_check_sees_a_planted_upward_import():
+    assert _layer("h3lab.block") == CORE and _layer("h3lab.run.runner") == "run"
+    assert "run" not in MAY_IMPORT[CORE] and "cli" not in MAY_IMPORT["workbench"]
