@@ -79,6 +79,7 @@ def test_unit_mm_few_rows_groupings_bitwise_and_close_to_fp64():
     for tp, root in roots.items():
         assert_bitwise(root, roots[1], f"TP{tp}")
     assert_bitwise(few_rows.unit_mm_few_rows(a, b, 8, node=NODE), roots[1], "repeat")
+    assert_bitwise(roots[1], TorchBackend().unit_reduce_few_rows(a, b, 8), "the torch chains' tree")
     _assert_fp32_close(roots[1], a, b, "d temb")
 
 
