@@ -76,11 +76,11 @@ def chain_dot(monkeypatch):
     """The Triton interpreter's tl.dot as chain_dot_f32, for the test, then the interpreter's own again.
 
     The interpreter computes tl.dot with np.matmul, i.e. the host's BLAS. Its kernel is picked per
-    CPU and sums k in an order that depends on the product's shape (a row alone or in a 16-row
-    tile: other bits, every OpenBLAS core type) and, with OpenBLAS' Haswell and Zen kernels, on the
-    row's place in a product of one shape. Kernel-logic tests need an order of our own. bf16 and
-    fp16 operands widen to FP32 exactly first (the interpreter stores bf16 as its uint16 bits, which
-    np.matmul would multiply as integers); their products are exact in FP32.
+    CPU and sums k in an order that depends on the product's shape (a row alone or inside a tile:
+    other bits under every OpenBLAS core type tried) and, with OpenBLAS' Haswell and Zen kernels,
+    on the row's place in a product of one shape. Kernel-logic tests need an order of our own.
+    bf16 and fp16 operands widen to FP32 exactly first (the interpreter stores bf16 as its uint16
+    bits, which np.matmul would multiply as integers); their products are exact in FP32.
     """
     import triton.language as tl
     from triton.runtime import interpreter
