@@ -1,7 +1,9 @@
-"""Shared fixtures: the tiny configuration, its synthetic weights and packed batches."""
+"""Shared fixtures: the tiny configuration, its synthetic weights and packed batches; the Triton
+interpreter's tl.dot as an FP32 chain of our own (chain_dot)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +49,53 @@ def random_diffusers_model(config: H3Config, seed: int):
     for name, p in model.named_parameters():
         p.data = p.data.to(param_dtype(name))
     return model
+
+
+def chain_dot_f32(a_MK: np.ndarray, b_KN: np.ndarray, acc_MN: np.ndarray) -> np.ndarray:
+    """acc + a @ b as one FP32 chain per element, k ascending, continued from acc.
+
+    out[m, n] = ((acc[m, n] + a[m, 0] b[0, n]) + a[m, 1] b[1, n]) + ..., each product and each add a
+    numpy float32 elementwise op: IEEE, rounded to nearest, no FMA, no BLAS. An element's bits are a
+    function of its acc, its row of a and its column of b alone: not of M, N, the element's place in
+    the tile or the CPU. The chain starts from acc (the GPU's IEEE tl.dot is an FMA chain from the
+    accumulator too), so a kernel's loop acc = dot(a_chunk, b_chunk, acc) is one chain over all of
+    K whatever BLOCK_K is, and an FP32 GEMM equals h3lab.ops.fixed.chain_mm bit for bit. Leading
+    batch dims (3-D tl.dot) broadcast.
+    """
+    out = acc_MN.astype(np.float32, copy=True)
+    prod = np.empty_like(out)
+    a_KM = np.ascontiguousarray(np.swapaxes(a_MK, -1, -2))
+    for k in range(a_MK.shape[-1]):
+        np.multiply(a_KM[..., k, :, None], b_KN[..., k, None, :], out=prod)
+        np.add(out, prod, out=out)
+    return out
+
+
+@pytest.fixture
+def chain_dot(monkeypatch):
+    """The Triton interpreter's tl.dot as chain_dot_f32, for the test, then the interpreter's own again.
+
+    The interpreter computes tl.dot with np.matmul, i.e. the host's BLAS. Its kernel is picked per
+    CPU and sums k in an order that depends on the product's shape (a row alone or inside a tile:
+    other bits under every OpenBLAS core type tried) and, with OpenBLAS' Haswell and Zen kernels,
+    on the row's place in a product of one shape. Kernel-logic tests need an order of our own.
+    bf16 and fp16 operands widen to FP32 exactly first (the interpreter stores bf16 as its uint16
+    bits, which np.matmul would multiply as integers); their products are exact in FP32.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def widened(x) -> np.ndarray:
+        ty = x.get_element_ty()
+        if ty == tl.bfloat16:
+            return (x.data.astype(np.uint32) << 16).view(np.float32)
+        if ty in (tl.float16, tl.float32):
+            return x.data.astype(np.float32, copy=False)
+        raise NotImplementedError(f"chain_dot: operand dtype {ty}; allowed: fp32, bf16, fp16")
+
+    def create_dot(builder, a, b, d, input_precision, max_num_imprecise_acc):
+        if d.get_element_ty() != tl.float32:
+            raise NotImplementedError(f"chain_dot: accumulator dtype {d.get_element_ty()}; allowed: fp32")
+        return interpreter.TensorHandle(chain_dot_f32(widened(a), widened(b), d.data), d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -3,6 +3,11 @@
 Without CUDA they run under the Triton interpreter in FP32 (its bf16 cast truncates, see
 tests/test_kernels_gemm.py); with CUDA the `gpu` tests run them at the real H3 shapes:
 pytest -m gpu tests/test_kernels_few_rows.py
+
+Why the interpreter's bits are the same on every CPU: d temb's tl.dot is tests/conftest.py's
+chain_dot (one FP32 chain from the accumulator, k ascending, numpy elementwise ops, not the host's
+BLAS), so its unit partials are the torch chains and the tree is TorchBackend's, bit for bit;
+mm_few_k is elementwise FP32 multiplies and adds in the kernel itself.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from h3lab.ops.fixed import unit_tree
 from h3lab.triton import configs, few_rows, gemm, unit_gemm
 from h3lab.triton.backend import TritonBackend
 from tests.conftest import assert_bitwise
+
+# tl.dot under the interpreter: our FP32 chain, not the host BLAS (tests/conftest.py chain_dot)
+pytestmark = pytest.mark.usefixtures("chain_dot")
 
 NODE = "sm90"
 F32, BF16 = torch.float32, torch.bfloat16
@@ -71,6 +79,7 @@ def test_unit_mm_few_rows_groupings_bitwise_and_close_to_fp64():
     for tp, root in roots.items():
         assert_bitwise(root, roots[1], f"TP{tp}")
     assert_bitwise(few_rows.unit_mm_few_rows(a, b, 8, node=NODE), roots[1], "repeat")
+    assert_bitwise(roots[1], TorchBackend().unit_reduce_few_rows(a, b, 8), "the torch chains' tree")
     _assert_fp32_close(roots[1], a, b, "d temb")
 
 

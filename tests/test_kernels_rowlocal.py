@@ -12,6 +12,12 @@ the norm references run under `_ieee_sqrt`: sqrt in float64, then one rounding. 
 rounded for every float32 input: a float32's square root lies at least 2^-51 (relative) from a
 float32 rounding boundary, farther than the float64 sqrt's error (under 1 ULP = 2^-52; checked:
 0 of 10^6 differ). Against the unpatched reference the norms agree within a stated tolerance.
+
+No BLAS either: the row-local kernels have no tl.dot, and the GEMMs that row_mm and the whole block
+step run take tests/conftest.py's chain_dot under the interpreter (one FP32 chain from the
+accumulator, k ascending, numpy elementwise ops), so their bits are the same on every CPU and
+row_mm's are the torch chain's. (The interpreter's own tl.dot multiplies bf16 operands as their
+uint16 bit patterns: the block step's AdaLN table, bf16 silu(temb) @ bf16 weight, came out ~1e11.)
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ NODE = None if CUDA else "sm90"  # the interpreter names its node type; CUDA dev
 F32, BF16 = torch.float32, torch.bfloat16
 EPS = 1e-6
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+# tl.dot under the interpreter: our FP32 chain, not the host BLAS (tests/conftest.py chain_dot)
+pytestmark = pytest.mark.usefixtures("chain_dot")
 
 
 # ---- helpers --------------------------------------------------------------------------------------
@@ -268,8 +276,10 @@ def test_row_mm_matches_reference():
     a, b = _randn(R, 9, seed=25), _randn(R, 11, seed=26)
     order = torch.randperm(R, generator=torch.Generator().manual_seed(27))[:30]
     got = rows.row_mm(a.to(DEV), b.to(DEV), order.to(DEV), node=NODE)
-    # the GEMM's tensor-core / tile order is its own: close to the chain, not its bits
-    torch.testing.assert_close(got.cpu(), ref_rows.row_mm(a, b, order), rtol=1e-5, atol=1e-5)
+    if CUDA:  # the GEMM's tensor-core / tile order is its own: close to the chain, not its bits
+        torch.testing.assert_close(got.cpu(), ref_rows.row_mm(a, b, order), rtol=1e-5, atol=1e-5)
+    else:  # the interpreter's tl.dot is the chain (chain_dot): the kernel's rows and K order give its bits
+        _same(got, ref_rows.row_mm(a, b, order), "the chain over the rows in key order")
     empty = rows.row_mm(a.to(DEV), b.to(DEV), order[:0].to(DEV), node=NODE)
     _same(empty, torch.zeros(9, 11), "no active row")
 
