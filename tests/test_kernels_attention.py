@@ -44,8 +44,9 @@ interp = pytest.mark.skipif(
 def gpu(fn):
     """Compiled bf16 kernels on a CUDA device (never under the interpreter, whose bf16 is wrong)."""
     fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu "
-                            "tests/test_kernels_attention.py")(fn)  # fmt: skip
+    fn = pytest.mark.skipif(
+        interpreting(), reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_attention.py"
+    )(fn)
     return pytest.mark.gpu(fn)
 
 
@@ -85,8 +86,9 @@ def _ref64(q, k, v, do, scale):
     o.backward(do.double())
     lse2 = torch.logsumexp(s, -1) / math.log(2)
     delta = (do.double() * o).sum(-1).T
-    return dict(o=o.detach(), o_ref=o.detach(), lse=lse2.detach(), delta=delta.detach(), dq=q64.grad, dk=k64.grad,
-                dv=v64.grad)  # fmt: skip
+    return dict(
+        o=o.detach(), o_ref=o.detach(), lse=lse2.detach(), delta=delta.detach(), dq=q64.grad, dk=k64.grad, dv=v64.grad
+    )
 
 
 def _rel_l2(x, r) -> float:
@@ -97,8 +99,7 @@ def _check_invariance(q, k, v, do, scale, node, config=None, q_cuts=(), k_cuts=(
     full = _run(q, k, v, do, scale, node, config)
     assert_bitwise_all(full, _run(q, k, v, do, scale, node, config), "repeat")
     for lo, hi in q_cuts:  # a query row's results: independent of the call's rows and offsets
-        part = _run(q[lo:hi], k, v, do[lo:hi], scale, node, config,
-                    q_kv=(q, do, full["lse"], full["delta"]))  # fmt: skip
+        part = _run(q[lo:hi], k, v, do[lo:hi], scale, node, config, q_kv=(q, do, full["lse"], full["delta"]))
         for n in QUERY_SIDE:
             assert_bitwise(part[n], full[n][lo:hi], f"{n} rows {lo}:{hi}")
         for n in ("lse", "delta"):
@@ -106,8 +107,17 @@ def _check_invariance(q, k, v, do, scale, node, config=None, q_cuts=(), k_cuts=(
         for n in ("dk", "dv"):  # same keys, same full query set
             assert_bitwise(part[n], full[n], f"{n} with query rows {lo}:{hi} in the call")
     for lo, hi in k_cuts:  # a key row's dk/dv: independent of which keys share the call
-        dk, dv = att.attention_bwd_kv(q, do, (full["lse"],), full["delta"], k[lo:hi], v[lo:hi], scale, node=node,
-                                      config=(config or {}).get("bwd_kv"))  # fmt: skip
+        dk, dv = att.attention_bwd_kv(
+            q,
+            do,
+            (full["lse"],),
+            full["delta"],
+            k[lo:hi],
+            v[lo:hi],
+            scale,
+            node=node,
+            config=(config or {}).get("bwd_kv"),
+        )
         assert_bitwise(dk, full["dk"][lo:hi], f"dk keys {lo}:{hi}")
         assert_bitwise(dv, full["dv"][lo:hi], f"dv keys {lo}:{hi}")
     for hs in head_sets:  # a head's results: independent of the other heads (TP splits heads)
@@ -242,8 +252,9 @@ def test_gpu_invariance_bf16(n_q, n_k, heads):
     q, k, v, do, scale = _gpu_case(n_q, n_k, heads)
     cuts_q = [(1, n_q), (127, 129), (n_q // 3, n_q - 5), (255, 256)]
     cuts_k = [(1, n_k), (63, n_k - 64), (n_k - 1, n_k)]
-    _check_invariance(q, k, v, do, scale, None, q_cuts=cuts_q, k_cuts=cuts_k,
-                      head_sets=[slice(1, heads), [heads - 1, 0]])  # fmt: skip
+    _check_invariance(
+        q, k, v, do, scale, None, q_cuts=cuts_q, k_cuts=cuts_k, head_sets=[slice(1, heads), [heads - 1, 0]]
+    )
 
 
 @gpu

@@ -37,8 +37,10 @@ interp = pytest.mark.skipif(not configs.interpreting(), reason="interpreter test
 
 def gpu(fn):
     fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(configs.interpreting(), reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu "
-                            "tests/test_kernels_few_rows.py")(fn)  # fmt: skip
+    fn = pytest.mark.skipif(
+        configs.interpreting(),
+        reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_few_rows.py",
+    )(fn)
     return pytest.mark.gpu(fn)
 
 
@@ -53,9 +55,12 @@ def _groupings(a: torch.Tensor, b: torch.Tensor, node: str | None) -> dict[int, 
     out = {}
     for tp in (1, 2, 4, 8):
         per = 8 // tp
-        roots = [few_rows.unit_mm_few_rows(a[:, r * per * kp : (r + 1) * per * kp],
-                                           b[r * per * kp : (r + 1) * per * kp], per, node=node)
-                 for r in range(tp)]  # fmt: skip
+        roots = [
+            few_rows.unit_mm_few_rows(
+                a[:, r * per * kp : (r + 1) * per * kp], b[r * per * kp : (r + 1) * per * kp], per, node=node
+            )
+            for r in range(tp)
+        ]
         out[tp] = unit_tree(roots)
     return out
 

@@ -43,8 +43,10 @@ interp = pytest.mark.skipif(
 def gpu(fn):
     """Compiled bf16 kernels on a CUDA device (never under the interpreter, whose bf16 is wrong)."""
     fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(configs.interpreting(), reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu "
-                            "tests/test_kernels_gemm.py")(fn)  # fmt: skip
+    fn = pytest.mark.skipif(
+        configs.interpreting(),
+        reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_gemm.py",
+    )(fn)
     return pytest.mark.gpu(fn)
 
 
@@ -314,13 +316,21 @@ def test_bench_runs_in_the_interpreter(monkeypatch):
     from h3lab.bench import gemm_bench as gb
 
     toy = {
-        "DEV": "cpu", "CHECK_ROWS": 37, "CHECK_K": 100, "CHECK_N": {"WT": 70, "KN": 68}, "SMALL": 20, "DW_ROWS": 40,
-        "ROW_SLICES": ((0, 1), (7, 3), (10, 17), (3, 30)), "COL_SLICES": ((0, 1), (3, 30), (16, 60)),
-        "TINY_UNITS": ((32,),), "MM_SHAPES": {"q": (100, 70, "WT"), "dx": (64, 72, "KN"), "dw": (0, 72, "KN")},
+        "DEV": "cpu",
+        "CHECK_ROWS": 37,
+        "CHECK_K": 100,
+        "CHECK_N": {"WT": 70, "KN": 68},
+        "SMALL": 20,
+        "DW_ROWS": 40,
+        "ROW_SLICES": ((0, 1), (7, 3), (10, 17), (3, 30)),
+        "COL_SLICES": ((0, 1), (3, 30), (16, 60)),
+        "TINY_UNITS": ((32,),),
+        "MM_SHAPES": {"q": (100, 70, "WT"), "dx": (64, 72, "KN"), "dw": (0, 72, "KN")},
         "UNIT_SHAPES": {"to_out": ((32,), 48, "WT"), "dx": ((64, 64), 40, "KN")},
         "_randn": lambda *shape, seed, dtype=None: _randn(*shape, seed=seed),
-        "node_of": lambda device: NODE, "_ms": lambda fn, big: (fn(), 1.0)[1],
-    }  # fmt: skip
+        "node_of": lambda device: NODE,
+        "_ms": lambda fn, big: (fn(), 1.0)[1],
+    }
     for name, value in toy.items():
         monkeypatch.setattr(gb, name, value)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -386,8 +396,15 @@ def test_gpu_mm_row_tail_bitwise():
     pinned = gemm.kernel_config("gemm", configs.node_of(dev), ieee=False, rows=264)
     sms = gemm.programs(dev)
     # 273 rows: a tail of 17; N = 5376 or 4900: 105 or 100 plain tiles, one round of 132 SMs
-    cases = ((0, 264, 7168, True), (3, 263, 7168, True), (700, 272, 7168, True), (9, 273, 7168, False),
-             (50, 520, 7168, True), (11, 264, 5376, False), (12, 264, 4900, False))  # fmt: skip
+    cases = (
+        (0, 264, 7168, True),
+        (3, 263, 7168, True),
+        (700, 272, 7168, True),
+        (9, 273, 7168, False),
+        (50, 520, 7168, True),
+        (11, 264, 5376, False),
+        (12, 264, 4900, False),
+    )
     for lo, m, n, rides in cases:
         part, b = a[lo : lo + m], w.t()[:, :n]
         rode = gemm.tail_operands(part, b, 1, 1, pinned, sms, BF16)[2] is not None
@@ -550,8 +567,13 @@ def test_unit_mm_gluon_compiles_for_sm90_without_spills():
     from h3lab.bench import compile_sm90
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "h3lab.bench.compile_sm90", "--json"], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "h3lab.bench.compile_sm90", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     variants = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(variants) == len(compile_sm90.VARIANTS)

@@ -200,8 +200,12 @@ def test_rope_tables_refuse_what_the_reference_refuses():
     pos = torch.tensor([[1_000_000, 0, 0]])
     with pytest.raises(ValueError, match="allowed below 1e6"):
         ref_norm.rope_tables(pos, 4, 10000.0)
-    for p, match in ((pos, "allowed below 1e6"), (-pos, "allowed below 1e6"), (pos[:, :2], r"\[R, 3\]"),
-                     (pos.int(), "int64 or float64")):  # fmt: skip
+    for p, match in (
+        (pos, "allowed below 1e6"),
+        (-pos, "allowed below 1e6"),
+        (pos[:, :2], r"\[R, 3\]"),
+        (pos.int(), "int64 or float64"),
+    ):
         with pytest.raises(ValueError, match=match):
             rope.rope_tables(p.to(DEV), 4, 10000.0, node=NODE)
 
@@ -210,7 +214,7 @@ def test_nan_propagates_and_round_is_rne():
     g = torch.tensor([[math.nan, 1.0, -math.nan, 2.0]], device=DEV)
     assert torch.isnan(elementwise.swiglu_fwd(torch.ones_like(g), g, F32, node=NODE)).cpu().tolist() == [
         [True, False, True, False]
-    ]  # fmt: skip
+    ]
     x = torch.tensor([1.00390625, 1.01171875, -1e-40, 3.3961e38], device=DEV)  # ties to even, denormal, overflow
     _same(elementwise.round(x, BF16), round_to(x.cpu(), BF16), "round")
 
@@ -288,8 +292,11 @@ def test_row_mm_matches_reference():
 
 
 def _row_local_calls(R: int, D: int, seed: int) -> dict[str, object]:
-    x, w, dm, y = _randn(R, D, seed=seed).to(DEV), _randn(D, seed=seed + 1).to(DEV), *(
-        _randn(R, D, seed=seed + s).to(DEV) for s in (2, 3))  # fmt: skip
+    x, w, dm, y = (
+        _randn(R, D, seed=seed).to(DEV),
+        _randn(D, seed=seed + 1).to(DEV),
+        *(_randn(R, D, seed=seed + s).to(DEV) for s in (2, 3)),
+    )
     shift, scale, gate = _table_rows(R, D, seed=seed + 4)
     H, Dh, C = 3, 32, 24
     q, dq = _randn(R, H, Dh, seed=seed + 5).to(DEV), _randn(R, H, Dh, seed=seed + 6).to(DEV)
@@ -316,11 +323,14 @@ def test_a_rows_bits_do_not_depend_on_which_rows_share_the_call():
 
 
 _ALT_CONFIGS = {
-    "norm": {"rms_modulate_fwd": {"rows_per_program": 4, "num_warps": 2}, "rms_modulate_bwd": {"rows_per_program": 2},
-             "qk_norm_rope": {"heads_per_program": 2}},
+    "norm": {
+        "rms_modulate_fwd": {"rows_per_program": 4, "num_warps": 2},
+        "rms_modulate_bwd": {"rows_per_program": 2},
+        "qk_norm_rope": {"heads_per_program": 2},
+    },
     "elementwise": {"block_n": 32},
     "rows": {"block_n": 16, "unroll": 3},
-}  # fmt: skip
+}
 
 
 def test_bits_do_not_depend_on_the_pinned_tiles(monkeypatch):
@@ -465,8 +475,12 @@ def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_meta
         fresh = plan.plan_rows(keys, segment, G, pos)()
         want = rows.segment_sum(x, segment, G, fresh, node=NODE), rows.row_sum(x, fresh, node=NODE)
     with index_cache(), pytest.MonkeyPatch.context() as mp:
-        for module, name in ((rows, "_facts_of"), (rows, "_segments"), (rope, "max_abs_position_tensor"),
-                             (plan, "_decide")):  # fmt: skip
+        for module, name in (
+            (rows, "_facts_of"),
+            (rows, "_segments"),
+            (rope, "max_abs_position_tensor"),
+            (plan, "_decide"),
+        ):
             mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
         order = plan.plan_rows(keys, segment, G, pos, decided=decided)()
         got = rows.segment_sum(x, segment, G, order, node=NODE), rows.row_sum(x, order, node=NODE)
@@ -515,8 +529,12 @@ def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
     want = step(None)
     decided = plan.decide_rows(b.logical_keys, b.adaln_indices, 3 * b.num_timesteps, b.position_ids)
     with pytest.MonkeyPatch.context() as mp:  # every host-side fact comes from the plan
-        for module, name in ((rows, "_facts_of"), (rows, "_segments"), (rope, "max_abs_position_tensor"),
-                             (plan, "_decide")):  # fmt: skip
+        for module, name in (
+            (rows, "_facts_of"),
+            (rows, "_segments"),
+            (rope, "max_abs_position_tensor"),
+            (plan, "_decide"),
+        ):
             mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
         got = step(decided)
     assert got.keys() == want.keys()
@@ -583,20 +601,31 @@ def test_gpu_row_local_ops_bf16_real_widths_equal_reference():
     got_dq, got_dw = norm.qk_norm_rope_bwd(dq, q, wq, cos, sin, EPS, BF16)
     with _ieee_sqrt():
         _same(out, round_to(ref_norm.rms_modulate_fwd(*_cpu(x, w, scale, shift), EPS), BF16), "rms fwd")
-        for name, got, want in zip(("dx", "dw", "dscale", "dshift"), norm.rms_modulate_bwd(dm, x, w, scale, EPS),
-                                   ref_norm.rms_modulate_bwd(*_cpu(dm, x, w, scale), EPS), strict=True):  # fmt: skip
+        for name, got, want in zip(
+            ("dx", "dw", "dscale", "dshift"),
+            norm.rms_modulate_bwd(dm, x, w, scale, EPS),
+            ref_norm.rms_modulate_bwd(*_cpu(dm, x, w, scale), EPS),
+            strict=True,
+        ):
             _same(got, want, f"rms bwd {name}")
-        _same(norm.qk_norm_rope_fwd(q, wq, cos, sin, EPS, BF16),
-              round_to(ref_norm.qk_norm_rope_fwd(*_cpu(q, wq, cos, sin), EPS), BF16), "qk fwd")  # fmt: skip
+        _same(
+            norm.qk_norm_rope_fwd(q, wq, cos, sin, EPS, BF16),
+            round_to(ref_norm.qk_norm_rope_fwd(*_cpu(q, wq, cos, sin), EPS), BF16),
+            "qk fwd",
+        )
         want_dq, want_dw = ref_norm.qk_norm_rope_bwd(*_cpu(dq, q, wq, cos, sin), EPS)
         _same(got_dq, round_to(want_dq, BF16), "qk bwd dq")
         _same(got_dw, want_dw, "qk bwd dw")
     _same(elementwise.swiglu_fwd(h, g, BF16), round_to(ref_ffn.swiglu_fwd(*_cpu(h, g)), BF16), "swiglu fwd")
-    for name, got, want in zip(("dh", "dg"), elementwise.swiglu_bwd(da, h, g, BF16),
-                               ref_ffn.swiglu_bwd(*_cpu(da, h, g)), strict=True):  # fmt: skip
+    for name, got, want in zip(
+        ("dh", "dg"), elementwise.swiglu_bwd(da, h, g, BF16), ref_ffn.swiglu_bwd(*_cpu(da, h, g)), strict=True
+    ):
         _same(got, round_to(want, BF16), f"swiglu bwd {name}")
-    _same(elementwise.gated_residual(x, gate, dm, BF16),
-          round_to(ref_ffn.gated_residual(*_cpu(x, gate, dm)), BF16), "residual")  # fmt: skip
+    _same(
+        elementwise.gated_residual(x, gate, dm, BF16),
+        round_to(ref_ffn.gated_residual(*_cpu(x, gate, dm)), BF16),
+        "residual",
+    )
     # rows that share a call never change each other's bits, at the real widths too
     sub = norm.rms_modulate_fwd(x[100:], w, scale[100:], shift[100:], EPS, BF16)
     _same(sub, out[100:].cpu(), "rms sub-batch")
