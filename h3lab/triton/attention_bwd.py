@@ -163,3 +163,135 @@ def attention_bwd_kv_kernel(
     out = h * stride_gh + keys * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
     tl.store(dv_ptr + out, dv, mask=key_ok[:, None])
+
+
+@triton.jit
+def _fused_query_block(dk, dv, k, v, k_lo, k_hi, q_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, m0, col, offs_m,
+                       n_q, key_ok, qk_scale, stride_qgm, dq_cols, dq_factor,
+                       MASK_Q: tl.constexpr, DOT_PREC: tl.constexpr):
+    """_dkdv_query_block's arithmetic, then this key block's turn in the query block's dq chain: the
+    dq accumulator comes in from memory (key block j-1 stored it; zeros for j = 0), takes this
+    block's dS^T K on the tensor cores and goes back. P and dS are _dq_key_block's values: the same
+    products and sums, transposed; keys past n_k get P = 0 as there. q and dO rows past n_q load as
+    zeros (the descriptor's bounds), as the masked loads of _dkdv_query_block."""
+    row_ok = m0 + offs_m < n_q
+    q = q_desc.load([m0, col])
+    do = do_desc.load([m0, col])
+    if MASK_Q:
+        lse = tl.load(lse_ptr + m0 + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + m0 + offs_m, mask=row_ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptr + m0 + offs_m)
+        delta = tl.load(delta_ptr + m0 + offs_m)
+    s2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M] = s2^T
+    p_t = tl.math.exp2(s2_t - lse[None, :])
+    if MASK_Q:
+        p_t = tl.where(row_ok[None, :], p_t, 0.0)
+    p_t = tl.where(key_ok[:, None], p_t, 0.0)  # all true but in the ragged key block: where(true, x, 0) is x
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    # the dq chain, in two halves of head_dim (an element's chain is the same: fewer registers live):
+    # volatile loads, never cached in L1 nor moved across the turn's wait
+    ds = tl.trans(ds_t.to(k.dtype))
+    offs_d = tl.arange(0, k_lo.shape[1])
+    dq_ptrs = dq_ptr + (m0 + offs_m).to(tl.int64)[:, None] * stride_qgm + offs_d[None, :]
+    dq_mask = row_ok[:, None] & (offs_d[None, :] < dq_cols)
+    dq = tl.load(dq_ptrs, mask=dq_mask, other=0.0, volatile=True)
+    dq = tl.dot(ds, k_lo, dq, input_precision=DOT_PREC)
+    tl.store(dq_ptrs, dq * dq_factor, mask=row_ok[:, None])  # x * 1.0 is x: only the last block scales
+    dq = tl.load(dq_ptrs + k_lo.shape[1], mask=dq_mask, other=0.0, volatile=True)
+    dq = tl.dot(ds, k_hi, dq, input_precision=DOT_PREC)
+    tl.store(dq_ptrs + k_lo.shape[1], dq * dq_factor, mask=row_ok[:, None])
+    return dk, dv
+
+
+@triton.jit
+def _wait_turn(seen, prev_ptr, upto):
+    """Spin until key block j-1 has published dq for query blocks < upto (seen: what it last said)."""
+    while seen < upto:
+        seen = tl.atomic_add(prev_ptr, 0, sem="acquire", scope="gpu")
+    return seen
+
+
+@triton.jit
+def _publish(mine_ptr, upto):
+    """Every thread's dq stores before the release that lets key block j+1 read them."""
+    tl.debug_barrier()
+    tl.atomic_xchg(mine_ptr, upto, sem="release", scope="gpu")
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_heads"])
+def attention_bwd_fused_kernel(
+    q_desc, do_desc, lse_ptr, delta_ptr, k_desc, kh_desc, v_desc, dq_ptr, dk_ptr, dv_ptr, progress_ptr,  #
+    n_q, n_k, n_heads, qk_scale, scale,  #
+    stride_gm, stride_gh, stride_qgm, stride_qgh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    HEAD_GROUP: tl.constexpr, CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,  #
+):
+# fmt: on
+    """dq [n_q, H, D], dk, dv [n_k, H, D] FP32 in one pass: 5 tensor-core products per tile, not 7.
+
+    q, dO, k, v come through TMA descriptors over [rows, H * D] (head h at column h * D). One program
+    per (key block j, head h): dk/dv exactly as attention_bwd_kv_kernel (every query block ascending,
+    in registers). dq of a query block is one chain over key blocks ascending, exactly
+    attention_bwd_q_kernel's: key block j continues it from memory after key block j-1 and stores it
+    back (the last one scaled), so the bits are the split kernels'. Turns: progress[h, j] counts the
+    query blocks whose dq key block j has stored (int32, zeroed by the launcher); j waits for j-1 once
+    every CHUNK query blocks. Program ids run over HEAD_GROUP heads fastest, then key blocks, then head
+    groups: the programs resident together hold short chains of several heads, and j-1 always has the
+    smaller id (dispatched first), so a wait never waits on a program not yet running.
+    """
+    pid = tl.program_id(0)
+    n_kb = tl.cdiv(n_k, BLOCK_N)
+    g = pid // (HEAD_GROUP * n_kb)
+    h0 = g * HEAD_GROUP
+    gs = tl.minimum(HEAD_GROUP, n_heads - h0)
+    r = pid - g * HEAD_GROUP * n_kb
+    j = r // gs
+    h32 = h0 + r - j * gs
+    h = h32.to(tl.int64)
+    col = h32 * HEAD_DIM
+
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < n_k
+    k = k_desc.load([j * BLOCK_N, col])  # keys past n_k load as zeros
+    k_lo = kh_desc.load([j * BLOCK_N, col])  # k's two halves of head_dim, dq's operands
+    k_hi = kh_desc.load([j * BLOCK_N, col + HEAD_DIM // 2])
+    v = v_desc.load([j * BLOCK_N, col])
+    dq_head = dq_ptr + h * stride_qgh
+    lse_head = lse_ptr + h * n_q
+    delta_head = delta_ptr + h * n_q
+    has_prev = j > 0
+    dq_cols = tl.where(has_prev, HEAD_DIM, 0)  # key block 0 starts the chain from zeros: loads nothing
+    dq_factor = tl.where(j == n_kb - 1, scale, 1.0)
+    prev_ptr = progress_ptr + h * n_kb + j - 1  # read only when j > 0
+    mine_ptr = progress_ptr + h * n_kb + j
+    n_qb = tl.cdiv(n_q, BLOCK_M)
+    seen = tl.where(has_prev, 0, n_qb)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    n_full = n_q // BLOCK_M
+    for c in range(0, n_full, CHUNK):
+        upto = tl.minimum(c + CHUNK, n_full)
+        seen = _wait_turn(seen, prev_ptr, upto)
+        for i in range(c, upto):
+            dk, dv = _fused_query_block(dk, dv, k, v, k_lo, k_hi, q_desc, do_desc, lse_head, delta_head, dq_head,
+                                        i * BLOCK_M, col, offs_m, n_q, key_ok, qk_scale, stride_qgm, dq_cols,
+                                        dq_factor, False, DOT_PREC)
+        _publish(mine_ptr, upto)
+    if n_full < n_qb:  # the ragged last query block
+        seen = _wait_turn(seen, prev_ptr, n_qb)
+        dk, dv = _fused_query_block(dk, dv, k, v, k_lo, k_hi, q_desc, do_desc, lse_head, delta_head, dq_head,
+                                    n_full * BLOCK_M, col, offs_m, n_q, key_ok, qk_scale, stride_qgm, dq_cols,
+                                    dq_factor, True, DOT_PREC)
+        _publish(mine_ptr, n_qb)
+    dk = dk * scale  # the one scaling of dk, as attention_bwd_kv_kernel
+    out = h * stride_gh + offs_n.to(tl.int64)[:, None] * stride_gm + offs_d[None, :]
+    tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
+    tl.store(dv_ptr + out, dv, mask=key_ok[:, None])

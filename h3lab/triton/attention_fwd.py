@@ -92,3 +92,64 @@ def attention_fwd_kernel(
     if WRITE_REF:  # the FP32 output the backward's delta = rowsum(dO * O) reads
         tl.store(oref_ptr + h * stride_rh + rows * stride_rm + offs_d[None, :], o, mask=row_ok[:, None])
     tl.store(lse_ptr + h * n_q + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, k, v, key_ok, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """_fwd_key_block's arithmetic on tiles already loaded: the same operations in the same order."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if MASK:
+        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["n_q", "n_k"])
+def attention_fwd_tma_kernel(
+    q_desc, k_desc, v_desc, o_ptr, oref_ptr, lse_ptr,  #
+    n_q, n_k, qk_scale,  #
+    stride_om, stride_oh, stride_rm, stride_rh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    WRITE_REF: tl.constexpr, DOT_PREC: tl.constexpr,  #
+):
+# fmt: on
+    """attention_fwd_kernel with q, k, v through TMA descriptors over [rows, H * Dh] (block [rows, Dh]
+    at column h * Dh); the same arithmetic per row. Rows past n_q / n_k load as zeros (the descriptor's
+    bounds), as the masked pointer loads did; the ragged key block masks its scores to -inf."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    col = h * HEAD_DIM
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_q
+    rows = offs_m.to(tl.int64)[:, None]
+    q = q_desc.load([pid_m * BLOCK_M, col])
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    n_full = n_k // BLOCK_N
+    for j in range(n_full):  # full key blocks, unmasked
+        k = k_desc.load([j * BLOCK_N, col])
+        v = v_desc.load([j * BLOCK_N, col])
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, offs_n, qk_scale, False, DOT_PREC)
+    if n_full * BLOCK_N < n_k:  # the ragged last block: depends on n_k only, never on the queries
+        k = k_desc.load([n_full * BLOCK_N, col])
+        v = v_desc.load([n_full * BLOCK_N, col])
+        key_ok = offs_n + n_full * BLOCK_N < n_k
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, key_ok, qk_scale, True, DOT_PREC)
+
+    o = acc / l_i[:, None]
+    h64 = h.to(tl.int64)
+    tl.store(o_ptr + h64 * stride_oh + rows * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    if WRITE_REF:
+        tl.store(oref_ptr + h64 * stride_rh + rows * stride_rm + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_ptr + h64 * n_q + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
