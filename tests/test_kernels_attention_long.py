@@ -160,3 +160,34 @@ def test_gpu_fused_backward_candidates_equal_split(n_q, n_k, heads):
         again = att.attention_bwd(q, do, (lse,), delta, k, v, 128**-0.5, config=cfg)
         for name, a, b in zip(("dq", "dk", "dv"), again, got, strict=True):
             assert_bitwise(a, b, f"fused backward {cfg} repeated: {name}")
+
+
+def test_attention_variants_compile_for_sm90():
+    """No GPU needed: every pinned Dh=128 attention config and every candidate of the long-sequence
+    benchmark builds for sm90 with the installed Triton, within 255 registers and the 227 KiB of
+    shared memory, the TMA variants with bulk tensor copies. Spills are reported, not refused: the
+    fused backward keeps dk, dv (128 registers) and a dq slice live and spills 100-300 bytes
+    (python -m h3lab.bench.compile_sm90 --attention prints them). A subprocess: this module may run
+    under TRITON_INTERPRET=1, under which nothing compiles."""
+    import json
+    import subprocess
+    import sys
+
+    from h3lab.bench import compile_sm90
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "h3lab.bench.compile_sm90", "--attention", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    variants = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(variants) == len(compile_sm90.attention_variants())
+    for v in variants:
+        assert v["registers"] <= 255 and v["shared_bytes"] <= compile_sm90.SM90_SHARED_BYTES, v
+        assert v["wgmma"] > 0, v
+        uses_tma = v["config"].get("TMA", False) or v["kernel"] == "attention_bwd_fused"
+        assert (v["tma_loads"] > 0) == uses_tma, v

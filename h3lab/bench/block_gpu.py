@@ -1,9 +1,10 @@
 """Canonical block (Triton) against the eager bf16 block (cuBLAS + SDPA) at the real H3 shapes.
 
-`python -m h3lab.bench.block_gpu --out FILE.json [--rows 264,4096] [--reps N]` times forward and
-forward+backward (median of CUDA-synchronised wall times after warm-up), records extra peak
-memory over weights and inputs, the error of both against the FP64 oracle (at the first row
-count), and whether repeated canonical runs give identical bytes. `ratio_fwd_bwd` divides the two
+`python -m h3lab.bench.block_gpu --out FILE.json [--rows 264,4096] [--reps N] [--no-graphs]` times
+forward and forward+backward (median of CUDA-synchronised wall times after warm-up), records extra
+peak memory over weights and inputs, the error of both against the FP64 oracle (at the first row
+count; above 4096 rows its attention in query chunks of at most 2 GiB of scores, so any length
+runs: `score_bytes`), and whether repeated canonical runs give identical bytes. `ratio_fwd_bwd` divides the two
 medians (eager's reps first, then canonical's); `ratio_fwd_bwd_interleaved` is the median of
 per-rep ratios with the two blocks called in turn, so a drift of clocks or host load within the
 run falls on both alike (the same code's ratio moved by 0.04 between calls of session 9) — but
@@ -18,7 +19,8 @@ out of the step: `canonical_graph_*` against eager as people run it (`ratio_grap
 against eager captured too (`ratio_graph_vs_eager_graph`), with the row plan decided ahead, and
 decided in each call (`canonical_graph_decide_*`); `graph_bitwise`: a replay's bytes equal
 the eager canonical step's; `*_graph_pool_gib`: the memory a capture keeps (reserved, not freed
-until the graph is dropped).
+until the graph is dropped). `--no-graphs` leaves the graphs out (at long sequences the host's
+launch cost is a small part of the step, and each capture keeps its own memory pool).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from h3lab.metrics import bitwise_equal, error_stats
 from h3lab.reference.eager import eager_block
 from h3lab.reference.oracle import oracle_block, rope_cos_sin
 from h3lab.weights import BlockWeights, synthetic_block
+
+DENSE_ORACLE_ROWS = 4096  # up to here the oracle's plain [H, S, S] attention (the figures before)
+ORACLE_SCORE_BYTES = 2 * 2**30  # above it, query chunks of at most this many bytes of FP64 scores
 
 
 def cuda_times(fn, reps: int) -> list[float]:
@@ -96,28 +101,46 @@ def _peak_extra(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; refuses what cannot run (row counts, reps) before any GPU work."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", default="264,4096")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--config", default="real")
-    a = ap.parse_args()
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="leave out the CUDA-graph timings")
+    a = ap.parse_args(argv)
     if a.reps < 2:
         ap.error(f"--reps {a.reps}; allowed: >= 2 (interleaved turns split the reps by order)")
+    parts = a.rows.split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        ap.error(f"--rows {a.rows!r}; allowed: positive integers, comma-separated")
+    a.rows = [int(p) for p in parts]
+    return a
+
+
+def oracle_score_bytes(rows: int) -> int | None:
+    """The oracle's attention: plain up to DENSE_ORACLE_ROWS rows, in query chunks above."""
+    return None if rows <= DENSE_ORACLE_ROWS else ORACLE_SCORE_BYTES
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     c = H3Config.named(a.config)
     dev = torch.device("cuda")
     w = synthetic_block(c, 0, seed=0).to(dev)
     record: dict = {"config": a.config, "env": capture_env(dev), "rows": {}}
-    for i, rows in enumerate(int(r) for r in a.rows.split(",")):
+    for i, rows in enumerate(a.rows):
         b = packed_batch(c, rows, seed=1).to(dev)
-        record["rows"][rows] = r = _measure(w, b, a.reps, with_error=i == 0)
-        print(rows, {k: v for k, v in r.items() if k != "error_vs_fp64"}, flush=True)
+        record["rows"][rows] = r = _measure(w, b, a.reps, with_error=i == 0, graphs=a.graphs)
+        print(rows, {k: v for k, v in r.items() if k != "error_vs_fp64" and not k.endswith("_seconds")}, flush=True)
         write_json(a.out, record)
+        del b
+        torch.cuda.empty_cache()
 
 
-def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> dict:
+def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool, graphs: bool = True) -> dict:
     cos, sin = (t.to(b.device).to(torch.bfloat16) for t in rope_cos_sin(b.position_ids.cpu(), w.config))
 
     def eager(backward: bool) -> dict:
@@ -139,18 +162,28 @@ def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool) -> di
     r["ratio_peak"] = r["canonical_peak_extra_gib"] / r["eager_peak_extra_gib"]
     one, two = canonical(), canonical()
     r["repeat_bitwise"] = all(bitwise_equal(one[k], two[k]) for k in one)
-    r |= _graphs(w, b, one, lambda: eager(True), reps, r["eager_fwd_bwd_median_s"])
-    if with_error:  # the FP64 oracle costs ~10 GB at real size: once
-        ref = oracle_block(w, b).tensors()
-        eag = eager(True)
-        r["error_vs_fp64"] = {
-            k: {
-                "canonical_rel_l2": error_stats(one[k], ref[k].to(one[k].device))["rel_l2"],
-                "eager_rel_l2": error_stats(eag[k], ref[k].to(eag[k].device))["rel_l2"],
-            }
-            for k in ref
-        }
+    del two
+    if graphs:
+        r |= _graphs(w, b, one, lambda: eager(True), reps, r["eager_fwd_bwd_median_s"])
+    if with_error:  # the FP64 oracle costs ~10 GB at 4096 rows, ~1.2 MB per row above: once
+        r["error_vs_fp64"] = _errors(w, b, one, eager(True))
     return r
+
+
+def _errors(w: BlockWeights, b: PackedBatch, canonical: dict, eager: dict) -> dict:
+    """Relative L2 error of each tensor of both blocks against the FP64 oracle (or why none)."""
+    score_bytes = oracle_score_bytes(b.num_rows)
+    try:
+        ref = oracle_block(w, b, score_bytes=score_bytes).tensors()
+    except torch.OutOfMemoryError as e:  # recorded: the timings above stand without it
+        return {"skipped": f"the FP64 oracle ran out of memory at {b.num_rows} rows: {str(e)[:200]}"}
+    out: dict[str, Any] = {"oracle_score_bytes": score_bytes}
+    for k in ref:
+        out[k] = {
+            "canonical_rel_l2": error_stats(canonical[k], ref[k].to(canonical[k].device))["rel_l2"],
+            "eager_rel_l2": error_stats(eager[k], ref[k].to(eager[k].device))["rel_l2"],
+        }
+    return out
 
 
 def _graphs(

@@ -1,6 +1,7 @@
 """Compile the Gluon unit-tree GEMM for sm90 without a GPU: registers, stack (spills), shared memory.
 
     python -m h3lab.bench.compile_sm90 [--ptx DIR] [--json]
+    python -m h3lab.bench.compile_sm90 --attention [--json]   the attention kernels: pinned and candidates
 
 For each variant the launcher can pick (pieces 1-3, b as W.T or [K, N] rows, 4 stages with level 2
 in L2 or 3 with it in shared memory) it builds the kernel with the installed Triton for
@@ -97,11 +98,120 @@ def compile_unit_sm90(
     }
 
 
+def _cubin_usage(kernel: Any) -> tuple[int, int]:
+    """(registers, stack bytes) of a compiled kernel, read by the cuobjdump bundled with Triton."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    assert found, f"cuobjdump -res-usage printed no REG/STACK line: {usage.stdout[:300]}"
+    return int(found.group(1)), int(found.group(2))
+
+
+def _attention_arg_type(name: str, cfg: dict[str, Any], head_dim: int) -> str:
+    """The launcher's argument types at the real shapes: bf16 q/k/v/dO, FP32 outputs and statistics."""
+    if name.endswith("_desc"):
+        rows = cfg["BLOCK_M"] if name in ("q_desc", "do_desc") else cfg["BLOCK_N"]
+        return f"tensordesc<bf16[{rows}, {head_dim // 2 if name == 'kh_desc' else head_dim}]>"
+    if name in ("oref_ptr", "lse_ptr", "delta_ptr", "dq_ptr", "dk_ptr", "dv_ptr"):
+        return "*fp32"
+    if name == "progress_ptr":
+        return "*i32"
+    if name.endswith("_ptr"):
+        return "*bf16"
+    return "fp32" if name in ("qk_scale", "scale") else "i32"
+
+
+def compile_attention_sm90(kernel: str, cfg: dict[str, Any], head_dim: int = 128) -> dict[str, Any]:
+    """Resources of one attention kernel under `cfg` (a kernels/sm90.json entry or a candidate), bf16
+    operands, compiled for sm90 with the installed Triton; pointers and strides specialised as
+    16-divisible, the row counts not (do_not_specialize), as at the real shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from h3lab.triton import attention_bwd, attention_fwd
+
+    fns = {
+        "attention_fwd": attention_fwd.attention_fwd_tma_kernel
+        if cfg.get("TMA")
+        else attention_fwd.attention_fwd_kernel,
+        "attention_bwd_q": attention_bwd.attention_bwd_q_kernel,
+        "attention_bwd_kv": attention_bwd.attention_bwd_kv_kernel,
+        "attention_bwd_fused": attention_bwd.attention_bwd_fused_kernel,
+    }
+    if kernel not in fns:
+        raise ValueError(f"compile_attention_sm90: kernel {kernel!r}; allowed: {sorted(fns)}")
+    fn = fns[kernel]
+    const = {"HEAD_DIM": head_dim, "DOT_PREC": "tf32"} | {
+        k: v for k, v in cfg.items() if k in fn.arg_names and k not in ("num_warps", "num_stages")
+    }
+    const |= {"WRITE_REF": True} if kernel == "attention_fwd" else {}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        sig[name] = "constexpr" if name in const else _attention_arg_type(name, cfg, head_dim)
+        if sig[name].startswith("*") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs=const, attrs=attrs)
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    registers, stack = _cubin_usage(compiled)
+    ptx: str = compiled.asm["ptx"]
+    return {
+        "kernel": kernel,
+        "config": dict(cfg),
+        "registers": registers,
+        "stack_bytes": stack,
+        "shared_bytes": compiled.metadata.shared,
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "triton": triton.__version__,
+    }
+
+
+def attention_variants() -> list[tuple[str, dict[str, Any]]]:
+    """(kernel, config) of every pinned Dh=128 attention config and every candidate of the long-sequence
+    benchmark (h3lab.bench.attention_long.VARIANTS), each once."""
+    from h3lab.bench.attention_long import VARIANTS
+    from h3lab.triton.attention import config_for
+
+    out = [(k, config_for(k, 128, "sm90")) for k in ("attention_fwd", "attention_bwd_q", "attention_bwd_kv")]
+    out.append(("attention_bwd_fused", config_for("attention_bwd_fused", 128, "sm90")))
+    for fwd, bwd in VARIANTS.values():
+        for kernel, cfg in (("attention_fwd", fwd), ("attention_bwd_fused", bwd)):
+            if isinstance(cfg, dict) and (kernel, cfg) not in out:
+                out.append((kernel, cfg))
+    return out
+
+
+def _attention_main(as_json: bool) -> int:
+    rows = []
+    for kernel, cfg in attention_variants():
+        r = compile_attention_sm90(kernel, cfg)
+        rows.append(r)
+        if not as_json:
+            print(
+                f"{kernel:<20} regs {r['registers']:>3} stack {r['stack_bytes']:>5} shared {r['shared_bytes']:>6} "
+                f"wgmma {r['wgmma']:>3} tma {r['tma_loads']:>2}  {cfg}  (Triton {r['triton']})",
+                flush=True,
+            )
+    if as_json:
+        print(json.dumps(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ptx", type=Path, help="write each variant's PTX here")
     ap.add_argument("--json", action="store_true", help="print one JSON list (no PTX) instead of the table")
+    ap.add_argument("--attention", action="store_true", help="the attention kernels instead of the unit-tree GEMM")
     args = ap.parse_args(argv)
+    if args.attention:
+        return _attention_main(args.json)
     if args.json:
         print(json.dumps([{k: v for k, v in compile_unit_sm90(*v).items() if k != "ptx"} for v in VARIANTS]))
         return 0

@@ -11,6 +11,10 @@ specification the fast paths are measured against, so it favours the obvious ove
 Padding (h3lab's contract, not diffusers'): rows whose first logical key is negative are never
 attention keys and their `out` and `dx` rows are exact zeros, so their upstream gradient is
 ignored. Their inputs are zeroed before use: no padding content, even inf or NaN, reaches an active row.
+
+Long sequences: the plain attention holds [H, S, S] float64 scores (112 GiB at 16384 rows, 56 heads);
+`score_bytes` computes it in query chunks whose scores fit that many bytes instead, forward and
+backward (`chunked_attention`): the same function in float64, another summation order.
 """
 
 from __future__ import annotations
@@ -51,6 +55,51 @@ def _apply_rope(x_SHK: Tensor, cos_SP: Tensor, sin_SP: Tensor) -> Tensor:
     return torch.cat((x_SHP * cos_SP[:, None] + rotated_SHP * sin_SP[:, None], pass_SHk), dim=-1)
 
 
+class _ChunkedAttention(torch.autograd.Function):
+    """softmax(q k^T * scale, keys masked) v over query chunks; the backward recomputes each chunk's
+    probabilities. Dimension legend as the module's; `rows` query rows per chunk."""
+
+    @staticmethod
+    def forward(ctx, q_SHK: Tensor, k_SHK: Tensor, v_SHK: Tensor, is_key_S: Tensor, scale: float, rows: int) -> Tensor:
+        o_SHK = torch.empty_like(q_SHK)
+        for lo in range(0, q_SHK.shape[0], rows):
+            p_HqS = _chunk_probs(q_SHK[lo : lo + rows], k_SHK, is_key_S, scale)
+            o_SHK[lo : lo + rows] = torch.einsum("hqs,shk->qhk", p_HqS, v_SHK)
+        ctx.save_for_backward(q_SHK, k_SHK, v_SHK, is_key_S, o_SHK)
+        ctx.scale, ctx.rows = scale, rows
+        return o_SHK
+
+    @staticmethod
+    def backward(ctx, do_SHK: Tensor) -> tuple[Tensor | None, ...]:
+        q_SHK, k_SHK, v_SHK, is_key_S, o_SHK = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q_SHK), torch.zeros_like(k_SHK), torch.zeros_like(v_SHK)
+        delta_SH = (do_SHK * o_SHK).sum(-1)
+        for lo in range(0, q_SHK.shape[0], ctx.rows):
+            part = slice(lo, lo + ctx.rows)
+            p_HqS = _chunk_probs(q_SHK[part], k_SHK, is_key_S, ctx.scale)
+            dv += torch.einsum("hqs,qhk->shk", p_HqS, do_SHK[part])
+            dp_HqS = torch.einsum("qhk,shk->hqs", do_SHK[part], v_SHK)
+            ds_HqS = p_HqS * (dp_HqS - delta_SH[part].T.unsqueeze(-1)) * ctx.scale
+            dq[part] = torch.einsum("hqs,shk->qhk", ds_HqS, k_SHK)
+            dk += torch.einsum("hqs,qhk->shk", ds_HqS, q_SHK[part])
+        return dq, dk, dv, None, None, None
+
+
+def _chunk_probs(q_qHK: Tensor, k_SHK: Tensor, is_key_S: Tensor, scale: float) -> Tensor:
+    scores_HqS = torch.einsum("qhk,shk->hqs", q_qHK, k_SHK) * scale
+    return scores_HqS.masked_fill(~is_key_S, -math.inf).softmax(dim=-1)
+
+
+def chunked_attention(q_SHK: Tensor, k_SHK: Tensor, v_SHK: Tensor, is_key_S: Tensor, score_bytes: int) -> Tensor:
+    """The block's attention (scale 1/sqrt(head_dim), non-keys masked) with at most `score_bytes` of
+    scores per query chunk (at least one row); differentiable in q, k, v."""
+    if score_bytes < 1:
+        raise ValueError(f"score_bytes={score_bytes}; allowed: a positive int")
+    S, H, K = q_SHK.shape
+    rows = max(1, score_bytes // (H * S * q_SHK.element_size()))
+    return _ChunkedAttention.apply(q_SHK, k_SHK, v_SHK, is_key_S, 1.0 / math.sqrt(K), rows)
+
+
 def _block_forward(
     p: dict[str, Tensor],
     x_SD: Tensor,
@@ -59,6 +108,7 @@ def _block_forward(
     rope: tuple[Tensor, Tensor],
     is_key_S: Tensor,
     config: H3Config,
+    score_bytes: int | None = None,
 ) -> Tensor:
     H, K, D = config.num_attention_heads, config.attention_head_dim, config.hidden_size
     table_RX = F.linear(F.silu(temb_TE), p["adaln_proj.linear.weight"], p["adaln_proj.linear.bias"])
@@ -71,9 +121,12 @@ def _block_forward(
     q_SHK, k_SHK, v_SHK = (F.linear(h_SD, p[f"attn.to_{n}.weight"]).unflatten(-1, (H, K)) for n in "qkv")
     q_SHK = _apply_rope(_rms_norm(q_SHK, p["attn.norm_q.weight"], config.qk_norm_eps), *rope)
     k_SHK = _apply_rope(_rms_norm(k_SHK, p["attn.norm_k.weight"], config.qk_norm_eps), *rope)
-    scores_HSS = torch.einsum("qhk,shk->hqs", q_SHK, k_SHK) / math.sqrt(K)
-    scores_HSS = scores_HSS.masked_fill(~is_key_S, -math.inf)  # padding rows are no query's key
-    attn_SHK = torch.einsum("hqs,shk->qhk", scores_HSS.softmax(dim=-1), v_SHK)
+    if score_bytes is None:
+        scores_HSS = torch.einsum("qhk,shk->hqs", q_SHK, k_SHK) / math.sqrt(K)
+        scores_HSS = scores_HSS.masked_fill(~is_key_S, -math.inf)  # padding rows are no query's key
+        attn_SHK = torch.einsum("hqs,shk->qhk", scores_HSS.softmax(dim=-1), v_SHK)
+    else:
+        attn_SHK = chunked_attention(q_SHK, k_SHK, v_SHK, is_key_S, score_bytes)
     x_SD = x_SD + gate_msa * F.linear(attn_SHK.flatten(1), p["attn.to_out.0.weight"])
 
     h_SD = _rms_norm(x_SD, p["norm2.weight"], config.norm_eps) * (1.0 + scale_mlp) + shift_mlp
@@ -81,10 +134,12 @@ def _block_forward(
     return x_SD + gate_mlp * F.linear(hidden_SF * F.silu(gate_SF), p["ff.net.2.weight"])
 
 
-def oracle_block(weights: BlockWeights, batch: PackedBatch) -> BlockResult:
+def oracle_block(weights: BlockWeights, batch: PackedBatch, *, score_bytes: int | None = None) -> BlockResult:
     """Forward and backward of one block in float64; every tensor of the result is float64.
 
     `dw` holds the gradient of every parameter under its diffusers name; `dtemb` the gradient w.r.t. temb.
+    `score_bytes`: None for the plain [H, S, S] attention, else query chunks of at most that many bytes
+    of scores (`chunked_attention`), for long sequences.
     """
     config, device = weights.config, batch.device
     hidden, embed = batch.hidden_states.shape[1], batch.temb.shape[1]
@@ -106,6 +161,7 @@ def oracle_block(weights: BlockWeights, batch: PackedBatch) -> BlockResult:
             rope_cos_sin(batch.position_ids, config),
             batch.active,
             config,
+            score_bytes,
         )
         # zeroing padding rows of `out` also zeroes their upstream gradient on the way back
         out_SD = torch.where(active_S1, out_SD, 0.0)

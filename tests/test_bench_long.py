@@ -1,0 +1,87 @@
+"""The long-sequence benchmarks' CPU side: the FP64 references they measure against, and their arguments.
+
+Tolerances: the chunked and the plain float64 attention compute the same function in another
+summation order (query chunks; the softmax and every product the same), so they differ by a few
+roundoffs of float64 (1.1e-16): we see <= 9e-16 relative, so 1e-12 leaves ~10^3 of headroom and
+fails by ~10^4 for any float32 rounding (6e-8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from h3lab.batch import packed_batch
+from h3lab.bench import attention_long, block_gpu
+from h3lab.config import H3Config
+from h3lab.metrics import error_stats
+from h3lab.reference.oracle import chunked_attention, oracle_block
+from h3lab.weights import synthetic_block
+
+RTOL_FP64 = 1e-12
+
+
+@pytest.mark.parametrize("score_bytes", [1, 3000, 10**6])  # one row per chunk, ragged chunks, one chunk
+def test_chunked_oracle_equals_dense_oracle(score_bytes):
+    c = H3Config.tiny()
+    w = synthetic_block(c, 0, seed=3)
+    b = packed_batch(c, 61, seed=4, padding=5)  # padding rows: masked keys inside every chunk
+    dense, chunked = oracle_block(w, b).tensors(), oracle_block(w, b, score_bytes=score_bytes).tensors()
+    assert dense.keys() == chunked.keys()
+    for name in dense:
+        assert chunked[name].dtype == torch.float64
+        err = error_stats(chunked[name], dense[name])["rel_l2"]
+        assert err <= RTOL_FP64, (name, err)
+
+
+def test_chunked_attention_refuses_no_bytes():
+    q = torch.randn(3, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="score_bytes=0"):
+        chunked_attention(q, q, q, torch.ones(3, dtype=torch.bool), 0)
+
+
+def test_attention_long_reference_equals_autograd_fp64():
+    """The benchmark's float64 reference (o, lse2, dq on some query rows, dk/dv on some key rows, in
+    chunks of 64 rows) against float64 autograd on the whole problem."""
+    g = torch.Generator().manual_seed(5)
+    heads, n_q, n_k = 2, 150, 131
+    x = {n: torch.randn(r, heads, attention_long.DH, generator=g) for n, r in (("q", n_q), ("k", n_k), ("v", n_k))}
+    x["do"] = torch.randn(n_q, heads, attention_long.DH, generator=g)
+    scale = attention_long.DH**-0.5
+    rows, keys = torch.tensor([0, 7, 64, 65, 149]), torch.tensor([1, 2, 130])
+    ref = attention_long.reference64(x, scale, rows, keys)
+    q, k, v = (x[n].double().requires_grad_() for n in ("q", "k", "v"))
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    o.backward(x["do"].double())
+    want = {"o": o[rows], "lse": torch.logsumexp(s, -1)[:, rows] / math.log(2), "dq": q.grad[rows]}
+    want |= {"dk": k.grad[keys], "dv": v.grad[keys]}
+    for name, t in want.items():
+        err = float((ref[name] - t.detach()).norm() / t.detach().norm())
+        assert err <= RTOL_FP64, (name, err)
+
+
+def test_attention_long_variants_are_valid_configs():
+    from h3lab.triton.attention import CONFIG_KEYS
+
+    assert next(iter(attention_long.VARIANTS)) == "pinned"
+    for name, (fwd, bwd) in attention_long.VARIANTS.items():
+        assert fwd is None or set(fwd) <= CONFIG_KEYS["attention_fwd"], name
+        assert bwd == "split" or set(bwd) <= CONFIG_KEYS["attention_bwd_fused"], name
+    assert attention_long.parse_rows("4096,65536") == [4096, 65536]
+    for bad in ("4096,", "16k", "64"):
+        with pytest.raises(ValueError, match="--rows entry"):
+            attention_long.parse_rows(bad)
+
+
+def test_block_gpu_arguments():
+    a = block_gpu.parse_args(["--out", "x.json", "--rows", "16384", "--no-graphs", "--reps", "3"])
+    assert a.rows == [16384] and not a.graphs and a.reps == 3
+    assert block_gpu.parse_args(["--out", "x.json"]).graphs
+    for bad in (["--rows", "16384,"], ["--rows", "0"], ["--reps", "1"]):
+        with pytest.raises(SystemExit):
+            block_gpu.parse_args(["--out", "x.json", *bad])
+    assert block_gpu.oracle_score_bytes(4096) is None  # the plain oracle, as every figure before
+    assert block_gpu.oracle_score_bytes(16384) == block_gpu.ORACLE_SCORE_BYTES
