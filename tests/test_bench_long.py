@@ -9,9 +9,13 @@ fails by ~10^4 for any float32 rounding (6e-8).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # before anything imports the kernels (attention_long does)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from h3lab.batch import packed_batch
 from h3lab.bench import attention_long, block_gpu
@@ -85,3 +89,37 @@ def test_block_gpu_arguments():
             block_gpu.parse_args(["--out", "x.json", *bad])
     assert block_gpu.oracle_score_bytes(4096) is None  # the plain oracle, as every figure before
     assert block_gpu.oracle_score_bytes(16384) == block_gpu.ORACLE_SCORE_BYTES
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run of the benchmark's logic (CPU only)")
+def test_attention_long_bench_rows_logic_under_the_interpreter(monkeypatch, chain_dot):
+    """bench_rows end to end on a small FP32 problem in the interpreter, GPU clocks and SDPA stubbed:
+    every variant runs and is close to float64; those with the pinned forward's key tile keep the
+    pinned bytes (the fused and TMA kernels compute the same chains), a 64-key forward tile rescales
+    its running sums at other places, so another bit class; the summary picks a combination."""
+    from h3lab.triton.attention import config_for
+
+    pinned_keys = config_for("attention_fwd", attention_long.DH, "sm90")["BLOCK_N"]
+    g = torch.Generator().manual_seed(9)
+
+    def make(rows: int, heads: int, seed: int) -> dict[str, torch.Tensor]:  # FP32: the interpreter's honest dtype
+        sizes = {"q": rows, "k": rows - 3, "v": rows - 3, "do": rows}
+        return {n: torch.randn(r, heads, attention_long.DH, generator=g) for n, r in sizes.items()}
+
+    monkeypatch.setattr(attention_long, "make_inputs", make)
+    monkeypatch.setattr(attention_long, "NODE", "sm90")
+    monkeypatch.setattr(attention_long, "timed", lambda fn: {"ms": 1.0, "reps": 1, "spread_ms": [1.0, 1.0]})
+    monkeypatch.setattr(attention_long, "peak_gib", lambda fn: 0.0)
+    sdpa = {"cudnn": {"fwd_ms": 0.5, "fwd_bwd_ms": 1.5, "bwd_ms": 1.0}, "best": "cudnn", "best_fwd": "cudnn"}
+    monkeypatch.setattr(attention_long, "sdpa", lambda x, scale, rows: sdpa)
+    monkeypatch.setattr(attention_long, "DTYPE", torch.float32)
+    saved = []
+    rec = attention_long.bench_rows(200, 2, 0.1, attention_long.VARIANTS, saved.append)
+    assert len(saved) == len(attention_long.VARIANTS)
+    for name, r in rec["variants"].items():
+        assert "error" not in r, (name, r)
+        fwd = attention_long.VARIANTS[name][0]
+        same_tile = fwd is None or fwd["BLOCK_N"] == pinned_keys
+        assert all(r["bitwise_vs_pinned"].values()) == same_tile and r["repeat_bitwise"], name
+        assert max(r["rel_l2_vs_float64"].values()) < 1e-5, (name, r["rel_l2_vs_float64"])  # FP32 chains
+    assert rec["summary"]["best_same_bits"]["speed_fwd_bwd_vs_sdpa"] == pytest.approx(1.5 / 2.0)

@@ -35,6 +35,7 @@ from h3lab.triton.configs import describe, node_of
 BENCH_FORMAT = "h3lab-bench-attention-long-v1"
 DH, DTYPE = 128, torch.bfloat16
 CHECK_ROWS = 256  # query rows and key rows whose results are checked against float64
+NODE: str | None = None  # the launchers' node type: None = the device's (CPU tests name "sm90")
 # (forward config or None for the pinned one, backward: "split" = pinned attention_bwd_q +
 # attention_bwd_kv, or a config of the fused attention_bwd). Forward candidates: TMA descriptor loads
 # (the pointer kernel spends ~66 more registers on addresses: 254 against 188, Triton 3.6 for sm90)
@@ -59,7 +60,7 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, str | dict[str, Any]]] = {
 }
 
 
-def timed(fn: Callable[[], Any], budget_s: float = 1.5, min_reps: int = 3, max_reps: int = 20) -> dict[str, Any]:
+def timed(fn: Callable[[], Any], budget_s: float = 0.4, min_reps: int = 2, max_reps: int = 20) -> dict[str, Any]:
     """Median milliseconds of CUDA-event timed calls of `fn` after one warm-up call (which compiles):
     as many calls as fit in `budget_s` (at least min_reps, at most max_reps)."""
     fn()
@@ -100,16 +101,16 @@ def run_variant(x: dict[str, Tensor], fwd_cfg: dict | None, bwd: str | dict, sca
     q, k, v, do = x["q"], x["k"], x["v"], x["do"]
 
     def fwd() -> tuple:
-        return att.attention_fwd(q, k, v, scale, DTYPE, config=fwd_cfg)
+        return att.attention_fwd(q, k, v, scale, DTYPE, node=NODE, config=fwd_cfg)
 
     _, o_ref, (lse,) = fwd()
 
     def backward() -> tuple:
-        d = att.attention_delta(do, o_ref)
+        d = att.attention_delta(do, o_ref, node=NODE)
         if bwd == "split":
-            dq = att.attention_bwd_q(q, do, (lse,), d, k, v, scale)
-            return (dq, *att.attention_bwd_kv(q, do, (lse,), d, k, v, scale))
-        return att.attention_bwd(q, do, (lse,), d, k, v, scale, config=bwd)
+            dq = att.attention_bwd_q(q, do, (lse,), d, k, v, scale, node=NODE)
+            return (dq, *att.attention_bwd_kv(q, do, (lse,), d, k, v, scale, node=NODE))
+        return att.attention_bwd(q, do, (lse,), d, k, v, scale, node=NODE, config=bwd)
 
     return {"fwd": fwd, "bwd": backward}
 
@@ -184,11 +185,14 @@ def sdpa(x: dict[str, Tensor], scale: float, rows: int) -> dict[str, Any]:
     return out
 
 
-def bench_rows(rows: int, heads: int, scale: float, variants: dict) -> dict[str, Any]:
+def bench_rows(rows: int, heads: int, scale: float, variants: dict, save: Callable[[dict], None]) -> dict[str, Any]:
+    """The record of one row count; `save` gets it after each variant (a hung or failed candidate
+    leaves the ones before it on disk)."""
     x = make_inputs(rows, heads, seed=rows)
     gen = torch.Generator().manual_seed(1)
-    check_rows = torch.randperm(rows, generator=gen)[:CHECK_ROWS].sort().values.cuda()
-    check_keys = torch.randperm(x["k"].shape[0], generator=gen)[:CHECK_ROWS].sort().values.cuda()
+    dev = x["q"].device
+    check_rows = torch.randperm(rows, generator=gen)[:CHECK_ROWS].sort().values.to(dev)
+    check_keys = torch.randperm(x["k"].shape[0], generator=gen)[:CHECK_ROWS].sort().values.to(dev)
     ref = reference64(x, scale, check_rows, check_keys)
     rec: dict[str, Any] = {"rows": rows, "keys": x["k"].shape[0], "heads": heads, "variants": {}}
     pinned_bytes: dict[str, Tensor] | None = None
@@ -212,6 +216,7 @@ def bench_rows(rows: int, heads: int, scale: float, variants: dict) -> dict[str,
         except Exception as e:  # a candidate that does not compile or run is a result too
             r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         rec["variants"][name] = r
+        save(rec)
         torch.cuda.empty_cache()
         print(rows, name, {k: v for k, v in r.items() if k in ("fwd_ms", "bwd_ms", "bitwise_vs_pinned", "error")})
     rec["sdpa"] = sdpa(x, scale, rows)
@@ -280,10 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         "rows": {},
     }
     for n in rows:
+
+        def save(rec: dict, n: int = n) -> None:
+            record["rows"][n] = rec
+            record["wall_s"] = round(time.perf_counter() - t0, 1)
+            write_json(a.out, record)
+
         with contextlib.suppress(torch.OutOfMemoryError):
-            record["rows"][n] = bench_rows(n, a.heads, scale, chosen)
-        record["wall_s"] = round(time.perf_counter() - t0, 1)
-        write_json(a.out, record)
+            save(bench_rows(n, a.heads, scale, chosen, save))
         print(n, record["rows"].get(n, {}).get("summary", "out of memory"), flush=True)
     return 0
 
