@@ -185,7 +185,9 @@ def sdpa(x: dict[str, Tensor], scale: float, rows: int) -> dict[str, Any]:
     return out
 
 
-def bench_rows(rows: int, heads: int, scale: float, variants: dict, save: Callable[[dict], None]) -> dict[str, Any]:
+def bench_rows(
+    rows: int, heads: int, scale: float, variants: dict, save: Callable[[dict], None], with_sdpa: bool = True
+) -> dict[str, Any]:
     """The record of one row count; `save` gets it after each variant (a hung or failed candidate
     leaves the ones before it on disk)."""
     x = make_inputs(rows, heads, seed=rows)
@@ -219,7 +221,7 @@ def bench_rows(rows: int, heads: int, scale: float, variants: dict, save: Callab
         save(rec)
         torch.cuda.empty_cache()
         print(rows, name, {k: v for k, v in r.items() if k in ("fwd_ms", "bwd_ms", "bitwise_vs_pinned", "error")})
-    rec["sdpa"] = sdpa(x, scale, rows)
+    rec["sdpa"] = sdpa(x, scale, rows) if with_sdpa else {}
     return rec | {"summary": summarize(rec)}
 
 
@@ -260,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="4096,16384,32768,65536")
     ap.add_argument("--heads", type=int, default=56)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {list(VARIANTS)} (pinned always runs)")
+    ap.add_argument("--no-sdpa", dest="sdpa", action="store_false", help="leave SDPA out (timed by another run)")
     a = ap.parse_args(argv)
     try:
         rows = parse_rows(a.rows)
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json(a.out, record)
 
         with contextlib.suppress(torch.OutOfMemoryError):
-            save(bench_rows(n, a.heads, scale, chosen, save))
+            save(bench_rows(n, a.heads, scale, chosen, save, with_sdpa=a.sdpa))
         print(n, record["rows"].get(n, {}).get("summary", "out of memory"), flush=True)
     return 0
 

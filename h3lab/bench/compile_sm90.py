@@ -154,7 +154,7 @@ def compile_attention_sm90(kernel: str, cfg: dict[str, Any], head_dim: int = 128
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in const else _attention_arg_type(name, cfg, head_dim)
-        if sig[name].startswith("*") or name.startswith("stride"):
+        if sig[name].startswith("*") or name.startswith("stride"):  # 16-divisible, as the runtime finds them
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=const, attrs=attrs)
     options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}

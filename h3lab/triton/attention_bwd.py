@@ -223,13 +223,13 @@ def _publish(mine_ptr, upto):
 
 
 # fmt: off
-@triton.jit(do_not_specialize=["n_q", "n_k", "n_heads"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "head_group"])
 def attention_bwd_fused_kernel(
     q_desc, do_desc, lse_ptr, delta_ptr, k_desc, kh_desc, v_desc, dq_ptr, dk_ptr, dv_ptr, progress_ptr,  #
-    n_q, n_k, n_heads, qk_scale, scale,  #
+    n_q, n_k, n_heads, head_group, qk_scale, scale,  #
     stride_gm, stride_gh, stride_qgm, stride_qgh,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    HEAD_GROUP: tl.constexpr, CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,  #
+    CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,  #
 ):
 # fmt: on
     """dq [n_q, H, D], dk, dv [n_k, H, D] FP32 in one pass: 5 tensor-core products per tile, not 7.
@@ -240,16 +240,16 @@ def attention_bwd_fused_kernel(
     attention_bwd_q_kernel's: key block j continues it from memory after key block j-1 and stores it
     back (the last one scaled), so the bits are the split kernels'. Turns: progress[h, j] counts the
     query blocks whose dq key block j has stored (int32, zeroed by the launcher); j waits for j-1 once
-    every CHUNK query blocks. Program ids run over HEAD_GROUP heads fastest, then key blocks, then head
+    every CHUNK query blocks. Program ids run over `head_group` heads fastest, then key blocks, then head
     groups: the programs resident together hold short chains of several heads, and j-1 always has the
     smaller id (dispatched first), so a wait never waits on a program not yet running.
     """
     pid = tl.program_id(0)
     n_kb = tl.cdiv(n_k, BLOCK_N)
-    g = pid // (HEAD_GROUP * n_kb)
-    h0 = g * HEAD_GROUP
-    gs = tl.minimum(HEAD_GROUP, n_heads - h0)
-    r = pid - g * HEAD_GROUP * n_kb
+    g = pid // (head_group * n_kb)
+    h0 = g * head_group
+    gs = tl.minimum(head_group, n_heads - h0)
+    r = pid - g * head_group * n_kb
     j = r // gs
     h32 = h0 + r - j * gs
     h = h32.to(tl.int64)
