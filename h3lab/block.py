@@ -16,7 +16,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -27,12 +27,9 @@ from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
 from h3lab.ops.fixed import chain_sum, unit_tree
 from h3lab.result import BlockResult
-from h3lab.triton.index_cache import index_cache
+from h3lab.rowplan import RowPlan, index_cache
 from h3lab.units import UnitWeights, assemble_unit_grads, join, unit_weights
 from h3lab.weights import BlockWeights
-
-if TYPE_CHECKING:  # h3lab.triton imports Triton; the torch backend runs without it
-    from h3lab.triton.plan import RowPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +72,7 @@ def canonical_block(
         backend: "torch" (default, CPU and GPU), "triton" (GPU) or "baseline" (library kernels,
             not layout-invariant: the reference point of the baseline mode); see h3lab.backend.
         decided_rows: the row plan of this batch's metadata decided beforehand
-            (`h3lab.triton.plan.decide_rows`, backend "triton"): the step then never waits for the
+            (`h3lab.rowplan.decide_rows`, backend "triton"): the step then never waits for the
             host, as a CUDA graph capture needs (h3lab.graph).
 
     Returns:
