@@ -509,9 +509,8 @@ def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
     decided beforehand, as h3lab.graph captures it, equals the step that plans for itself byte for
     byte, and decides nothing again: rows out of key order, padding among them."""
     from h3lab import H3Config, packed_batch, synthetic_block
-    from h3lab.block import _block_step  # the step with an explicit backend object (a node on CPU)
+    from h3lab.block import block_step
     from h3lab.comm import LocalComm
-    from h3lab.contract import strict_mode
     from h3lab.units import unit_weights
 
     c = H3Config.tiny()
@@ -520,8 +519,7 @@ def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
     uw, be = unit_weights(synthetic_block(c, 0, seed=1).to(DEV)), TritonBackend(DEV, node=NODE)
 
     def step(decided: rowplan.RowPlan | None) -> dict[str, torch.Tensor]:
-        with strict_mode(), torch.no_grad(), index_cache():
-            s = _block_step(uw, b, LocalComm(), be, True, lambda name, t, space: t, decided)
+        s = block_step(uw, b, LocalComm(), backend=be, decided_rows=decided)  # a backend object: a node on CPU
         flat = {"out": s.out, "dx": s.dx, "dtemb": s.dtemb, **s.dw_replicated}
         return flat | {f"{k}.{u}": t for k, per_unit in s.dw_units.items() for u, t in per_unit.items()}
 
