@@ -19,7 +19,7 @@ Dimension legend: M rows, K reduced, N columns, R rows, H heads, Dh head_dim, G 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from torch import Tensor
 from h3lab.ops import attention as att
 from h3lab.ops import ffn, norm, rows
 from h3lab.ops.fixed import Pieces, chain_mm, round_to, unit_tree
+from h3lab.rowplan import RowPlan
 
 CONTRACT_BACKENDS = ("torch", "triton")  # the backends that compute under h3-parallel-v1
 BACKENDS = (*CONTRACT_BACKENDS, "baseline")  # baseline: library kernels, the reference point of the baseline mode
@@ -48,7 +49,13 @@ class Backend(Protocol):
     # a GPU backend starts reading the metadata to the host now and checks every index its row
     # reductions and RoPE will read when called (a host sync mid-block drains the GPU's queue)
     def plan_rows(
-        self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor, *, decided: Any = None
+        self,
+        keys_R2: Tensor,
+        segment_R: Tensor,
+        num_segments: int,
+        positions_R3: Tensor,
+        *,
+        decided: RowPlan | None = None,
     ) -> Callable[[], Tensor]: ...
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor: ...
     # row_sum of each row_x and segment_sum of each segment_x, as those calls give them (a backend may
@@ -129,7 +136,13 @@ class TorchBackend:
     round = staticmethod(round_to)
 
     def plan_rows(
-        self, keys_R2: Tensor, segment_R: Tensor, num_segments: int, positions_R3: Tensor, *, decided: Any = None
+        self,
+        keys_R2: Tensor,
+        segment_R: Tensor,
+        num_segments: int,
+        positions_R3: Tensor,
+        *,
+        decided: RowPlan | None = None,
     ) -> Callable[[], Tensor]:
         if decided is not None:
             raise ValueError(

@@ -13,8 +13,8 @@ steps). What one capture fixes:
 - the shapes, the weights' storage, the device;
 - the row signature: how many rows are active and whether they already arrive in canonical order
   (then the weight gradients read them in place, otherwise through a gather: another launch
-  sequence, h3lab.triton.rows.reads_in_place). A capture may not wait for the host, so the row
-  plan (h3lab.triton.plan) is decided on the host before each replay — a host sync that waits
+  sequence, h3lab.rowplan.reads_in_place). A capture may not wait for the host, so the row
+  plan (h3lab.rowplan) is decided on the host before each replay — a host sync that waits
   for the work queued on its stream, unless decided ahead on another stream — and its device
   tensors are copied into the capture's;
 - the outputs' memory: each call overwrites the last call's `BlockResult`; clone what you keep.
@@ -25,18 +25,17 @@ held until the `GraphedBlock` is dropped).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
+from h3lab import rowplan
 from h3lab.batch import FIELDS, PackedBatch
 from h3lab.block import canonical_block
 from h3lab.result import BlockResult
+from h3lab.rowplan import RowPlan
 from h3lab.weights import BlockWeights
-
-if TYPE_CHECKING:
-    from h3lab.triton.plan import RowPlan
 
 T = TypeVar("T")
 
@@ -65,15 +64,12 @@ class GraphedBlock:
     Raises:
         ValueError: a batch not on a CUDA device; at a call, a batch whose shapes, dtypes, device or
             row signature differ from the captured one, or a `decided_rows` not decided from this
-            batch's own metadata tensors, or written since (h3lab.triton.plan.check_decided).
+            batch's own metadata tensors, or written since (h3lab.rowplan.check_decided).
     """
 
     def __init__(self, weights: BlockWeights, batch: PackedBatch, *, warmup: int = 2) -> None:
         if batch.device.type != "cuda":
             raise ValueError(f"GraphedBlock: batch on {batch.device}; allowed: a CUDA device (CUDA graphs)")
-        from h3lab.triton import plan, rows  # import Triton: GPU-only, like the backend they serve
-
-        self._plan, self._rows = plan, rows
         self.device = batch.device
         with torch.cuda.device(self.device):  # the capture's stream is the batch's device's
             # private copies: a call copies its batch into these, the addresses the graph reads
@@ -89,12 +85,12 @@ class GraphedBlock:
         stream. To decide ahead, while the last replay runs, call it under another stream once the
         metadata is on the device (`with torch.cuda.stream(side):`); the call waits for the plan's copy."""
         keys, segments, positions, num_segments = _metadata(batch)
-        return self._plan.decide_rows(keys, segments, num_segments, positions)
+        return rowplan.decide_rows(keys, segments, num_segments, positions)
 
     def signature(self, rows: RowPlan) -> tuple[int, bool]:
         """(active rows, read in place): what of a row plan the captured launches depend on."""
         n = rows.order.numel()
-        return n, self._rows.reads_in_place(n, self.batch.num_rows, lambda: rows.order_facts)
+        return n, rowplan.reads_in_place(n, self.batch.num_rows, lambda: rows.order_facts)
 
     def __call__(self, batch: PackedBatch, *, decided_rows: RowPlan | None = None) -> BlockResult:
         """Copy `batch` in, replay; the result's tensors are overwritten by the next call.
@@ -111,7 +107,7 @@ class GraphedBlock:
         with torch.cuda.device(self.device):
             rows = self.decide(batch) if decided_rows is None else decided_rows
             keys, segments, positions, num_segments = _metadata(batch)
-            self._plan.check_decided(rows, (keys, segments, positions), num_segments)
+            rowplan.check_decided(rows, (keys, segments, positions), num_segments)
             if self.signature(rows) != self.captured_signature:
                 raise ValueError(
                     f"row signature (active rows, in place) {self.signature(rows)}; allowed: "

@@ -1,5 +1,6 @@
-"""Shared fixtures: the tiny configuration, its synthetic weights and packed batches; the Triton
-interpreter's tl.dot as an FP32 chain of our own (chain_dot)."""
+"""Shared fixtures and helpers: the tiny configuration, its synthetic weights and packed batches; the
+Triton interpreter's tl.dot as an FP32 chain of our own (chain_dot); the processes a launch left
+behind (leftovers)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     """Byte equality: same dtype, same shape, same bit patterns (so -0 != +0, NaN payloads count)."""
     assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
     assert torch.equal(bit_pattern(a), bit_pattern(b)), f"{what}: bits differ"
+
+
+def leftovers(token: str) -> list[int]:
+    """Processes of the launch tagged `token` still alive (other test sessions' launches carry other
+    tokens)."""
+    from h3lab.run.launch import processes_with_token
+
+    return [p.pid for p in processes_with_token(token)]
 
 
 def random_diffusers_model(config: H3Config, seed: int):

@@ -9,6 +9,7 @@ import torch
 
 from h3lab import H3Config, PackedBatch, canonical_block, packed_batch, synthetic_block
 from h3lab.batch import ROW_FIELDS
+from h3lab.comm import LocalComm
 from h3lab.contract import strict_mode
 from h3lab.ops.fixed import chain_mm, unit_tree
 from h3lab.units import join, unit_weights
@@ -187,11 +188,11 @@ def test_unit_grads_join_without_copies_where_they_lie_end_to_end():
 
 
 def test_chain_sets_gathered_by_copy_are_summed_one_at_a_time():
-    """block._chain_sums: a set whose gather copies (SP/CP) is summed alone at once, so one gathered
-    copy is alive at a time; sets used in place go side by side in one call; the bytes are the
-    single calls' either way."""
+    """rowspace.sum_chain_sets: a set whose gather copies (SP/CP) is summed alone at once, so one
+    gathered copy is alive at a time; sets used in place go side by side in one call; the bytes are
+    the single calls' either way."""
     from h3lab.backend import TorchBackend
-    from h3lab.block import _chain_sums
+    from h3lab.rowspace import sum_chain_sets
 
     calls = []
 
@@ -209,9 +210,92 @@ def test_chain_sets_gathered_by_copy_are_summed_one_at_a_time():
     be = Recording()
     row_sets = [(xs[0], same, "a"), (xs[1], copy, "b")]
     table_sets = [(xs[2], copy, "c"), (xs[3], same, "d"), (xs[4], same, "e")]
-    sums, segs = _chain_sums(be, row_sets, table_sets, segment, G, order)
+    sums, segs = sum_chain_sets(be, row_sets, table_sets, segment, G, order)
     assert calls == [(1, 0), (0, 1), (1, 2)], f"copied sets alone, then the in-place ones together: {calls}"
     for got, x in zip(sums, xs[:2], strict=True):
         assert_bitwise(got, be.row_sum(x, order), "row set")
     for got, x in zip(segs, xs[2:], strict=True):
         assert_bitwise(got, be.segment_sum(x, segment, G, order), "table set")
+
+
+@dataclasses.dataclass
+class _Call:
+    name: str
+    freed: set[tuple[int, int]]  # (call, output) of the calls before this one, freed by the time it starts
+    outputs: list  # StorageWeakRef of each tensor it returned
+
+
+class _Watched:
+    """A backend or comm whose every call is logged (h3lab.block takes either as an object)."""
+
+    def __init__(self, inner: object, log: list[_Call]) -> None:
+        self._inner, self._log = inner, log
+
+    def __getattr__(self, name: str):
+        value = getattr(self._inner, name)
+        if not callable(value) or name.startswith("_"):
+            return value
+
+        def call(*args, **kwargs):
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            log = self._log
+            freed = {(i, o) for i, c in enumerate(log) for o, ref in enumerate(c.outputs) if ref.expired()}
+            entry = _Call(name, freed, [])
+            log.append(entry)
+            out = value(*args, **kwargs)
+            flat = [
+                t for o in (out if isinstance(out, tuple) else (out,)) for t in (o if isinstance(o, tuple) else (o,))
+            ]
+            entry.outputs += [StorageWeakRef(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)]
+            return out
+
+        return call
+
+
+class _CopyingComm(LocalComm):
+    """All units and rows, every row gather a copy: the code paths of SP and CP in one process."""
+
+    def gather_tp_rows(self, x, site):
+        return x.clone()
+
+    def gather_seq_rows(self, x, site):
+        return x.clone()
+
+
+@pytest.mark.parametrize("comm", [LocalComm(), _CopyingComm()], ids=["local", "gathers-copy"])
+def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_returns(tiny, comm):
+    """The block's peak memory is at the end of its backward, so each tensor goes when the part that
+    reads it last is done (h3lab.block_forward: lifetimes): which outputs of earlier backend and
+    comm calls are freed when each part of the backward starts. Calls are named by their order in
+    the step (mm 4 and 5: ff.net.0's hidden and gate; gather_seq_rows 4-7: the FFN backward's)."""
+    from h3lab.backend import TorchBackend
+    from h3lab.block import block_step
+
+    log: list[_Call] = []
+    b = packed_batch(tiny, 40, seed=21, padding=5)  # bf16: every rounding makes a new tensor
+    b = b.rows(torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(22)))
+    uw = unit_weights(synthetic_block(tiny, 0, seed=23))
+    step = block_step(uw, b, _Watched(comm, log), backend=_Watched(TorchBackend(), log))
+    assert step.dx is not None and {c.name for c in log} >= {"rms_modulate_bwd", "attention_bwd_kv"}
+
+    def nth(name: str, n: int) -> int:
+        return [i for i, c in enumerate(log) if c.name == name][n]
+
+    def freed_by(part: tuple[str, int], *calls: tuple) -> None:
+        at = log[nth(*part)]
+        for name, n, *output in calls:
+            i = nth(name, n)
+            alive = [o for o in (output or range(len(log[i].outputs))) if (i, o) not in at.freed]
+            assert not alive, f"{name} {n}: outputs {alive} still alive when {part} starts"
+
+    ffn = [("mm", 4), ("mm", 5), ("swiglu_fwd", 0), ("rms_modulate_fwd", 1), ("swiglu_bwd", 0), ("mm", 6)]
+    freed_by(("rms_modulate_bwd", 0), *ffn, *[("gather_seq_rows", i) for i in (4, 5, 6, 7)])
+    to_out = [("rms_modulate_bwd", 0), ("gated_residual", 0), ("unit_reduce", 2), ("gather_seq_rows", 8)]
+    freed_by(("attention_delta", 0), *to_out, ("gather_seq_rows", 9))
+    attention = [("attention_fwd", 0), ("qk_norm_rope_fwd", 0), ("qk_norm_rope_fwd", 1), ("mm", 3), ("mm", 7)]
+    freed_by(("qk_norm_rope_bwd", 0), *attention, ("attention_delta", 0))
+    freed_by(("qk_norm_rope_bwd", 1), ("attention_bwd_q", 0))  # the FP32 dq, once its RoPE backward returned
+    freed_by(("unit_reduce", 3), ("mm", 1), ("mm", 2), ("attention_bwd_kv", 0))  # q, k; FP32 dk, dv
+    qkv = [("qk_norm_rope_bwd", 0, 0), ("qk_norm_rope_bwd", 1, 0), ("unit_reduce", 3), ("rms_modulate_fwd", 0)]
+    freed_by(("rms_modulate_bwd", 1), *qkv)  # q, k, v's gradients (not the norm weights' rows), norm1's output

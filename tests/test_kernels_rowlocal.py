@@ -1,5 +1,5 @@
 """Row-local and cross-row Triton kernels (h3lab.triton.norm, elementwise, rows, backend) against
-their torch references in h3lab.ops, bit for bit.
+their torch references in h3lab.ops, bit for bit; the row plan they read (h3lab.rowplan).
 
 Without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below before triton
 is imported) on float32 CPU tensors: the interpreter's bfloat16 arithmetic is wrong. With CUDA the
@@ -39,15 +39,16 @@ triton = pytest.importorskip(
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from h3lab import rowplan  # noqa: E402
 from h3lab.backend import Backend, get_backend  # noqa: E402
 from h3lab.metrics import bit_pattern  # noqa: E402
 from h3lab.ops import ffn as ref_ffn  # noqa: E402
 from h3lab.ops import norm as ref_norm  # noqa: E402
 from h3lab.ops import rows as ref_rows  # noqa: E402
 from h3lab.ops.fixed import cos_sin, round_to  # noqa: E402
-from h3lab.triton import configs, elementwise, norm, plan, rope, rows  # noqa: E402
+from h3lab.rowplan import index_cache  # noqa: E402
+from h3lab.triton import configs, elementwise, norm, rope, rows  # noqa: E402
 from h3lab.triton.backend import TritonBackend  # noqa: E402
-from h3lab.triton.index_cache import index_cache  # noqa: E402
 from h3lab.units import join  # noqa: E402
 
 if isinstance(norm._rms_modulate_kernel, InterpretedFunction) == CUDA:
@@ -430,11 +431,11 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
     pos = torch.randint(-500, 500, (R, 3), generator=g)
     x, keys, segment, pos = x.to(DEV), keys.to(DEV), segment.to(DEV), pos.to(DEV)
     with index_cache():
-        order = plan.plan_rows(keys, segment, G, pos)()
+        order = rowplan.plan_rows(keys, segment, G, pos)()
         assert torch.equal(order.cpu(), ref_rows.key_order(keys.cpu()))
         with pytest.MonkeyPatch.context() as mp:  # every way these facts are computed (each a host sync)
-            for module, name in ((rows, "_facts_of"), (rows, "_segments"), (rope, "max_abs_position_tensor")):
-                mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: the plan's fact computed again"))
+            for name in ("_facts_of", "_segments", "max_abs_position_tensor"):
+                mp.setattr(rowplan, name, lambda *a, name=name: pytest.fail(f"{name}: the plan's fact computed again"))
             got_seg = rows.segment_sum(x, segment, G, order, node=NODE)
             got_sum = rows.row_sum(x, order, node=NODE)
             got_cos, _ = rope.rope_tables(pos, 4, 10000.0, node=NODE)
@@ -444,17 +445,17 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
     dup = keys.clone()
     dup[1] = dup[0] = torch.tensor([2, 7])
     for call, match in (
-        (lambda: plan.plan_rows(dup, segment, G, pos)(), "duplicate active key"),
-        (lambda: plan.plan_rows(keys, segment, 2, pos)(), r"allowed: \[0, 2\)"),
-        (lambda: plan.plan_rows(keys, segment[:3], G, pos)(), "segment_R"),
-        (lambda: plan.plan_rows(keys.int(), segment, G, pos)(), "logical_keys"),
-        (lambda: plan.plan_rows(keys, segment, G, pos * 3000)(), "allowed below 1e6"),
-        (lambda: plan.plan_rows(keys[0], segment, G, pos)(), "logical_keys"),
+        (lambda: rowplan.plan_rows(dup, segment, G, pos)(), "duplicate active key"),
+        (lambda: rowplan.plan_rows(keys, segment, 2, pos)(), r"allowed: \[0, 2\)"),
+        (lambda: rowplan.plan_rows(keys, segment[:3], G, pos)(), "segment_R"),
+        (lambda: rowplan.plan_rows(keys.int(), segment, G, pos)(), "logical_keys"),
+        (lambda: rowplan.plan_rows(keys, segment, G, pos * 3000)(), "allowed below 1e6"),
+        (lambda: rowplan.plan_rows(keys[0], segment, G, pos)(), "logical_keys"),
     ):
         with pytest.raises(ValueError, match=match):
             call()
     with index_cache():  # a write between the plan and its read would leave its facts stale: refused
-        read = plan.plan_rows(keys, segment, G, pos)
+        read = rowplan.plan_rows(keys, segment, G, pos)
         segment[3:] = 1
         with pytest.raises(ValueError, match="written between plan_rows and reading its order"):
             read()
@@ -470,37 +471,35 @@ def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_meta
     keys = torch.stack([torch.randint(-1, 4, (R,), generator=g), torch.randperm(R, generator=g)], dim=1)
     pos = torch.randint(-900, 900, (R, 3), generator=g)
     x, keys, segment, pos = x.to(DEV), keys.to(DEV), segment.to(DEV), pos.to(DEV)
-    decided = plan.decide_rows(keys, segment, G, pos)
+    decided = rowplan.decide_rows(keys, segment, G, pos)
     with index_cache():
-        fresh = plan.plan_rows(keys, segment, G, pos)()
+        fresh = rowplan.plan_rows(keys, segment, G, pos)()
         want = rows.segment_sum(x, segment, G, fresh, node=NODE), rows.row_sum(x, fresh, node=NODE)
     with index_cache(), pytest.MonkeyPatch.context() as mp:
-        for module, name in (
-            (rows, "_facts_of"),
-            (rows, "_segments"),
-            (rope, "max_abs_position_tensor"),
-            (plan, "_decide"),
-        ):
-            mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
-        order = plan.plan_rows(keys, segment, G, pos, decided=decided)()
+        for name in ("_facts_of", "_segments", "max_abs_position_tensor", "_decide"):
+            mp.setattr(rowplan, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
+        order = rowplan.plan_rows(keys, segment, G, pos, decided=decided)()
         got = rows.segment_sum(x, segment, G, order, node=NODE), rows.row_sum(x, order, node=NODE)
         rope.rope_tables(pos, 4, 10000.0, node=NODE)
     _same(order, fresh.cpu(), "order")
     _same(got[0], want[0].cpu(), "segment_sum")
     _same(got[1], want[1].cpu(), "row_sum")
     for call, match in (
-        (lambda: plan.plan_rows(keys.clone(), segment, G, pos, decided=decided), "logical_keys is not the tensor"),
+        (lambda: rowplan.plan_rows(keys.clone(), segment, G, pos, decided=decided), "logical_keys is not the tensor"),
         (
-            lambda: plan.plan_rows(keys, segment, G, pos.clone(), decided=decided),
+            lambda: rowplan.plan_rows(keys, segment, G, pos.clone(), decided=decided),
             r"positions_R3 \(the position ids\) is not",
         ),
-        (lambda: plan.plan_rows(keys, segment, G + 1, pos, decided=decided), f"num_segments {G + 1}; allowed: {G}, as"),
+        (
+            lambda: rowplan.plan_rows(keys, segment, G + 1, pos, decided=decided),
+            f"num_segments {G + 1}; allowed: {G}, as",
+        ),
     ):
         with pytest.raises(ValueError, match=match):
             call()
     segment[0] = (segment[0] + 1) % G
     with pytest.raises(ValueError, match=r"segment_R \(the AdaLN indices\) written after decide_rows"):
-        plan.plan_rows(keys, segment, G, pos, decided=decided)
+        rowplan.plan_rows(keys, segment, G, pos, decided=decided)
     with pytest.raises(ValueError, match="allowed: backend 'triton'"):
         get_backend("torch").plan_rows(keys, segment, G, pos, decided=decided)
 
@@ -510,9 +509,8 @@ def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
     decided beforehand, as h3lab.graph captures it, equals the step that plans for itself byte for
     byte, and decides nothing again: rows out of key order, padding among them."""
     from h3lab import H3Config, packed_batch, synthetic_block
-    from h3lab.block import _block_step  # the step with an explicit backend object (a node on CPU)
+    from h3lab.block import block_step
     from h3lab.comm import LocalComm
-    from h3lab.contract import strict_mode
     from h3lab.units import unit_weights
 
     c = H3Config.tiny()
@@ -520,22 +518,16 @@ def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
     b = b.rows(torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(3))).to(DEV)
     uw, be = unit_weights(synthetic_block(c, 0, seed=1).to(DEV)), TritonBackend(DEV, node=NODE)
 
-    def step(decided: plan.RowPlan | None) -> dict[str, torch.Tensor]:
-        with strict_mode(), torch.no_grad(), index_cache():
-            s = _block_step(uw, b, LocalComm(), be, True, lambda name, t, space: t, decided)
+    def step(decided: rowplan.RowPlan | None) -> dict[str, torch.Tensor]:
+        s = block_step(uw, b, LocalComm(), backend=be, decided_rows=decided)  # a backend object: a node on CPU
         flat = {"out": s.out, "dx": s.dx, "dtemb": s.dtemb, **s.dw_replicated}
         return flat | {f"{k}.{u}": t for k, per_unit in s.dw_units.items() for u, t in per_unit.items()}
 
     want = step(None)
-    decided = plan.decide_rows(b.logical_keys, b.adaln_indices, 3 * b.num_timesteps, b.position_ids)
+    decided = rowplan.decide_rows(b.logical_keys, b.adaln_indices, 3 * b.num_timesteps, b.position_ids)
     with pytest.MonkeyPatch.context() as mp:  # every host-side fact comes from the plan
-        for module, name in (
-            (rows, "_facts_of"),
-            (rows, "_segments"),
-            (rope, "max_abs_position_tensor"),
-            (plan, "_decide"),
-        ):
-            mp.setattr(module, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
+        for name in ("_facts_of", "_segments", "max_abs_position_tensor", "_decide"):
+            mp.setattr(rowplan, name, lambda *a, name=name: pytest.fail(f"{name}: computed again"))
         got = step(decided)
     assert got.keys() == want.keys()
     for k in want:

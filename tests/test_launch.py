@@ -6,12 +6,8 @@ import json
 
 import pytest
 
-from h3lab.run.launch import launch, processes_with_token
-
-
-def _leftovers(token: str) -> list[int]:
-    """Processes of this launch still alive (other test sessions' launches carry other tokens)."""
-    return [p.pid for p in processes_with_token(token)]
+from h3lab.run.launch import launch
+from tests.conftest import leftovers
 
 
 @pytest.mark.parametrize("agents", [1, 2])
@@ -30,7 +26,7 @@ def test_every_store_listens_on_loopback_only(tmp_path, agents):
     listening = {addr for r in records for addr in r["listening"]}
     assert listening, "expected the agents and gloo to listen somewhere"
     assert all(addr.startswith("127.0.0.1:") for addr in listening), listening
-    assert len(res.commands) == agents and not _leftovers(res.token)
+    assert len(res.commands) == agents and not leftovers(res.token)
 
 
 def test_a_timeout_kills_every_process(tmp_path):
@@ -42,7 +38,7 @@ def test_a_timeout_kills_every_process(tmp_path):
         timeout_s=15,
         env={"H3LAB_HELLO_SLEEP": "600"},
     )
-    assert res.timed_out and not res.ok and res.killed_leftovers and not _leftovers(res.token)
+    assert res.timed_out and not res.ok and res.killed_leftovers and not leftovers(res.token)
 
 
 def test_a_failing_worker_fails_the_launch(tmp_path):
@@ -50,4 +46,4 @@ def test_a_failing_worker_fails_the_launch(tmp_path):
     res = launch(
         "h3lab.run.workers.hello", [str(tmp_path / "missing")], nproc_per_node=2, log_dir=tmp_path, timeout_s=120
     )
-    assert not res.ok and not res.timed_out and res.returncode != 0 and not _leftovers(res.token)
+    assert not res.ok and not res.timed_out and res.returncode != 0 and not leftovers(res.token)

@@ -20,7 +20,7 @@ from h3lab.dist.layout import ALL_LAYOUTS, parse_layouts
 from h3lab.metrics import bitwise_equal
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run, slug
-from tests.test_launch import _leftovers
+from tests.conftest import leftovers
 
 
 def _workers_of(out: Path) -> list[int]:
@@ -112,7 +112,7 @@ def test_a_failing_rank_is_named_and_nothing_is_left_behind(tmp_path, monkeypatc
     assert rec["failure"]["rank"] == 3 and expect in rec["failure"]["reason"], rec["failure"]
     assert rec["failure"]["log"].endswith("layouts/tp4/rank3.log")
     assert rec["launch"]["timed_out"] == (kind == "hang")
-    assert not _leftovers(rec["launch"]["token"])
+    assert not leftovers(rec["launch"]["token"])
     monkeypatch.delenv("H3LAB_FAULT")  # the next run is unaffected
     again = run(
         RunRequest(

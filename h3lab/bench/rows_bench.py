@@ -19,8 +19,8 @@ import torch
 from h3lab.bench.block_gpu import cuda_times
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import bitwise_equal
+from h3lab.rowplan import index_cache
 from h3lab.triton import configs, rows
-from h3lab.triton.index_cache import index_cache
 
 CANDIDATES = [(32, 16), (32, 32), (32, 64), (32, 128), (16, 64), (64, 64)]
 

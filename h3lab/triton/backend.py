@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from h3lab import rowplan
 from h3lab.ops.fixed import Pieces
-from h3lab.triton import attention, configs, elementwise, few_rows, gemm, norm, plan, rope, rows, unit_gemm
+from h3lab.triton import attention, configs, elementwise, few_rows, gemm, norm, rope, rows, unit_gemm
 
 F32 = torch.float32
 
@@ -94,9 +95,9 @@ class TritonBackend:
         num_segments: int,
         positions_R3: Tensor,
         *,
-        decided: plan.RowPlan | None = None,
+        decided: rowplan.RowPlan | None = None,
     ) -> Callable[[], Tensor]:
-        return plan.plan_rows(keys_R2, segment_R, num_segments, positions_R3, decided=decided)
+        return rowplan.plan_rows(keys_R2, segment_R, num_segments, positions_R3, decided=decided)
 
     def round(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         return elementwise.round(x, dtype)

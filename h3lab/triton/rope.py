@@ -3,14 +3,14 @@
 Reference: h3lab.ops.norm.rope_tables with h3lab.ops.fixed.cos_sin, bit for bit: the angle is the
 same float32 product position x inv_freq, then the same float64 steps in the same order (three-part
 pi/2 range reduction, degree-19/18 Taylor polynomials by Horner, quadrant select), one rounding to
-float32. In torch ops the tables cost ~70 launches and a host sync per block, 1.3 ms of GPU idle
-time at 4096 rows on the H200 (reports/h200/README.md); here one launch. Launched with
-`enable_fp_fusion=False`: the reference's separate torch ops never fuse a multiply-add.
+float32. In torch ops the tables cost dozens of launches and a host sync per block, idle GPU time
+(reports/h200/README.md, session 9); here one launch. Launched with `enable_fp_fusion=False`: the
+reference's separate torch ops never fuse a multiply-add.
 
 The reference raises for angles of 1e6 rad or more (the range reduction is exact for |n| < 2^20).
 inv_freq[0] is 1.0 and every other entry is below it, so the largest angle is the largest
 |float32(position)| and the check reads the positions: one host sync, unless the block step's
-plan (h3lab.triton.plan) read them already.
+plan (h3lab.rowplan) read them already.
 
 Dimension legend: R rows, f rope_freq_dim (per axis), C = 6f columns ((t | h | w) twice).
 """
@@ -22,14 +22,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from h3lab import rowplan
 from h3lab.ops import fixed
 from h3lab.ops.norm import _inv_freq
 from h3lab.triton import configs
 from h3lab.triton.fp64 import f64, horner, rint
-from h3lab.triton.index_cache import cached, seed
 
 F32 = torch.float32
-MAX_ANGLE = 1e6  # h3lab.ops.fixed.cos_sin's bound
 _INV_PIO2 = tl.constexpr(fixed._INV_PIO2)
 _PIO2_1, _PIO2_2, _PIO2_3 = (tl.constexpr(c) for c in (fixed._PIO2_1, fixed._PIO2_2, fixed._PIO2_3))
 _S = [tl.constexpr(c) for c in fixed._SIN_TAYLOR]
@@ -84,27 +83,6 @@ def _rope_kernel(
     tl.store(sin_ptr + offs, sin.to(tl.float32), mask=mask)
 
 
-def max_abs_position_tensor(pos: Tensor) -> Tensor:
-    """[1] float32 on pos's device: max |float32(position)|, the largest angle (0 for no rows)."""
-    if not pos.numel():
-        return torch.zeros(1, dtype=F32, device=pos.device)
-    return pos.to(F32).abs().amax().reshape(1)
-
-
-def check_angle(biggest: float) -> None:
-    """Raise as the reference does for angles of 1e6 rad or more (NaN positions pass, as in the
-    reference: NaN tables)."""
-    if biggest >= MAX_ANGLE:
-        raise ValueError(f"cos_sin: |angle| up to {biggest:.3g}; allowed below 1e6 rad")
-
-
-def check_max_abs_position(pos: Tensor, biggest: float) -> None:
-    """`check_angle`, then remember the check for this block step (h3lab.triton.plan reads `biggest`
-    on the host and calls this before the tables are made)."""
-    check_angle(biggest)
-    seed("max_abs_f32", (pos,), (), biggest)
-
-
 def rope_tables(
     position_ids_R3: Tensor, rope_freq_dim: int, theta: float, *, node: str | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -117,8 +95,7 @@ def rope_tables(
     if pos.device.type != "cuda" and not configs.interpreting():
         raise ValueError(f"Triton kernels need CUDA tensors, got {pos.device}; allowed: cuda (or TRITON_INTERPRET=1)")
     inv = _inv_freq(rope_freq_dim, theta, pos.device)
-    biggest = cached("max_abs_f32", (pos,), (), lambda: float(max_abs_position_tensor(pos)[0]))  # a host sync
-    check_max_abs_position(pos, biggest)
+    rowplan.checked_max_abs_position(pos)  # a host sync unless the step's plan read it
     R, C = pos.shape[0], 6 * rope_freq_dim
     cos = torch.empty((R, C), dtype=F32, device=pos.device)
     sin = torch.empty((R, C), dtype=F32, device=pos.device)

@@ -6,7 +6,8 @@ column, acc = ((0 + x[o0]) + x[o1]) + ..., a program per (segment, column block)
 in order: plain FP32 adds in the reference's order, so the bits are the reference's on any device
 and depend on neither the column block nor the unroll (rows past the end add +0, which never
 changes a chain that starts at +0: such a chain is never -0). row_mm gathers the rows into key order
-and hands the reduction to the GEMM (K = rows, ascending), whose bits are its own.
+and hands the reduction to the GEMM (K = rows, ascending), whose bits are its own. The index checks
+and segment layouts the launchers need come from the step's row plan (h3lab.rowplan).
 
 Dimension legend: R rows (any order, padding included), N/K columns, G segments (AdaLN table rows).
 """
@@ -14,15 +15,14 @@ Dimension legend: R rows (any order, padding included), N/K columns, G segments 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from h3lab import rowplan
 from h3lab.triton import configs, gemm
-from h3lab.triton.index_cache import cached, seed
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,10 +55,9 @@ def _row_chain_kernel(
     x3, r3, s3, o3, n3, sx3, g3, x4, r4, s4, o4, n4, sx4, g4, x5, r5, s5, o5, n5, sx5, g5,
     NUM: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    # fmt: on
     # NUM independent chain sets (x, rows, starts, out, N, row stride, G) in one launch, program_id(2)
-    # picking the set: a chain is serial over rows, so one set keeps few loads in flight (168 one-warp
-    # programs for D = 5376: 0.36 ms for 4096 rows, ~0.25 TB/s); sets side by side add theirs up
+    # picking the set: a chain is serial over rows, so one set keeps few loads in flight (latency-bound:
+    # reports/h200/README.md, session 12); sets side by side add theirs up
     w = tl.program_id(2)
     if w == 0:
         _chain(x0, r0, s0, o0, n0, sx0, g0, BLOCK_N, UNROLL)
@@ -77,6 +76,7 @@ def _row_chain_kernel(
     if NUM > 5:  # noqa: SIM102  (a constexpr test: sets past NUM are not compiled)
         if w == 5:
             _chain(x5, r5, s5, o5, n5, sx5, g5, BLOCK_N, UNROLL)
+# fmt: on
 
 
 def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
@@ -90,25 +90,6 @@ def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
     device = x.device
     if device.type != "cuda" and not configs.interpreting():
         raise ValueError(f"Triton kernels need CUDA tensors, got {device}; allowed: cuda (or TRITON_INTERPRET=1)")
-
-
-def _facts(t: Tensor) -> tuple[int, int, bool]:
-    """(min, max, t == arange(n)) of a non-empty 1-D index tensor: one host sync (h3lab.triton.index_cache)."""
-    return cached("facts", (t,), (), lambda: _facts_of(t))
-
-
-def _facts_of(t: Tensor) -> tuple[int, int, bool]:
-    arange = torch.arange(t.numel(), device=t.device)
-    lo, hi, ident = torch.stack([t.min(), t.max(), (t == arange).all().to(t.dtype)]).tolist()
-    return lo, hi, bool(ident)
-
-
-def _bounds(name: str, t: Tensor, limit: int) -> None:
-    """Indices out of range would read outside x in the kernel: check them (see _facts)."""
-    if t.numel():
-        lo, hi, _ = _facts(t)
-        if lo < 0 or hi >= limit:
-            raise ValueError(f"{name}: values in [{lo}, {hi}]; allowed: [0, {limit})")
 
 
 def _chains(x: Tensor, rows: Tensor, starts: Tensor, node: str | None) -> Tensor:
@@ -136,37 +117,46 @@ def _chain_sets(sets: list[tuple[Tensor, Tensor, Tensor]], node: str | None) -> 
             batch = args[i : i + MAX_CHAINS]
             grid = (max(a[6] for a in batch), max(configs.cdiv(a[4], cfg["block_n"]) for a in batch), len(batch))
             flat = [v for a in batch + [batch[0]] * (MAX_CHAINS - len(batch)) for v in a]  # unused sets: never read
-            _row_chain_kernel[grid](*flat, NUM=len(batch), BLOCK_N=cfg["block_n"], UNROLL=cfg["unroll"],
-                                    num_warps=cfg["num_warps"])
+            _row_chain_kernel[grid](
+                *flat, NUM=len(batch), BLOCK_N=cfg["block_n"], UNROLL=cfg["unroll"], num_warps=cfg["num_warps"]
+            )
     return outs
 
 
 def row_sum(x_RN: Tensor, order: Tensor, *, node: str | None = None) -> Tensor:
     """Sum over the rows in `order` of x[r], one FP32 chain per column: [N...] float32."""
     _check(x_RN, order)
-    _bounds("order", order, x_RN.shape[0])
+    rowplan.check_bounds("order", order, x_RN.shape[0])
     # [0, n] made on the device: torch.tensor(list, device=cuda) would copy from pageable memory, a host sync
     starts = torch.arange(2, dtype=torch.int64, device=x_RN.device) * order.numel()  # one kernel build
     return _chains(x_RN, order, starts, node).reshape(x_RN.shape[1:])
 
 
-def segment_sum(x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tensor,
-                *, node: str | None = None) -> Tensor:
+def segment_sum(
+    x_RN: Tensor, segment_R: Tensor, num_segments: int, order: Tensor, *, node: str | None = None
+) -> Tensor:
     """Per segment g, the chain over its rows in `order`: [G, N...] float32 (empty segments are 0)."""
     _check(x_RN, order, segment_R)
-    rows, starts = _segment_layout(segment_R, num_segments, order, x_RN.shape[0])
+    rows, starts = rowplan.segment_layout(segment_R, num_segments, order, x_RN.shape[0])
     return _chains(x_RN, rows, starts, node).reshape(num_segments, *x_RN.shape[1:])
 
 
-def chain_sums(row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor,
-               *, node: str | None = None) -> tuple[list[Tensor], list[Tensor]]:
+def chain_sums(
+    row_xs: list[Tensor],
+    segment_xs: list[Tensor],
+    segment_R: Tensor,
+    num_segments: int,
+    order: Tensor,
+    *,
+    node: str | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
     """`row_sum` of each of row_xs and `segment_sum` of each of segment_xs (one segment_R for all), up to
     MAX_CHAINS sets per launch: each chain the same adds in the same order as alone, so the same bits;
-    side by side the sets keep more loads in flight than one alone, which is latency-bound (H200, six
-    sets at 4096 rows: 1.36 -> 0.62 ms, reports/h200/session12)."""
+    side by side the sets keep more loads in flight than one alone, which is latency-bound
+    (reports/h200/README.md, session 12)."""
     for x in (*row_xs, *segment_xs):
         _check(x, order, segment_R)
-        _bounds("order", order, x.shape[0])
+        rowplan.check_bounds("order", order, x.shape[0])
     sets = []
     if row_xs:
         starts = torch.arange(2, dtype=torch.int64, device=order.device) * order.numel()
@@ -175,7 +165,7 @@ def chain_sums(row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor
         R = segment_xs[0].shape[0]
         if any(x.shape[0] != R for x in segment_xs):
             raise ValueError(f"segment_xs: rows {[x.shape[0] for x in segment_xs]}; allowed: all {R} (one segment_R)")
-        seg_rows, seg_starts = _segment_layout(segment_R, num_segments, order, R)
+        seg_rows, seg_starts = rowplan.segment_layout(segment_R, num_segments, order, R)
         sets += [(x, seg_rows, seg_starts) for x in segment_xs]
     outs = _chain_sets(sets, node)
     sums = [o.reshape(x.shape[1:]) for o, x in zip(outs, row_xs, strict=False)]
@@ -183,59 +173,9 @@ def chain_sums(row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor
     return sums, segs
 
 
-def host_facts(order_host: Tensor) -> tuple[int, int, bool] | None:
-    """`_facts` of a host index tensor (None when empty), for `seed_plan`."""
-    return _facts_of(order_host) if order_host.numel() else None
-
-
-def seed_plan(order: Tensor, facts: tuple[int, int, bool] | None, segment_R: Tensor, num_segments: int,
-              layout: tuple[Tensor, Tensor]) -> None:
-    """Record, for this block step, the facts of `order` (`host_facts` of its host copy) and the
-    segment layout of (segment_R, order), decided on the host (h3lab.triton.plan): the reductions
-    then make no host sync for them."""
-    if facts is not None:
-        seed("facts", (order,), (), facts)
-    seed("segments", (segment_R, order), (num_segments,), layout)
-
-
-def check_segments(segment_R: Tensor, num_segments: int, R: int) -> None:
-    """segment_R must be one int per row of an R-row tensor; its values are checked where they are read."""
-    if segment_R.shape != (R,) or segment_R.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"segment_R: {segment_R.dtype} {tuple(segment_R.shape)}; allowed: int [R={R}]")
-    if num_segments < 0:
-        raise ValueError(f"num_segments={num_segments}; allowed: >= 0")
-
-
-def _segment_layout(segment_R: Tensor, num_segments: int, order: Tensor, R: int) -> tuple[Tensor, Tensor]:
-    check_segments(segment_R, num_segments, R)
-    _bounds("order", order, R)
-    return cached("segments", (segment_R, order), (num_segments,), lambda: _segments(segment_R, order, num_segments))
-
-
-def _segments(segment_R: Tensor, order: Tensor, num_segments: int) -> tuple[Tensor, Tensor]:
-    """The active rows grouped by segment (key order inside each) and each segment's start."""
-    seg = segment_R.index_select(0, order).to(torch.int64)
-    _bounds("segment_R[order]", seg, num_segments)  # active rows only: padding may carry any segment
-    rows = order.index_select(0, torch.argsort(seg, stable=True))
-    counts = torch.zeros(num_segments, dtype=torch.int64, device=seg.device)
-    counts.scatter_add_(0, seg, torch.ones_like(seg))  # integer adds: exact in any order; bincount would sync
-    starts = torch.zeros(num_segments + 1, dtype=torch.int64, device=seg.device)  # int64 as the plan's
-    starts[1:] = torch.cumsum(counts, 0)
-    return rows, starts
-
-
-def reads_in_place(n_order: int, n_rows: int, facts: Callable[[], tuple[int, int, bool] | None]) -> bool:
-    """Whether `_take` uses the rows in place: `order` is arange(n_rows) (`facts`: its `_facts`, asked for
-    only when the lengths match). Launches differ with it, so a CUDA graph's signature holds it."""
-    if n_order != n_rows:
-        return False
-    found = facts()
-    return n_order == 0 or (found is not None and bool(found[2]))
-
-
 def _take(x: Tensor, order: Tensor) -> Tensor:
     # rows already in canonical order are used in place (no gather), as the reference does
-    if reads_in_place(order.numel(), x.shape[0], lambda: _facts(order)):
+    if rowplan.reads_in_place(order.numel(), x.shape[0], lambda: rowplan.index_facts(order)):
         return x
     return x.index_select(0, order)
 
@@ -248,7 +188,7 @@ def row_mm(
     _check(a_RN, order, b_RK)
     if a_RN.dim() != 2 or b_RK.dim() != 2 or a_RN.shape[0] != b_RK.shape[0]:
         raise ValueError(f"row_mm: shapes {tuple(a_RN.shape)}, {tuple(b_RK.shape)}; allowed: [R, N], [R, K]")
-    _bounds("order", order, a_RN.shape[0])
+    rowplan.check_bounds("order", order, a_RN.shape[0])
     if order.numel() == 0:  # no active row: the empty sum (the GEMM is not asked for K = 0)
         return torch.zeros((a_RN.shape[1], b_RK.shape[1]), dtype=out_dtype, device=a_RN.device)
     return gemm.mm(_take(a_RN, order).t(), _take(b_RK, order), out_dtype, node=node)
