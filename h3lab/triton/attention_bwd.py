@@ -20,14 +20,19 @@ import triton
 import triton.language as tl
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["n_q"])
 def attention_delta_kernel(
-    do_ptr, o_ptr, delta_ptr, n_q,  #
-    stride_dm, stride_dh, stride_om, stride_oh,  #
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,  #
+    do_ptr,
+    o_ptr,
+    delta_ptr,
+    n_q,
+    stride_dm,
+    stride_dh,
+    stride_om,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-# fmt: on
     """delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] in FP32: one fixed per-row tree (tl.sum)."""
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1).to(tl.int64)
@@ -40,8 +45,9 @@ def attention_delta_kernel(
 
 
 @triton.jit
-def _dq_key_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n, n_k, qk_scale,
-                  MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dq_key_block(
+    dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n, n_k, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr
+):
     if MASK:
         key_ok = offs_n < n_k
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
@@ -58,16 +64,34 @@ def _dq_key_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n, n_k, qk_scale,
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_bwd_q_kernel(
-    q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dq_ptr,  #
-    n_q, n_k, qk_scale, scale,  #
-    stride_qm, stride_qh, stride_dm, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,  #
-    stride_gm, stride_gh,  #
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,  #
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    k_ptr,
+    v_ptr,
+    dq_ptr,
+    n_q,
+    n_k,
+    qk_scale,
+    scale,
+    stride_qm,
+    stride_qh,
+    stride_dm,
+    stride_dh,
+    stride_km,
+    stride_kh,
+    stride_vm,
+    stride_vh,
+    stride_gm,
+    stride_gh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-# fmt: on
     """dq [n_q, H, D] FP32 = scale * sum over key blocks of dS @ K; lse2/delta [H, n_q] contiguous."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.program_id(1).to(tl.int64)
@@ -90,15 +114,29 @@ def attention_bwd_q_kernel(
         k_ptrs += BLOCK_N * stride_km
         v_ptrs += BLOCK_N * stride_vm
     if n_full * BLOCK_N < n_k:
-        dq = _dq_key_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n + n_full * BLOCK_N, n_k, qk_scale,
-                           True, DOT_PREC)
+        dq = _dq_key_block(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n + n_full * BLOCK_N, n_k, qk_scale, True, DOT_PREC
+        )
     dq = dq * scale  # the one scaling of dq, on the FP32 sum (reference: chain_bmm(ds, k) * scale)
     tl.store(dq_ptr + h * stride_gh + rows * stride_gm + offs_d[None, :], dq, mask=row_ok[:, None])
 
 
 @triton.jit
-def _dkdv_query_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m, n_q, qk_scale,
-                      MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dkdv_query_block(
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    lse_ptrs,
+    delta_ptrs,
+    offs_m,
+    n_q,
+    qk_scale,
+    MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     if MASK:
         row_ok = offs_m < n_q
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
@@ -121,16 +159,35 @@ def _dkdv_query_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_
     return dk, dv
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_bwd_kv_kernel(
-    q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr,  #
-    n_q, n_k, qk_scale, scale,  #
-    stride_qm, stride_qh, stride_dm, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,  #
-    stride_gm, stride_gh,  #
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,  #
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    k_ptr,
+    v_ptr,
+    dk_ptr,
+    dv_ptr,
+    n_q,
+    n_k,
+    qk_scale,
+    scale,
+    stride_qm,
+    stride_qh,
+    stride_dm,
+    stride_dh,
+    stride_km,
+    stride_kh,
+    stride_vm,
+    stride_vh,
+    stride_gm,
+    stride_gh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-# fmt: on
     """dk, dv [n_k, H, D] FP32 (same strides) for this key block, summed over all n_q queries ascending."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     h = tl.program_id(1).to(tl.int64)
@@ -150,15 +207,29 @@ def attention_bwd_kv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     n_full = n_q // BLOCK_M
     for _ in range(n_full):
-        dk, dv = _dkdv_query_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m, n_q, qk_scale,
-                                   False, DOT_PREC)
+        dk, dv = _dkdv_query_block(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m, n_q, qk_scale, False, DOT_PREC
+        )
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dm
         lse_ptrs += BLOCK_M
         delta_ptrs += BLOCK_M
     if n_full * BLOCK_M < n_q:
-        dk, dv = _dkdv_query_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m + n_full * BLOCK_M,
-                                   n_q, qk_scale, True, DOT_PREC)
+        dk, dv = _dkdv_query_block(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            lse_ptrs,
+            delta_ptrs,
+            offs_m + n_full * BLOCK_M,
+            n_q,
+            qk_scale,
+            True,
+            DOT_PREC,
+        )
     dk = dk * scale  # the one scaling of dk, on the FP32 sum (reference: chain_bmm(ds^T, q) * scale)
     out = h * stride_gh + keys * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
@@ -166,9 +237,30 @@ def attention_bwd_kv_kernel(
 
 
 @triton.jit
-def _fused_query_block(dk, dv, k, v, k_lo, k_hi, q_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, m0, col, offs_m,
-                       n_q, key_ok, qk_scale, stride_qgm, dq_cols, dq_factor,
-                       MASK_Q: tl.constexpr, DOT_PREC: tl.constexpr):
+def _fused_query_block(
+    dk,
+    dv,
+    k,
+    v,
+    k_lo,
+    k_hi,
+    q_desc,
+    do_desc,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    m0,
+    col,
+    offs_m,
+    n_q,
+    key_ok,
+    qk_scale,
+    stride_qgm,
+    dq_cols,
+    dq_factor,
+    MASK_Q: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """_dkdv_query_block's arithmetic, then this key block's turn in the query block's dq chain: the
     dq accumulator comes in from memory (key block j-1 stored it; zeros for j = 0), takes this
     block's dS^T K on the tensor cores and goes back. P and dS are _dq_key_block's values: the same
@@ -222,16 +314,35 @@ def _publish(mine_ptr, upto):
     tl.atomic_xchg(mine_ptr, upto, sem="release", scope="gpu")
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "head_group"])
 def attention_bwd_fused_kernel(
-    q_desc, do_desc, lse_ptr, delta_ptr, k_desc, kh_desc, v_desc, dq_ptr, dk_ptr, dv_ptr, progress_ptr,  #
-    n_q, n_k, n_heads, head_group, qk_scale, scale,  #
-    stride_gm, stride_gh, stride_qgm, stride_qgh,  #
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,  #
+    q_desc,
+    do_desc,
+    lse_ptr,
+    delta_ptr,
+    k_desc,
+    kh_desc,
+    v_desc,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    progress_ptr,
+    n_q,
+    n_k,
+    n_heads,
+    head_group,
+    qk_scale,
+    scale,
+    stride_gm,
+    stride_gh,
+    stride_qgm,
+    stride_qgh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-# fmt: on
     """dq [n_q, H, D], dk, dv [n_k, H, D] FP32 in one pass: 5 tensor-core products per tile, not 7.
 
     q, dO, k, v come through TMA descriptors over [rows, H * D] (head h at column h * D). One program
@@ -281,15 +392,57 @@ def attention_bwd_fused_kernel(
         upto = tl.minimum(c + CHUNK, n_full)
         seen = _wait_turn(seen, prev_ptr, upto)
         for i in range(c, upto):
-            dk, dv = _fused_query_block(dk, dv, k, v, k_lo, k_hi, q_desc, do_desc, lse_head, delta_head, dq_head,
-                                        i * BLOCK_M, col, offs_m, n_q, key_ok, qk_scale, stride_qgm, dq_cols,
-                                        dq_factor, False, DOT_PREC)
+            dk, dv = _fused_query_block(
+                dk,
+                dv,
+                k,
+                v,
+                k_lo,
+                k_hi,
+                q_desc,
+                do_desc,
+                lse_head,
+                delta_head,
+                dq_head,
+                i * BLOCK_M,
+                col,
+                offs_m,
+                n_q,
+                key_ok,
+                qk_scale,
+                stride_qgm,
+                dq_cols,
+                dq_factor,
+                False,
+                DOT_PREC,
+            )
         _publish(mine_ptr, upto)
     if n_full < n_qb:  # the ragged last query block
         seen = _wait_turn(seen, prev_ptr, n_qb)
-        dk, dv = _fused_query_block(dk, dv, k, v, k_lo, k_hi, q_desc, do_desc, lse_head, delta_head, dq_head,
-                                    n_full * BLOCK_M, col, offs_m, n_q, key_ok, qk_scale, stride_qgm, dq_cols,
-                                    dq_factor, True, DOT_PREC)
+        dk, dv = _fused_query_block(
+            dk,
+            dv,
+            k,
+            v,
+            k_lo,
+            k_hi,
+            q_desc,
+            do_desc,
+            lse_head,
+            delta_head,
+            dq_head,
+            n_full * BLOCK_M,
+            col,
+            offs_m,
+            n_q,
+            key_ok,
+            qk_scale,
+            stride_qgm,
+            dq_cols,
+            dq_factor,
+            True,
+            DOT_PREC,
+        )
         _publish(mine_ptr, n_qb)
     dk = dk * scale  # the one scaling of dk, as attention_bwd_kv_kernel
     out = h * stride_gh + offs_n.to(tl.int64)[:, None] * stride_gm + offs_d[None, :]

@@ -49,17 +49,33 @@ def _fwd_key_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_n, n_k, qk_scale, MASK
     return acc, l_i, m_new
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, oref_ptr, lse_ptr,  #
-    n_q, n_k, qk_scale,  #
-    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,  #
-    stride_om, stride_oh, stride_rm, stride_rh,  #
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    WRITE_REF: tl.constexpr, DOT_PREC: tl.constexpr,  #
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    oref_ptr,
+    lse_ptr,
+    n_q,
+    n_k,
+    qk_scale,
+    stride_qm,
+    stride_qh,
+    stride_km,
+    stride_kh,
+    stride_vm,
+    stride_vh,
+    stride_om,
+    stride_oh,
+    stride_rm,
+    stride_rh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_REF: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-# fmt: on
     """q [n_q, H, D], k/v [n_k, H, D] (last dim contiguous) -> o [n_q, H, D], lse2 [H, n_q] (contiguous)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -87,8 +103,9 @@ def attention_fwd_kernel(
         )
 
     o = acc / l_i[:, None]
-    tl.store(o_ptr + h * stride_oh + rows * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(
+        o_ptr + h * stride_oh + rows * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None]
+    )
     if WRITE_REF:  # the FP32 output the backward's delta = rowsum(dO * O) reads
         tl.store(oref_ptr + h * stride_rh + rows * stride_rm + offs_d[None, :], o, mask=row_ok[:, None])
     tl.store(lse_ptr + h * n_q + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
@@ -109,16 +126,27 @@ def _fwd_step(acc, l_i, m_i, q, k, v, key_ok, qk_scale, MASK: tl.constexpr, DOT_
     return acc, l_i, m_new
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, o_ptr, oref_ptr, lse_ptr,  #
-    n_q, n_k, qk_scale,  #
-    stride_om, stride_oh, stride_rm, stride_rh,  #
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    WRITE_REF: tl.constexpr, DOT_PREC: tl.constexpr,  #
+    q_desc,
+    k_desc,
+    v_desc,
+    o_ptr,
+    oref_ptr,
+    lse_ptr,
+    n_q,
+    n_k,
+    qk_scale,
+    stride_om,
+    stride_oh,
+    stride_rm,
+    stride_rh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_REF: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-# fmt: on
     """attention_fwd_kernel with q, k, v through TMA descriptors over [rows, H * Dh] (block [rows, Dh]
     at column h * Dh); the same arithmetic per row. Rows past n_q / n_k load as zeros (the descriptor's
     bounds), as the masked pointer loads did; the ragged key block masks its scores to -inf."""
@@ -148,8 +176,9 @@ def attention_fwd_tma_kernel(
 
     o = acc / l_i[:, None]
     h64 = h.to(tl.int64)
-    tl.store(o_ptr + h64 * stride_oh + rows * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(
+        o_ptr + h64 * stride_oh + rows * stride_om + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None]
+    )
     if WRITE_REF:
         tl.store(oref_ptr + h64 * stride_rh + rows * stride_rm + offs_d[None, :], o, mask=row_ok[:, None])
     tl.store(lse_ptr + h64 * n_q + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)

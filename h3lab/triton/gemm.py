@@ -167,17 +167,41 @@ def tail_chain(acc_t, a_tail_desc, w_tail_desc, m_tail, n_t, k0, IEEE: tl.conste
     return mac(w_sub, a_sub.T, acc_t, IEEE)
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["M", "N", "num_programs"])
 def mm_kernel(
-    a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc, a_tail_desc, w_tail_desc,
-    M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, num_programs,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    A_MODE: tl.constexpr, B_MODE: tl.constexpr, IEEE: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    TAIL: tl.constexpr, TAIL_M: tl.constexpr, TAIL_N: tl.constexpr,
+    a_ptr,
+    a_desc,
+    b_ptr,
+    b_desc,
+    c_ptr,
+    c_desc,
+    a_tail_desc,
+    w_tail_desc,
+    M,
+    N,
+    K,
+    s_am,
+    s_ak,
+    s_bk,
+    s_bn,
+    s_cm,
+    s_cn,
+    num_programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    A_MODE: tl.constexpr,
+    B_MODE: tl.constexpr,
+    IEEE: tl.constexpr,
+    OUT_TMA: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    TAIL: tl.constexpr,
+    TAIL_M: tl.constexpr,
+    TAIL_N: tl.constexpr,
 ):
-    # fmt: on
     # TAIL: the last M % BLOCK_M (<= TAIL_M) rows get no row tile of their own; for each column tile,
     # the row tiles pid_m < BLOCK_N // TAIL_N each compute the tail rows of one TAIL_N-wide slice
     # of it (the host checks there are that many row tiles). At M = 264 on 64x256 tiles: 112 tiles
@@ -408,8 +432,14 @@ def tail_operands(
 # ---- the launcher --------------------------------------------------------------------------------
 
 
-def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, node: str | None = None,
-       config: dict[str, Any] | None = None) -> Tensor:
+def mm(
+    a_MK: Tensor,
+    b_KN: Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    node: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> Tensor:
     """a @ b: FP32 chains over K in BLOCK_K chunks, ascending, rounded once to `out_dtype`.
 
     Args:
@@ -448,11 +478,40 @@ def mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32, *, no
     tail_m, tail_n, a_tail, w_tail = tail_operands(a_MK, b_KN, a_mode, b_mode, cfg, programs(device), out_dtype)
     grid = grid_size(device, (M // BM if a_tail is not None else configs.cdiv(M, BM)) * configs.cdiv(N, BN))
     mm_kernel[(grid,)](
-        a_MK, a_desc, b_KN, b_desc, c_MN, c_desc, a_tail, w_tail,  #
-        M, N, K, a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1), c_MN.stride(0), c_MN.stride(1),
-        grid, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
-        A_MODE=a_mode, B_MODE=b_mode, IEEE=ieee, OUT_TMA=out_tma, SPLIT=split, FLATTEN=cfg.get("FLATTEN", False),
-        WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", False), TAIL=a_tail is not None, TAIL_M=tail_m, TAIL_N=tail_n,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False,
+        a_MK,
+        a_desc,
+        b_KN,
+        b_desc,
+        c_MN,
+        c_desc,
+        a_tail,
+        w_tail,
+        M,
+        N,
+        K,
+        a_MK.stride(0),
+        a_MK.stride(1),
+        b_KN.stride(0),
+        b_KN.stride(1),
+        c_MN.stride(0),
+        c_MN.stride(1),
+        grid,
+        BLOCK_M=BM,
+        BLOCK_N=BN,
+        BLOCK_K=BK,
+        GROUP_M=cfg["GROUP_M"],
+        A_MODE=a_mode,
+        B_MODE=b_mode,
+        IEEE=ieee,
+        OUT_TMA=out_tma,
+        SPLIT=split,
+        FLATTEN=cfg.get("FLATTEN", False),
+        WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", False),
+        TAIL=a_tail is not None,
+        TAIL_M=tail_m,
+        TAIL_N=tail_n,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        enable_fp_fusion=False,
     )
     return c_MN

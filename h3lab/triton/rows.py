@@ -48,12 +48,53 @@ def _chain(x_ptr, rows_ptr, starts_ptr, out_ptr, N, sx, G, BLOCK_N: tl.constexpr
         tl.store(out_ptr + g.to(tl.int64) * N + cols, acc, mask=cols < N)
 
 
-# fmt: off
 @triton.jit
 def _row_chain_kernel(
-    x0, r0, s0, o0, n0, sx0, g0, x1, r1, s1, o1, n1, sx1, g1, x2, r2, s2, o2, n2, sx2, g2,
-    x3, r3, s3, o3, n3, sx3, g3, x4, r4, s4, o4, n4, sx4, g4, x5, r5, s5, o5, n5, sx5, g5,
-    NUM: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    x0,
+    r0,
+    s0,
+    o0,
+    n0,
+    sx0,
+    g0,
+    x1,
+    r1,
+    s1,
+    o1,
+    n1,
+    sx1,
+    g1,
+    x2,
+    r2,
+    s2,
+    o2,
+    n2,
+    sx2,
+    g2,
+    x3,
+    r3,
+    s3,
+    o3,
+    n3,
+    sx3,
+    g3,
+    x4,
+    r4,
+    s4,
+    o4,
+    n4,
+    sx4,
+    g4,
+    x5,
+    r5,
+    s5,
+    o5,
+    n5,
+    sx5,
+    g5,
+    NUM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     # NUM independent chain sets (x, rows, starts, out, N, row stride, G) in one launch, program_id(2)
     # picking the set: a chain is serial over rows, so one set keeps few loads in flight (latency-bound:
@@ -76,7 +117,6 @@ def _row_chain_kernel(
     if NUM > 5:  # noqa: SIM102  (a constexpr test: sets past NUM are not compiled)
         if w == 5:
             _chain(x5, r5, s5, o5, n5, sx5, g5, BLOCK_N, UNROLL)
-# fmt: on
 
 
 def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:

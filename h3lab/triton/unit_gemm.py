@@ -161,18 +161,64 @@ def _tree_insert(
     return acc, pending
 
 
-# fmt: off
 @triton.jit(do_not_specialize=["M", "N", "U", "LOG2U", "num_programs"])
 def unit_mm_kernel(
-    a0, ad0, b0, bd0, a1, ad1, b1, bd1, a2, ad2, b2, bd2, c_ptr, c_desc, s_ptr, s_desc,
-    M, N, U, LOG2U, KP0, KP1, KP2, num_programs,
-    sa0m, sa0k, sb0k, sb0n, sa1m, sa1k, sb1k, sb1n, sa2m, sa2k, sb2k, sb2n, s_cm, s_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PIECES: tl.constexpr, PENDING_IN_REGS: tl.constexpr, SCRATCH_TMA: tl.constexpr,
-    FENCE: tl.constexpr, IEEE: tl.constexpr, OUT_TMA: tl.constexpr, SPLIT: tl.constexpr,
-    AM0: tl.constexpr, BM0: tl.constexpr, AM1: tl.constexpr, BM1: tl.constexpr, AM2: tl.constexpr, BM2: tl.constexpr,
+    a0,
+    ad0,
+    b0,
+    bd0,
+    a1,
+    ad1,
+    b1,
+    bd1,
+    a2,
+    ad2,
+    b2,
+    bd2,
+    c_ptr,
+    c_desc,
+    s_ptr,
+    s_desc,
+    M,
+    N,
+    U,
+    LOG2U,
+    KP0,
+    KP1,
+    KP2,
+    num_programs,
+    sa0m,
+    sa0k,
+    sb0k,
+    sb0n,
+    sa1m,
+    sa1k,
+    sb1k,
+    sb1n,
+    sa2m,
+    sa2k,
+    sb2k,
+    sb2n,
+    s_cm,
+    s_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PIECES: tl.constexpr,
+    PENDING_IN_REGS: tl.constexpr,
+    SCRATCH_TMA: tl.constexpr,
+    FENCE: tl.constexpr,
+    IEEE: tl.constexpr,
+    OUT_TMA: tl.constexpr,
+    SPLIT: tl.constexpr,
+    AM0: tl.constexpr,
+    BM0: tl.constexpr,
+    AM1: tl.constexpr,
+    BM1: tl.constexpr,
+    AM2: tl.constexpr,
+    BM2: tl.constexpr,
 ):
-    # fmt: on
     FIRST: tl.constexpr = 1 if PENDING_IN_REGS else 0  # lowest tree level kept in scratch
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -190,21 +236,86 @@ def unit_mm_kernel(
         for u in range(0, U):
             # unit u's partial: one chain over its column block of every piece, pieces in order
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = _unit_chain(acc, a0, ad0, b0, bd0, m0, n0, u, KP0, M, N, sa0m, sa0k, sb0k, sb0n,
-                              BLOCK_M, BLOCK_N, BLOCK_K, AM0, BM0, IEEE)
+            acc = _unit_chain(
+                acc,
+                a0,
+                ad0,
+                b0,
+                bd0,
+                m0,
+                n0,
+                u,
+                KP0,
+                M,
+                N,
+                sa0m,
+                sa0k,
+                sb0k,
+                sb0n,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                AM0,
+                BM0,
+                IEEE,
+            )
             if PIECES > 1:
-                acc = _unit_chain(acc, a1, ad1, b1, bd1, m0, n0, u, KP1, M, N, sa1m, sa1k, sb1k, sb1n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, AM1, BM1, IEEE)
+                acc = _unit_chain(
+                    acc,
+                    a1,
+                    ad1,
+                    b1,
+                    bd1,
+                    m0,
+                    n0,
+                    u,
+                    KP1,
+                    M,
+                    N,
+                    sa1m,
+                    sa1k,
+                    sb1k,
+                    sb1n,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                    AM1,
+                    BM1,
+                    IEEE,
+                )
             if PIECES > 2:
-                acc = _unit_chain(acc, a2, ad2, b2, bd2, m0, n0, u, KP2, M, N, sa2m, sa2k, sb2k, sb2n,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, AM2, BM2, IEEE)
-            acc, pending = _tree_insert(acc, pending, u, LOG2U, s_ptr, s_desc, slot0, BLOCK_M, BLOCK_N,
-                                        PENDING_IN_REGS, SCRATCH_TMA, FENCE)
+                acc = _unit_chain(
+                    acc,
+                    a2,
+                    ad2,
+                    b2,
+                    bd2,
+                    m0,
+                    n0,
+                    u,
+                    KP2,
+                    M,
+                    N,
+                    sa2m,
+                    sa2k,
+                    sb2k,
+                    sb2n,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                    AM2,
+                    BM2,
+                    IEEE,
+                )
+            acc, pending = _tree_insert(
+                acc, pending, u, LOG2U, s_ptr, s_desc, slot0, BLOCK_M, BLOCK_N, PENDING_IN_REGS, SCRATCH_TMA, FENCE
+            )
         store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
 
 
-def runs_gluon(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, cfg: dict[str, Any],
-               device: torch.device) -> bool:
+def runs_gluon(
+    pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, cfg: dict[str, Any], device: torch.device
+) -> bool:
     """Whether the Gluon kernel takes this call: "IMPL": "gluon", a compiled run (not the interpreter)
     and a call it supports (bf16, TMA-aligned, unit widths a multiple of 64); the rest run the Triton
     kernel, which gives the same bits. A call it takes must come with a config it can honour:
@@ -225,8 +336,13 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)  # once per device, not per call (runs_gluon is per GEMM)
 
 
-def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: str | None = None,
-            config: dict[str, Any] | None = None) -> Tensor:
+def unit_mm(
+    pieces: Sequence[tuple[Tensor, Tensor]],
+    num_units: int,
+    *,
+    node: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> Tensor:
     """FP32 [M, N]: per unit one chain over its blocks (pieces in order), then the balanced tree.
 
     Args:
@@ -307,12 +423,34 @@ def unit_mm(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, *, node: st
     s_desc = TensorDescriptor(scratch, list(scratch.shape), [BN, 1], [BM, BN]) if scratch_tma else None
     out_tma, split, c_desc = output_desc(out_MN, BM, BN, cfg)
     unit_mm_kernel[(grid,)](
-        *args, out_MN, c_desc, scratch, s_desc,  #
-        M, N, num_units, num_units.bit_length() - 1, *(kps + [0] * (MAX_PIECES - len(kps))), grid,  #
-        *strides, out_MN.stride(0), out_MN.stride(1),  #
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"], PIECES=len(pieces),
-        PENDING_IN_REGS=pending_in_regs, IEEE=ieee, OUT_TMA=out_tma, SPLIT=split,
-        FENCE=not configs.interpreting(), SCRATCH_TMA=scratch_tma, **modes,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False,
+        *args,
+        out_MN,
+        c_desc,
+        scratch,
+        s_desc,
+        M,
+        N,
+        num_units,
+        num_units.bit_length() - 1,
+        *(kps + [0] * (MAX_PIECES - len(kps))),
+        grid,
+        *strides,
+        out_MN.stride(0),
+        out_MN.stride(1),
+        BLOCK_M=BM,
+        BLOCK_N=BN,
+        BLOCK_K=BK,
+        GROUP_M=cfg["GROUP_M"],
+        PIECES=len(pieces),
+        PENDING_IN_REGS=pending_in_regs,
+        IEEE=ieee,
+        OUT_TMA=out_tma,
+        SPLIT=split,
+        FENCE=not configs.interpreting(),
+        SCRATCH_TMA=scratch_tma,
+        **modes,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        enable_fp_fusion=False,
     )
     return out_MN

@@ -324,20 +324,37 @@ def _store_root(
     _tma_store(c_desc, [pid_m * BM, pid_n * BN], lvl_bufs.index(0))
 
 
-# fmt: off
 @gluon.jit(do_not_specialize=["M", "N", "U", "LOG2U", "KP0", "KP1", "KP2", "num_programs"])
 def unit_mm_sm90_kernel(
-    ad0, bd0, ad1, bd1, ad2, bd2, c_desc, s_ptr,
-    M, N, U, LOG2U, KP0, KP1, KP2, num_programs,
-    GROUP_M: gl.constexpr, PIECES: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr,
-    LVL2_SMEM: gl.constexpr, num_warps: gl.constexpr,
+    ad0,
+    bd0,
+    ad1,
+    bd1,
+    ad2,
+    bd2,
+    c_desc,
+    s_ptr,
+    M,
+    N,
+    U,
+    LOG2U,
+    KP0,
+    KP1,
+    KP2,
+    num_programs,
+    GROUP_M: gl.constexpr,
+    PIECES: gl.constexpr,
+    B_KN: gl.constexpr,
+    STAGES: gl.constexpr,
+    LVL2_SMEM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    # fmt: on
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     # wgmma m64nBNk16 per warpgroup, warpgroups stacked along M: Triton's choice for tl.dot here
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, BN, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+    )
     a_bufs = gl.allocate_shared_memory(ad0.dtype, [STAGES] + ad0.block_type.shape, ad0.layout)  # noqa: RUF005
     b_bufs = gl.allocate_shared_memory(bd0.dtype, [STAGES] + bd0.block_type.shape, bd0.layout)  # noqa: RUF005
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -366,10 +383,32 @@ def unit_mm_sm90_kernel(
     pn0 = pid_n * BN
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES-1 chunks in flight
         if i < total:
-            _issue(ps, pq, pu, pm0, pn0, CH0, CH1, KP0, KP1, KP2, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
-                   PIECES, B_KN)
-            ps, pq, pu, pt, pm0, pn0 = _advance(ps, pq, pu, pt, pm0, pn0, CHU, U, pid, num_programs, num_pid_m,
-                                                num_pid_n, BM, BN, GROUP_M, STAGES)
+            _issue(
+                ps,
+                pq,
+                pu,
+                pm0,
+                pn0,
+                CH0,
+                CH1,
+                KP0,
+                KP1,
+                KP2,
+                ad0,
+                bd0,
+                ad1,
+                bd1,
+                ad2,
+                bd2,
+                a_bufs,
+                b_bufs,
+                bars,
+                PIECES,
+                B_KN,
+            )
+            ps, pq, pu, pt, pm0, pn0 = _advance(
+                ps, pq, pu, pt, pm0, pn0, CHU, U, pid, num_programs, num_pid_m, num_pid_n, BM, BN, GROUP_M, STAGES
+            )
 
     acc = gl.zeros((BM, BN), gl.float32, mma)
     pending = gl.zeros((BM, BN), gl.float32, mma)  # level-0 left sibling
@@ -382,18 +421,71 @@ def unit_mm_sm90_kernel(
         for u in range(U):
             for _ in range(CHU):
                 acc, cs, phase, ps, pq, pu, pt, pm0, pn0 = _step(
-                    acc, cs, phase, ps, pq, pu, pt, pm0, pn0, total, CH0, CH1, CHU, KP0, KP1, KP2, U, pid,
-                    num_programs, num_pid_m, num_pid_n, ad0, bd0, ad1, bd1, ad2, bd2, a_bufs, b_bufs, bars,
-                    BM, BN, GROUP_M, STAGES, PIECES, B_KN)
+                    acc,
+                    cs,
+                    phase,
+                    ps,
+                    pq,
+                    pu,
+                    pt,
+                    pm0,
+                    pn0,
+                    total,
+                    CH0,
+                    CH1,
+                    CHU,
+                    KP0,
+                    KP1,
+                    KP2,
+                    U,
+                    pid,
+                    num_programs,
+                    num_pid_m,
+                    num_pid_n,
+                    ad0,
+                    bd0,
+                    ad1,
+                    bd1,
+                    ad2,
+                    bd2,
+                    a_bufs,
+                    b_bufs,
+                    bars,
+                    BM,
+                    BN,
+                    GROUP_M,
+                    STAGES,
+                    PIECES,
+                    B_KN,
+                )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            acc, pending = _tree_insert(acc, pending, u, t, U, LOG2U, num_programs, num_pid_m, num_pid_n, M,
-                                        lvl_bufs, lvl2_slab, c_desc, mma, BM, BN, GROUP_M, LVL2_SMEM)
+            acc, pending = _tree_insert(
+                acc,
+                pending,
+                u,
+                t,
+                U,
+                LOG2U,
+                num_programs,
+                num_pid_m,
+                num_pid_n,
+                M,
+                lvl_bufs,
+                lvl2_slab,
+                c_desc,
+                mma,
+                BM,
+                BN,
+                GROUP_M,
+                LVL2_SMEM,
+            )
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
 
 # ---- host side -----------------------------------------------------------------------------------
+
 
 def check_config(cfg: dict[str, Any], capability: tuple[int, int]) -> None:
     """Raises ValueError when an explicit "IMPL": "gluon" cannot be honoured: it never falls back.
@@ -446,13 +538,16 @@ def supports(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int) -> str | N
 def _layouts(BM: int, BN: int, b_kn: bool) -> tuple[Any, Any, Any]:
     """Shared-memory layouts of a, b (as the descriptor walks it) and the FP32 output tile (cached: host time)."""
     b_block = [BLOCK_K, BN] if b_kn else [BN, BLOCK_K]
-    return (gl.NVMMASharedLayout.get_default_for([BM, BLOCK_K], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32))
+    return (
+        gl.NVMMASharedLayout.get_default_for([BM, BLOCK_K], gl.bfloat16),
+        gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16),
+        gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32),
+    )
 
 
-def launch(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, out_MN: Tensor, grid: int,
-           cfg: dict[str, Any]) -> None:
+def launch(
+    pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, out_MN: Tensor, grid: int, cfg: dict[str, Any]
+) -> None:
     """Run the kernel into out_MN (FP32 [M, N], TMA-aligned); `check_config` passed, `supports` said yes."""
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     lvl2_smem = bool(cfg.get("LVL2_SMEM", False))
@@ -472,11 +567,27 @@ def launch(pieces: Sequence[tuple[Tensor, Tensor]], num_units: int, out_MN: Tens
     kps += [0] * (3 - len(pieces))
     c_desc = TensorDescriptor(out_MN, list(out_MN.shape), [out_MN.stride(0), 1], [BM, BN], c_layout)
     # level 2's L2 slabs, one per program; without a level 2 in L2 the pointer is never dereferenced
-    scratch = out_MN if lvl2_smem or num_units < 8 else torch.empty((grid, BM * BN), dtype=torch.float32,
-                                                                    device=out_MN.device)
+    scratch = (
+        out_MN
+        if lvl2_smem or num_units < 8
+        else torch.empty((grid, BM * BN), dtype=torch.float32, device=out_MN.device)
+    )
     M, N = out_MN.shape
     unit_mm_sm90_kernel[(grid,)](
-        *descs, c_desc, scratch, M, N, num_units, num_units.bit_length() - 1, *kps, grid,
-        GROUP_M=cfg["GROUP_M"], PIECES=len(pieces), B_KN=b_kn, STAGES=cfg["num_stages"], LVL2_SMEM=lvl2_smem,
-        num_warps=cfg["num_warps"], enable_fp_fusion=False,
+        *descs,
+        c_desc,
+        scratch,
+        M,
+        N,
+        num_units,
+        num_units.bit_length() - 1,
+        *kps,
+        grid,
+        GROUP_M=cfg["GROUP_M"],
+        PIECES=len(pieces),
+        B_KN=b_kn,
+        STAGES=cfg["num_stages"],
+        LVL2_SMEM=lvl2_smem,
+        num_warps=cfg["num_warps"],
+        enable_fp_fusion=False,
     )
