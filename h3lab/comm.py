@@ -12,6 +12,7 @@ unit tree; it never changes the arithmetic. Row spaces, from small to large:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from torch import Tensor
@@ -24,6 +25,11 @@ class BlockComm(Protocol):
 
     def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
         """Finish the 8-unit tree from this rank's subtree root; optionally keep only local rows (SP)."""
+        ...
+
+    def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
+        """`reduce_units` begun now, its result from the returned function: the bytes may move while the
+        block queues work that does not need them (the same bits as `reduce_units`)."""
         ...
 
     def gather_units(self, part: Tensor, site: str, *, dim: int) -> Tensor:
@@ -46,6 +52,9 @@ class LocalComm:
 
     def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
         return root
+
+    def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
+        return lambda: root
 
     def gather_units(self, part: Tensor, site: str, *, dim: int) -> Tensor:
         return part

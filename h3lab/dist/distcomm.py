@@ -14,13 +14,14 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from h3lab.dist.collectives import DeterministicCollective, new_collective
 from h3lab.contract import units_of_rank
+from h3lab.dist.collectives import DeterministicCollective, new_collective
 from h3lab.dist.layout import Layout
 
 
@@ -51,7 +52,7 @@ class DistComm:
         self.units = units_of_rank(layout.coords(rank)[1], layout.tp)
         self.seconds = 0.0
 
-    def _timed(self, site: str, fn: Callable[[], Tensor]) -> Tensor:
+    def _timed(self, site: str, fn: Callable[[], Any]) -> Any:
         self.progress.tick(site)
         t = time.perf_counter()
         out = fn()
@@ -64,6 +65,24 @@ class DistComm:
         if scatter_rows and self.layout.sp:
             return self._timed(site, lambda: self.tp.reduce_scatter(root, site))
         return self._timed(site, lambda: self.tp.all_reduce(root, site))
+
+    def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
+        """`reduce_units` begun: the bytes move while the caller queues independent work; the returned
+        function finishes the tree (the same bits). Every rank starts and finishes in one order."""
+        if self.tp is None:
+            return lambda: root
+        tp = self.tp
+        if scatter_rows and self.layout.sp:
+            finish = self._timed(site, lambda: tp.start_reduce_scatter(root, site))
+        else:
+            finish = self._timed(site, lambda: tp.start_all_reduce(root, site))
+        return lambda: self._timed_finish(finish)
+
+    def _timed_finish(self, finish: Callable[[], Tensor]) -> Tensor:
+        t = time.perf_counter()
+        out = finish()
+        self.seconds += time.perf_counter() - t
+        return out
 
     def gather_units(self, part: Tensor, site: str, *, dim: int) -> Tensor:
         if self.tp is None:
@@ -114,6 +133,10 @@ class BaselineComm(DistComm):
 
         return self._timed(site, reduce)
 
+    def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
+        out = self.reduce_units(root, site, scatter_rows=scatter_rows)
+        return lambda: out
+
 
 def build_comm(
     layout: Layout,
@@ -124,25 +147,36 @@ def build_comm(
     device: torch.device,
     act_dtype: torch.dtype,
     progress: Progress,
-) -> DistComm:
-    """The comm of `rank`; every rank calls this with the same arguments (it creates the groups)."""
+    segment_bytes: int | None = None,
+) -> DistComm | None:
+    """The comm of `rank`; every rank of the world calls this with the same arguments (it creates the
+    groups). A rank outside the layout (a world larger than the layout, as a benchmark that runs
+    several layouts in one launch has) creates the groups and gets None."""
+    if mode not in ("deterministic", "baseline"):
+        raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")
     local_size = layout.local if layout.hierarchical else None
     algo = "hierarchical" if layout.hierarchical else algorithm
     tp_colls = [
-        new_collective(layout.tp_group(c), algorithm=algo, local_size=local_size, device=device)
+        new_collective(
+            layout.tp_group(c), algorithm=algo, local_size=local_size, device=device, segment_bytes=segment_bytes
+        )
         if layout.tp > 1
         else None
         for c in range(layout.cp)
     ]
     cp_colls = [
-        new_collective(layout.cp_group(t), algorithm=algorithm, device=device) if layout.cp > 1 else None
+        new_collective(layout.cp_group(t), algorithm=algorithm, device=device, segment_bytes=segment_bytes)
+        if layout.cp > 1
+        else None
         for t in range(layout.tp)
     ]
-    cp_index, tp_index = layout.coords(rank)
-    tp, cp = tp_colls[cp_index], cp_colls[tp_index]
-    if mode == "deterministic":
-        return DistComm(layout, rank, tp, cp, progress)
+    groups = None
     if mode == "baseline":
         groups = [dist.new_group(layout.tp_group(c)) if layout.tp > 1 else None for c in range(layout.cp)]
-        return BaselineComm(layout, rank, tp, cp, progress, act_dtype=act_dtype, tp_group=groups[cp_index])
-    raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")
+    if rank >= layout.world:
+        return None
+    cp_index, tp_index = layout.coords(rank)
+    tp, cp = tp_colls[cp_index], cp_colls[tp_index]
+    if groups is None:
+        return DistComm(layout, rank, tp, cp, progress)
+    return BaselineComm(layout, rank, tp, cp, progress, act_dtype=act_dtype, tp_group=groups[cp_index])
