@@ -73,6 +73,7 @@ def run_layout_bench(
     diagnose_runner_steps: int = 2,
     algorithm: str = "auto",
     segment_bytes: int | None = None,
+    overlap: bool = True,
     seed: int = 1,
     weights_seed: int = 0,
     timeout_s: float = 1800.0,
@@ -90,6 +91,7 @@ def run_layout_bench(
         eager: also time the eager layout. digests: check det's bits against tp1's.
         diagnose: run the arrival-skew suspects (h3lab.run.layout_diagnose) on every layout of > 1 rank.
         algorithm, segment_bytes: the deterministic collectives' (h3lab.dist.collectives).
+        overlap: False finishes each reduction the block starts at once (no overlap with its work).
         timeout_s: the whole launch's limit.
 
     Returns:
@@ -121,6 +123,7 @@ def run_layout_bench(
         "diagnose_runner_steps": diagnose_runner_steps,
         "algorithm": algorithm,
         "segment_bytes": segment_bytes,
+        "overlap": overlap,
         "seed": seed,
         "weights_seed": weights_seed,
         "timeout_s": timeout_s,
@@ -450,6 +453,10 @@ def summarize_diagnose(diag: dict[int, dict], *, same_host: bool = True) -> dict
     off = {r: {"steps": d["heartbeat"]["off"]} for r, d in diag.items()}
     on = {r: {"steps": d["heartbeat"]["on"]} for r, d in diag.items()}
     out["heartbeat"] = {"step_ms_off": _median(_layout_steps(off)), "step_ms_on": _median(_layout_steps(on))}
+    misses = {r: d.get("triton_cache_misses") for r, d in diag.items()}
+    out["triton_cache_misses"] = {
+        r: None if m is None else {"count": len(m), "kernels": m[:20]} for r, m in misses.items()
+    }
     out["host_syncs"] = {
         r: None if d["host_syncs"] is None else {"count": sum(d["host_syncs"].values()), "sites": d["host_syncs"]}
         for r, d in diag.items()
@@ -620,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diagnose-runner-steps", type=int, default=2, help="0: skip the runner path's repeats")
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--segment-bytes", type=int, default=None, help="pipelined scatter_tree segments")
+    ap.add_argument("--no-overlap", action="store_true", help="finish each reduction the block starts at once")
     ap.add_argument("--timeout", type=float, default=1800.0)
     a = ap.parse_args(argv)
     try:
@@ -640,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             diagnose_runner_steps=a.diagnose_runner_steps,
             algorithm=a.algorithm,
             segment_bytes=a.segment_bytes,
+            overlap=not a.no_overlap,
             timeout_s=a.timeout,
         )
     except ValueError as err:

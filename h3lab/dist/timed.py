@@ -124,10 +124,11 @@ class CollectiveClock:
 
 class TimedComm:
     """A `DistComm` whose calls that move bytes `clock` records (the same calls, in the same order:
-    the same bits)."""
+    the same bits). `overlap=False` finishes every started reduction at once (the block's overlap
+    off, for a comparison in one run)."""
 
-    def __init__(self, inner: DistComm, clock: CollectiveClock) -> None:
-        self.inner, self.clock, self.units = inner, clock, inner.units
+    def __init__(self, inner: DistComm, clock: CollectiveClock, *, overlap: bool = True) -> None:
+        self.inner, self.clock, self.units, self.overlap = inner, clock, inner.units, overlap
         layout, rank = inner.layout, inner.rank
         cp_index, tp_index = layout.coords(rank)
         self._tp_ranks, self._cp_ranks = layout.tp_group(cp_index), layout.cp_group(tp_index)
@@ -145,6 +146,9 @@ class TimedComm:
         return self._timed("reduce_units", site, root, fn)
 
     def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
+        if not self.overlap:
+            out = self.reduce_units(root, site, scatter_rows=scatter_rows)
+            return lambda: out
         finish = self._timed(
             "start_reduce_units",
             site,

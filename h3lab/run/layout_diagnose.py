@@ -8,6 +8,8 @@ Each suspect of a late rank, run on the deterministic layout's own steps, every 
   the cost of one write;
 - `heartbeat`: the runner's heartbeat thread (a file write every HEARTBEAT_S) running beside the steps;
 - `host_syncs` (CUDA): every host synchronisation one step makes, by the h3lab line that made it;
+- `triton_cache_misses`: kernels Triton had to specialise or compile during steady steps (a
+  specialisation that changes between steps, e.g. with a pointer's alignment, compiles mid-step);
 - `runner_path` (the first diagnosed case only): the runner's repeat as `h3lab run` ran it, building
   the problem's weights and batch after the barrier (`rebuilt`), against the same repeat with them
   built once (`prepared`, what h3lab.run.workers.rank does now).
@@ -16,11 +18,12 @@ Each suspect of a late rank, run on the deterministic layout's own steps, every 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,9 @@ def diagnose(
     out["progress_file"] = _progress(r, comm, step, barrier, record, n)
     out["heartbeat"] = _heartbeat(r, step, barrier, record, n)
     out["host_syncs"] = host_syncs(step) if r.cuda else None
+    with triton_cache_misses() as missed:
+        out["triton_steps"] = [record(step, barrier) for _ in range(n)]
+    out["triton_cache_misses"] = missed
     if r.spec.get("diagnose_runner") and not r.runner_diagnosed:
         r.runner_diagnosed = True
         out["runner_path"] = _runner_path(r, layout, comm, record)
@@ -101,6 +107,36 @@ def _heartbeat(r: Any, step: Callable, barrier: Callable, record: Record, n: int
         stop.set()
         thread.join()
     return {"off": off, "on": on}
+
+
+@contextlib.contextmanager
+def triton_cache_misses() -> Iterator[list[str] | None]:
+    """The kernels Triton looks up and misses in its in-memory cache inside the block (each miss is a
+    specialisation or a compile on the host); None where this Triton has no cache hook."""
+    try:
+        from triton import knobs
+
+        owner, attr = knobs.runtime, "jit_cache_hook"
+    except (ImportError, AttributeError):
+        try:
+            from triton.runtime.jit import JITFunction
+
+            owner, attr = JITFunction, "cache_hook"
+        except ImportError:
+            yield None
+            return
+    missed: list[str] = []
+    previous = getattr(owner, attr, None)
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        missed.append(str(kwargs.get("repr", "?"))[:160])
+        return previous(*args, **kwargs) if previous else None  # a false value: compile as usual
+
+    setattr(owner, attr, hook)
+    try:
+        yield missed
+    finally:
+        setattr(owner, attr, previous)
 
 
 def host_syncs(step: Callable[[], Any]) -> dict[str, int]:

@@ -146,7 +146,7 @@ def det_case(r: Rank, layout: Layout, comm: DistComm, w: BlockWeights, full: Pac
     local = SeqShard(layout, full.num_rows).coshard(full, r.rank)
     uw = unit_weights(w, comm.units)
     clock = CollectiveClock(r.device)
-    timed = TimedComm(comm, clock)
+    timed = TimedComm(comm, clock, overlap=r.spec.get("overlap", True))
     backend = r.spec["backend"]
 
     def step() -> BlockStep:
