@@ -89,7 +89,8 @@ def run_layout_bench(
         steps, warmup: timed steps per mode and rank (the issue asks >= 20), and warm-up steps (>= 1).
         collective_steps: steps with every collective recorded (default: `steps`; 0: none).
         eager: also time the eager layout. digests: check det's bits against tp1's.
-        diagnose: run the arrival-skew suspects (h3lab.run.layout_diagnose) on every layout of > 1 rank.
+        diagnose: run the arrival-skew suspects (h3lab.run.layout_diagnose) on every layout of > 1 rank,
+            at its first row count.
         algorithm, segment_bytes: the deterministic collectives' (h3lab.dist.collectives).
         overlap: False finishes each reduction the block starts at once (no overlap with its work).
         timeout_s: the whole launch's limit.

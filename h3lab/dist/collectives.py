@@ -262,12 +262,16 @@ def _chunk_numels(numel: int, parts: int) -> list[int]:
     return [numel // parts + (j < numel % parts) for j in range(parts)]
 
 
-def _pipelined_scatter_all_reduce(group: _Group, x: Tensor, seg: int, transport: str, moved: _Bytes) -> Tensor:
+def _pipelined_scatter_all_reduce(
+    group: _Group, gather_group: _Group, x: Tensor, seg: int, transport: str, moved: _Bytes
+) -> Tensor:
     """scatter_tree's all_reduce over consecutive segments of `seg` elements (a multiple of P) of the
     flat tensor, each reduced as the plain algorithm reduces a whole tensor (owner j adds chunk j of
     the segment): the same elementwise tree, so the same bits. Segment k+1's all-to-all is queued
-    before segment k's tree and segment k's all-gather after it, so the adds overlap the transfers;
-    a full segment is gathered straight into the output. Members must be in group-rank order."""
+    before segment k's tree; the gathers go through `gather_group` (a second communicator of the
+    same members, in the same order), so a segment's gather, the next one's tree and the one after's
+    all-to-all can run at once; a full segment is gathered straight into the output. Members must
+    be in group-rank order."""
     P = len(group.order)
     flat = x.reshape(-1)
     N = flat.numel()
@@ -287,12 +291,12 @@ def _pipelined_scatter_all_reduce(group: _Group, x: Tensor, seg: int, transport:
         lo, hi = bounds[k]
         if direct and mine.numel() * P == hi - lo:
             work = _all_gather_single(
-                _wire(out[lo:hi], transport), _wire(mine, transport), group=group.pg, async_op=True
+                _wire(out[lo:hi], transport), _wire(mine, transport), group=gather_group.pg, async_op=True
             )
             moved.sent += (P - 1) * mine.numel() * mine.element_size()
             moved.received += (P - 1) * mine.numel() * mine.element_size()
             return work.wait
-        gathered = _start_gather_rows(group, mine, transport, moved)
+        gathered = _start_gather_rows(gather_group, mine, transport, moved)
         return lambda: out[lo:hi].copy_(gathered().reshape(-1)[: hi - lo])
 
     waits: list[Callable[[], object]] = []
@@ -396,9 +400,10 @@ class DeterministicCollective:
         intra_group,
         lane_group,
         segment_bytes: int | None = None,
+        gather_group: _Group | None = None,
     ) -> None:
         self.members, self.rank, self.algorithm = list(members), rank, algorithm
-        self.segment_bytes = segment_bytes
+        self.segment_bytes, self._gather_group = segment_bytes, gather_group
         self.local_size, self.device = local_size, device
         self.index = self.members.index(rank) if rank in self.members else None
         self._hier_L = local_size if hierarchical else None  # None: the hierarchical tree is not allowed
@@ -608,7 +613,8 @@ class DeterministicCollective:
             return owner_tree, transport
         seg = self._segment_numel(x)
         if seg:
-            return done(_pipelined_scatter_all_reduce(self._flat, x, seg, transport, moved)), transport
+            out = _pipelined_scatter_all_reduce(self._flat, self._gather_group or self._flat, x, seg, transport, moved)
+            return done(out), transport
         # all_reduce: any chunking of the flat tensor gives the same elementwise tree; equal chunks of
         # c = ceil(numel/P) elements (zero padding) let both steps use even splits
         c = -(-x.numel() // P)
@@ -750,6 +756,8 @@ def new_collective(
                 intra = _Group.make(ranks[g * L : (g + 1) * L], rank) or intra
             for lane_index in range(L):
                 lane = _Group.make(ranks[lane_index::L], rank) or lane
+    # a pipelined all_reduce gathers on a second communicator, so its gathers overlap its all-to-alls
+    second = _Group.make(ranks, rank) if segment_bytes is not None and P > 1 else None
     return DeterministicCollective(
         members=ranks,
         rank=rank,
@@ -761,4 +769,5 @@ def new_collective(
         intra_group=intra,
         lane_group=lane,
         segment_bytes=segment_bytes,
+        gather_group=second,
     )

@@ -67,6 +67,7 @@ class Rank:
         self.host_groups: dict[int, Any] = {}  # layout size n -> a gloo group of ranks 0..n-1
         self.runner_diagnosed = False
         self.current_rows = 0  # rows of the case being diagnosed (the runner path's problem)
+        self.diagnose_rows = 0  # the row count of each layout at which the diagnosis runs
 
     def make_host_groups(self, worlds: list[int]) -> None:
         """Every rank creates every group, in one order."""
@@ -81,12 +82,13 @@ class Rank:
 def step_record(fn: Callable[[], Any], barrier: Barrier, r: Rank, clock: CollectiveClock | None) -> dict:
     """One step after `barrier` and a device synchronisation: its device time (events; wall on CPU),
     host wall time, host origin, and with `clock` its collective calls."""
-    barrier()
-    r.sync()
     start = end = None
-    origin = now_ns()
     if r.cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    barrier()
+    r.sync()
+    origin = now_ns()
+    if r.cuda:
         start.record()
     if clock is not None:
         clock.begin(start, origin)
@@ -156,7 +158,7 @@ def det_case(r: Rank, layout: Layout, comm: DistComm, w: BlockWeights, full: Pac
     if r.spec["digests"]:
         rec["digests"] = step_digests(step(), layout, full.num_rows, r.rank)
     rec["decisions"] = [d for c in (comm.tp, comm.cp) if c is not None for d in c.decisions()]
-    if r.spec["diagnose"] and layout.world > 1:
+    if r.spec["diagnose"] and layout.world > 1 and full.num_rows == r.diagnose_rows:
 
         def step_with(c: Any) -> Callable[[], BlockStep]:
             return lambda: block_step(uw, local, c, backend=backend)
@@ -262,6 +264,7 @@ def run_layout(
     groups = eager_groups(layout, r.rank) if spec["eager"] else None
     host = r.host_groups[layout.world]
     barrier = (lambda: dist.barrier(group=host)) if layout.world > 1 else (lambda: None)
+    r.diagnose_rows = rows_list[0]  # the suspects run at a layout's first row count
     for rows in rows_list:
         if comm is not None:
             full = packed_batch(w.config, rows, seed=spec["seed"]).to(r.device)
