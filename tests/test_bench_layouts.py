@@ -78,7 +78,7 @@ def test_the_diagnosis_runs_every_suspect(bench):
         assert set(diag["progress_file"]["ticks_per_step"].values()) != {0}
         assert diag["heartbeat"]["step_ms_on"] > 0
         assert all(m is None or m["count"] == 0 for m in diag["triton_cache_misses"].values())  # torch backend
-        assert diag["host_syncs"] == {0: None, 1: None} or diag["host_syncs"] == {"0": None, "1": None}
+        assert diag["host_syncs"] == {"0": None, "1": None}  # CUDA only
     runner = bench["cases"]["tp2+sp@16"]["diagnose"]["runner_path"]  # the first diagnosed case only
     for variant in ("rebuilt", "prepared"):
         (repeat,) = runner[variant]["repeats"]

@@ -74,7 +74,7 @@ def run_collectives_bench(
     if not res.ok:
         record["launch"]["agent_log_tail"] = "\n".join(p.read_text()[-4000:] for p in res.agent_logs if p.exists())
     write_json(out, record)
-    return record
+    return json.loads(out.read_text())
 
 
 def summarize(recs: list[dict]) -> list[dict]:
