@@ -181,8 +181,8 @@ def test_every_verdict_is_bitwise(runs, world):
         for row in rec["results"]:
             failed = [k for k, ok in row["verdicts"].items() if not ok]
             assert not failed, (world, rec["rank"], row["config"], row["shape"], failed)
-            segmented = 2 if row["algorithm"] == "scatter_tree" else 0  # the pipelined all_reduce, per rep
-            assert len(row["verdicts"]) == 12 + segmented + (3 if len(row["shape"]) == 2 else 2)
+            segmented = 4 if row["algorithm"] == "scatter_tree" else 0  # the pipelined all_reduce, per rep
+            assert len(row["verdicts"]) == 18 + segmented + (3 if len(row["shape"]) == 2 else 2)
             if row["P"] >= 3 and row["numel"] >= 9973:  # the data can tell a wrong order from the right one
                 assert row["order_sensitive"], (row["config"], row["shape"])
 
@@ -262,7 +262,8 @@ def test_bytes_and_decisions(runs, world):
                     ring = 2 * (P - 1) * S / P
                     assert ring <= row["bytes_received"] <= ring + 2 * (P - 1) * ITEM
                     assert (row["bytes_received"] == ring) == (row["numel"] % P == 0)
-            algs = {r["algorithm"] for r in block["decisions"] if r["op"] == "all_reduce"}
+            plain = [r for r in block["decisions"] if "/then_" not in r["site"]]
+            algs = {r["algorithm"] for r in plain if r["op"] == "all_reduce"}
             want = config.split(":")[1]
             if P == 1:
                 assert algs == {"identity"}
@@ -271,9 +272,26 @@ def test_bytes_and_decisions(runs, world):
             elif P == 2:
                 assert algs == {"gather_tree"}
             else:
-                sizes = {r["numel"] * ITEM for r in block["decisions"] if r["op"] == "all_reduce"}
+                sizes = {r["numel"] * ITEM for r in plain if r["op"] == "all_reduce"}
                 threshold = AUTO_SCATTER_MIN_BYTES["gloo"]
                 assert algs == {"gather_tree" if s < threshold else "scatter_tree" for s in sizes}
+
+
+def test_a_rounding_finish_shrinks_the_gather_at_p2(runs):
+    """auto at P=2 with a finish: gather_tree below the threshold; above it scatter_tree, each owner
+    rounds its half to bf16 before the gather: S/2 + S/4 received instead of S."""
+    seen = set()
+    for rec in runs[2]:
+        for row in rec["decisions"]["all:auto"]["decisions"]:
+            if not row["site"].endswith("/then_all_reduce"):
+                continue
+            nbytes = row["numel"] * ITEM
+            big = nbytes >= AUTO_SCATTER_MIN_BYTES["gloo"]
+            assert row["algorithm"] == ("scatter_tree" if big else "gather_tree"), row
+            c = -(-row["numel"] // 2)
+            assert row["bytes_received"] == (c * ITEM + c * 2 if big else nbytes), row
+            seen.add(big)
+    assert seen == {True, False}
 
 
 @pytest.mark.parametrize("world", sorted(LAUNCHES))
@@ -285,6 +303,8 @@ def test_pipelined_scatter_tree_moves_each_segment_as_a_whole_tensor(runs, world
         for config, block in rec["decisions"].items():
             P = len(_ranks(config, world))
             for row in block["segmented_decisions"]:
+                if not row["site"].endswith("/segmented"):  # then_segmented gathers bf16 chunks
+                    continue
                 seg = CHECK_SEGMENT_BYTES // ITEM // P * P
                 numel = row["numel"]
                 if P == 1 or numel < 2 * seg:

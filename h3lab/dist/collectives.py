@@ -23,7 +23,10 @@ Metadata exchanges (shape signatures, sizes for all_gather) are not counted in t
 wait, the tree, scatter_tree's gather): a caller overlaps the transfer with work that does not need
 it. With `segment_bytes`, scatter_tree's all_reduce of a large message runs as a pipeline of
 segments, each one the whole algorithm on its elements, so the owner's adds of one segment overlap
-the next one's all-to-all. Neither changes which adds run in which order: the bits are the same.
+the next one's all-to-all. `then` (all_reduce, reduce_scatter) finishes the reduced values with the
+caller's elementwise function (its rounding) before they are shared: with scatter_tree each owner
+rounds its chunk and the members gather the rounded chunks, half the bytes of an FP32 gather for a
+bf16 result. None of these changes which adds run in which order: the bits are the same.
 """
 
 from __future__ import annotations
@@ -56,10 +59,15 @@ _MAX_NDIM = 10  # shape signatures carry up to 10 dims; the block's tensors have
 # B ~ 370 GB/s busBw -> S* ~ 1 MiB at P=8 (estimate until the 8-GPU bench replaces it). At P=2
 # both move S bytes, so gather_tree (one collective) always.
 AUTO_SCATTER_MIN_BYTES = {"gloo": 256 << 10, "nccl": 1 << 20}
+Finish = Callable[[Tensor], Tensor]  # an elementwise function of the reduced values (see all_reduce)
 _SHM_DIR = Path("/dev/shm")
 # torch 2.13 renamed all_gather_into_tensor (now a deprecated alias); GPU nodes may bring torch 2.11
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SHM_MIN_CAPACITY = 1 << 20  # frames start at 1 MiB and at least double: 10 re-maps up to 1 GiB
+
+
+def _keep(t: Tensor) -> Tensor:
+    return t
 
 
 def tree_string(labels: Sequence[str]) -> str:
@@ -125,9 +133,17 @@ class _Bytes:
 
 
 def choose_algorithm(
-    op: str, requested: str, *, nbytes: int, num_members: int, local_size: int | None, transport: str
+    op: str,
+    requested: str,
+    *,
+    nbytes: int,
+    num_members: int,
+    local_size: int | None,
+    transport: str,
+    then: bool = False,
 ) -> tuple[str, str]:
-    """(algorithm, reason) for one call; `local_size` is None unless the hierarchical tree is allowed."""
+    """(algorithm, reason) for one call; `local_size` is None unless the hierarchical tree is allowed;
+    `then`: the caller's elementwise function runs on the reduced values before they are shared."""
     P = num_members
     if op == "all_gather":
         return "copy", "all_gather is a copy: one backend all-gather in member order, no arithmetic"
@@ -143,10 +159,15 @@ def choose_algorithm(
         )
     if op == "reduce_scatter":
         return "scatter_tree", "auto: reduce_scatter is scatter_tree's first half ((P-1)/P*S received, not (P-1)*S)"
-    if P == 2:
-        return "gather_tree", "auto: P=2: gather_tree and scatter_tree both receive S; one collective beats two"
     key = "nccl" if transport == "nccl" else "gloo"
     threshold = AUTO_SCATTER_MIN_BYTES[key]
+    if P == 2 and then and nbytes >= threshold:
+        return "scatter_tree", (
+            f"auto: P=2, {nbytes} B >= {threshold} B ({key}) finished before sharing: the owner's half is "
+            "finished, then gathered (S/2 + what the finish leaves of S/2 received, not S)"
+        )
+    if P == 2:
+        return "gather_tree", "auto: P=2: gather_tree and scatter_tree both receive S; one collective beats two"
     if nbytes < threshold:
         return "gather_tree", f"auto: {nbytes} B < {threshold} B ({key}): latency-bound, one collective"
     return "scatter_tree", f"auto: {nbytes} B >= {threshold} B ({key}): bandwidth-bound, 2(P-1)/P*S received"
@@ -263,20 +284,20 @@ def _chunk_numels(numel: int, parts: int) -> list[int]:
 
 
 def _pipelined_scatter_all_reduce(
-    group: _Group, gather_group: _Group, x: Tensor, seg: int, transport: str, moved: _Bytes
+    group: _Group, gather_group: _Group, x: Tensor, seg: int, transport: str, moved: _Bytes, then: Finish
 ) -> Tensor:
     """scatter_tree's all_reduce over consecutive segments of `seg` elements (a multiple of P) of the
     flat tensor, each reduced as the plain algorithm reduces a whole tensor (owner j adds chunk j of
     the segment): the same elementwise tree, so the same bits. Segment k+1's all-to-all is queued
     before segment k's tree; the gathers go through `gather_group` (a second communicator of the
     same members, in the same order), so a segment's gather, the next one's tree and the one after's
-    all-to-all can run at once; a full segment is gathered straight into the output. Members must
-    be in group-rank order."""
+    all-to-all can run at once; a full segment is gathered straight into the output. `then` runs on
+    each owner's chunk before its gather. Members must be in group-rank order."""
     P = len(group.order)
     flat = x.reshape(-1)
     N = flat.numel()
     bounds = [(lo, min(lo + seg, N)) for lo in range(0, N, seg)]
-    out = torch.empty_like(flat)
+    outs: list[Tensor] = []  # allocated at the first gather, in the dtype `then` gives
     direct = transport in ("nccl", "gloo")  # the backend writes into `out` itself (no staging copy)
 
     def scatter(k: int) -> tuple[Callable[[], Tensor], int]:
@@ -289,6 +310,9 @@ def _pipelined_scatter_all_reduce(
 
     def gather(k: int, mine: Tensor) -> Callable[[], None]:
         lo, hi = bounds[k]
+        if not outs:
+            outs.append(flat.new_empty(N, dtype=mine.dtype))
+        out = outs[0]
         if direct and mine.numel() * P == hi - lo:
             work = _all_gather_single(
                 _wire(out[lo:hi], transport), _wire(mine, transport), group=gather_group.pg, async_op=True
@@ -305,10 +329,10 @@ def _pipelined_scatter_all_reduce(
         got, c = pending
         if k + 1 < len(bounds):
             pending = scatter(k + 1)
-        waits.append(gather(k, balanced_tree(list(got().view(P, c).unbind(0)))))
+        waits.append(gather(k, then(balanced_tree(list(got().view(P, c).unbind(0))))))
     for wait in waits:
         wait()
-    return out.view(x.shape)
+    return outs[0].view(x.shape)
 
 
 class _SharedFrames:
@@ -422,17 +446,23 @@ class DeterministicCollective:
 
     # ---- public ops ---------------------------------------------------------------------------
 
-    def all_reduce(self, x: Tensor, site: str) -> Tensor:
-        """Every member gets balanced_tree([x_member0, ..., x_member{P-1}]) (a new tensor)."""
-        return self._run("all_reduce", site, x)
+    def all_reduce(self, x: Tensor, site: str, *, then: Finish | None = None) -> Tensor:
+        """Every member gets balanced_tree([x_member0, ..., x_member{P-1}]) (a new tensor).
 
-    def reduce_scatter(self, x: Tensor, site: str) -> Tensor:
-        """This member's dim-0 chunk (torch.tensor_split into P, member order) of all_reduce(x)."""
+        `then`: an elementwise function of the reduced values (the consumer's rounding, say): every
+        member gets then(tree); scatter_tree applies it to the owner's chunk before the gather, so
+        a narrowing `then` shrinks the gather. It must give each element's bits from that element
+        alone (any shape, any chunk)."""
+        return self._run("all_reduce", site, x, then=then)
+
+    def reduce_scatter(self, x: Tensor, site: str, *, then: Finish | None = None) -> Tensor:
+        """This member's dim-0 chunk (torch.tensor_split into P, member order) of all_reduce(x)
+        (then(chunk) with `then`, see `all_reduce`)."""
         if x.dim() < 1:
             raise ValueError(f"reduce_scatter at {site!r}: x has 0 dims; allowed: dim 0 to split over members")
-        return self._run("reduce_scatter", site, x)
+        return self._run("reduce_scatter", site, x, then=then)
 
-    def start_all_reduce(self, x: Tensor, site: str) -> Callable[[], Tensor]:
+    def start_all_reduce(self, x: Tensor, site: str, *, then: Finish | None = None) -> Callable[[], Tensor]:
         """`all_reduce` begun now and finished by the returned function (call it once).
 
         The backend moves the bytes while the caller queues other work (on NCCL the host does not
@@ -440,13 +470,13 @@ class DeterministicCollective:
         result is `all_reduce`'s bit for bit. Every member starts and finishes its calls of this
         collective in the same order.
         """
-        return self._run("all_reduce", site, x, start=True)
+        return self._run("all_reduce", site, x, start=True, then=then)
 
-    def start_reduce_scatter(self, x: Tensor, site: str) -> Callable[[], Tensor]:
+    def start_reduce_scatter(self, x: Tensor, site: str, *, then: Finish | None = None) -> Callable[[], Tensor]:
         """`reduce_scatter` begun now and finished by the returned function (see `start_all_reduce`)."""
         if x.dim() < 1:
             raise ValueError(f"reduce_scatter at {site!r}: x has 0 dims; allowed: dim 0 to split over members")
-        return self._run("reduce_scatter", site, x, start=True)
+        return self._run("reduce_scatter", site, x, start=True, then=then)
 
     def all_gather(self, x: Tensor, site: str, dim: int = 0, sizes: Sequence[int] | None = None) -> Tensor:
         """Members' tensors concatenated along `dim` in member order (a copy; sizes along `dim` may differ).
@@ -498,7 +528,15 @@ class DeterministicCollective:
     # ---- dispatch and records -----------------------------------------------------------------
 
     def _run(
-        self, op: str, site: str, x: Tensor, *, dim: int = 0, sizes: Sequence[int] | None = None, start: bool = False
+        self,
+        op: str,
+        site: str,
+        x: Tensor,
+        *,
+        dim: int = 0,
+        sizes: Sequence[int] | None = None,
+        start: bool = False,
+        then: Finish | None = None,
     ) -> Tensor | Callable[[], Tensor]:
         self._check_usable(x, op, site)
         began = time.perf_counter()
@@ -510,14 +548,22 @@ class DeterministicCollective:
         nbytes = x.numel() * x.element_size()
         hier_L = self._hier_L if self._hier_L is not None and self.algorithm in ("auto", "hierarchical") else None
         alg, reason = choose_algorithm(
-            op, self.algorithm, nbytes=nbytes, num_members=len(self.members), local_size=hier_L, transport=transport
+            op,
+            self.algorithm,
+            nbytes=nbytes,
+            num_members=len(self.members),
+            local_size=hier_L,
+            transport=transport,
+            then=then is not None,
         )
         moved = _Bytes()
         if op == "all_gather":
             out, used_transport = self._gather(x, dim, sizes, moved, transport)
             finish = lambda: out  # noqa: E731
         else:
-            finish, used_transport = self._start_reduce(x, alg, moved, transport, scatter=op == "reduce_scatter")
+            finish, used_transport = self._start_reduce(
+                x, alg, moved, transport, scatter=op == "reduce_scatter", then=then or _keep
+            )
         started = time.perf_counter() - began
 
         def timed_finish() -> Tensor:  # the records count the finish's bytes too (scatter_tree's gather)
@@ -583,22 +629,23 @@ class DeterministicCollective:
     # ---- algorithms ---------------------------------------------------------------------------
 
     def _start_reduce(
-        self, x: Tensor, alg: str, moved: _Bytes, transport: str, *, scatter: bool
+        self, x: Tensor, alg: str, moved: _Bytes, transport: str, *, scatter: bool, then: Finish
     ) -> tuple[Callable[[], Tensor], str]:
-        """The reduction begun: the first backend call is queued, the returned function finishes it."""
+        """The reduction begun: the first backend call is queued, the returned function finishes it
+        (`then` on the reduced values: before the gather where one follows)."""
         P, me = len(self.members), self.index
         done = lambda out: lambda: out  # noqa: E731
         if alg == "identity" or x.numel() == 0:  # nothing to add (numel agrees on all members)
-            return done(torch.tensor_split(x, P, dim=0)[me].clone() if scatter else x.clone()), "none"
+            return done(then(torch.tensor_split(x, P, dim=0)[me].clone() if scatter else x.clone())), "none"
         if alg == "hierarchical":
             out, used = self._hierarchical(x, moved, transport, scatter=scatter)
-            return done(out), used
+            return done(then(out)), used
         if alg == "gather_tree":
             gathered = _start_gather_rows(self._flat, x, transport, moved)
 
             def tree() -> Tensor:
                 out = balanced_tree(list(gathered().unbind(0))).view(x.shape)
-                return torch.tensor_split(out, P, dim=0)[me].clone() if scatter else out
+                return then(torch.tensor_split(out, P, dim=0)[me].clone() if scatter else out)
 
             return tree, transport
         assert alg == "scatter_tree", alg
@@ -608,13 +655,13 @@ class DeterministicCollective:
             got = _start_all_to_all(self._flat, x.reshape(-1), numels, [numels[me]] * P, transport, moved)
 
             def owner_tree() -> Tensor:
-                return balanced_tree(list(got().view(P, numels[me]).unbind(0))).view(rows[me], *x.shape[1:])
+                return then(balanced_tree(list(got().view(P, numels[me]).unbind(0))).view(rows[me], *x.shape[1:]))
 
             return owner_tree, transport
         seg = self._segment_numel(x)
         if seg:
-            out = _pipelined_scatter_all_reduce(self._flat, self._gather_group or self._flat, x, seg, transport, moved)
-            return done(out), transport
+            group = self._gather_group or self._flat
+            return done(_pipelined_scatter_all_reduce(self._flat, group, x, seg, transport, moved, then)), transport
         # all_reduce: any chunking of the flat tensor gives the same elementwise tree; equal chunks of
         # c = ceil(numel/P) elements (zero padding) let both steps use even splits
         c = -(-x.numel() // P)
@@ -624,7 +671,7 @@ class DeterministicCollective:
         got = _start_all_to_all(self._flat, flat, [c] * P, [c] * P, transport, moved)
 
         def finish() -> Tensor:
-            mine = balanced_tree(list(got().view(P, c).unbind(0)))
+            mine = then(balanced_tree(list(got().view(P, c).unbind(0))))
             out = _gather_rows(self._flat, mine, transport, moved).reshape(-1)[: x.numel()]
             return out.view(x.shape)
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from h3lab.contract import units_of_rank
-from h3lab.dist.collectives import DeterministicCollective, new_collective
+from h3lab.dist.collectives import DeterministicCollective, Finish, new_collective
 from h3lab.dist.layout import Layout
 
 
@@ -59,23 +59,28 @@ class DistComm:
         self.seconds += time.perf_counter() - t
         return out
 
-    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
+    def reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Tensor:
         if self.tp is None:
-            return root
+            return then(root) if then is not None else root
         if scatter_rows and self.layout.sp:
-            return self._timed(site, lambda: self.tp.reduce_scatter(root, site))
-        return self._timed(site, lambda: self.tp.all_reduce(root, site))
+            return self._timed(site, lambda: self.tp.reduce_scatter(root, site, then=then))
+        return self._timed(site, lambda: self.tp.all_reduce(root, site, then=then))
 
-    def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
+    def start_reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Callable[[], Tensor]:
         """`reduce_units` begun: the bytes move while the caller queues independent work; the returned
         function finishes the tree (the same bits). Every rank starts and finishes in one order."""
         if self.tp is None:
-            return lambda: root
+            out = then(root) if then is not None else root
+            return lambda: out
         tp = self.tp
         if scatter_rows and self.layout.sp:
-            finish = self._timed(site, lambda: tp.start_reduce_scatter(root, site))
+            finish = self._timed(site, lambda: tp.start_reduce_scatter(root, site, then=then))
         else:
-            finish = self._timed(site, lambda: tp.start_all_reduce(root, site))
+            finish = self._timed(site, lambda: tp.start_all_reduce(root, site, then=then))
         return lambda: self._timed_finish(finish)
 
     def _timed_finish(self, finish: Callable[[], Tensor]) -> Tensor:
@@ -120,21 +125,26 @@ class BaselineComm(DistComm):
         super().__init__(*args, **kwargs)
         self.act_dtype, self.tp_group = act_dtype, tp_group
 
-    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
+    def reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Tensor:
         if self.tp is None:
-            return root
+            return then(root) if then is not None else root
 
         def reduce() -> Tensor:
             x = root.to(self.act_dtype)  # people reduce the rounded partial (half the bytes)
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.tp_group)
             if scatter_rows and self.layout.sp:
                 x = x.tensor_split(self.layout.tp)[self.layout.coords(self.rank)[1]]
-            return x.to(torch.float32)
+            x = x.to(torch.float32)
+            return then(x) if then is not None else x
 
         return self._timed(site, reduce)
 
-    def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
-        out = self.reduce_units(root, site, scatter_rows=scatter_rows)
+    def start_reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Callable[[], Tensor]:
+        out = self.reduce_units(root, site, scatter_rows=scatter_rows, then=then)
         return lambda: out
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from h3lab.dist.collectives import Finish
 from h3lab.dist.distcomm import DistComm
 
 
@@ -141,19 +142,23 @@ class TimedComm:
         counter = coll.bytes_total
         return self.clock.timed(kind, site, ranks, fn, x=x, pg=coll.process_group, bytes_of=lambda: counter()[:2])
 
-    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
-        fn = lambda: self.inner.reduce_units(root, site, scatter_rows=scatter_rows)  # noqa: E731
+    def reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Tensor:
+        fn = lambda: self.inner.reduce_units(root, site, scatter_rows=scatter_rows, then=then)  # noqa: E731
         return self._timed("reduce_units", site, root, fn)
 
-    def start_reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Callable[[], Tensor]:
+    def start_reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Callable[[], Tensor]:
         if not self.overlap:
-            out = self.reduce_units(root, site, scatter_rows=scatter_rows)
+            out = self.reduce_units(root, site, scatter_rows=scatter_rows, then=then)
             return lambda: out
         finish = self._timed(
             "start_reduce_units",
             site,
             root,
-            lambda: self.inner.start_reduce_units(root, site, scatter_rows=scatter_rows),
+            lambda: self.inner.start_reduce_units(root, site, scatter_rows=scatter_rows, then=then),
         )
         if self.inner.tp is None:
             return finish

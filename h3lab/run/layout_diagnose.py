@@ -113,6 +113,7 @@ def _heartbeat(r: Any, step: Callable, barrier: Callable, record: Record, n: int
 def triton_cache_misses() -> Iterator[list[str] | None]:
     """The kernels Triton looks up and misses in its in-memory cache inside the block (each miss is a
     specialisation or a compile on the host); None where this Triton has no cache hook."""
+    owner: Any = None
     try:
         from triton import knobs
 
@@ -123,8 +124,10 @@ def triton_cache_misses() -> Iterator[list[str] | None]:
 
             owner, attr = JITFunction, "cache_hook"
         except ImportError:
-            yield None
-            return
+            pass
+    if owner is None or not hasattr(owner, attr):  # a hook Triton would never call counts nothing
+        yield None
+        return
     missed: list[str] = []
     previous = getattr(owner, attr, None)
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from h3lab.dist.collectives import DeterministicCollective, new_collective
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import bitwise_equal
-from h3lab.ops.fixed import balanced_tree
+from h3lab.ops.fixed import balanced_tree, round_to
 
 DEFAULT_SHAPES = "1,7,9973,65537,33x17,3x5"  # odd numels, 2-D, and fewer rows than members (empty chunks)
 # scatter_tree configs are checked pipelined too, with segments this small: 9973 and 65537 FP32
@@ -51,6 +51,10 @@ def parse_config(text: str, world: int) -> tuple[list[int], str, int | None]:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split("x"))
+
+
+def _to_bf16(t: Tensor) -> Tensor:
+    return round_to(t, torch.bfloat16)
 
 
 def check_shape(
@@ -83,9 +87,19 @@ def check_shape(
         verdicts[f"start_all_reduce.{rep}"] = bitwise_equal(started(), expected)
         started = coll.start_reduce_scatter(x, f"{name}/{shape}/start_reduce_scatter")
         verdicts[f"start_reduce_scatter.{rep}"] = bitwise_equal(started(), torch.tensor_split(expected, P, dim=0)[me])
+        # finished before sharing (the block's rounding to bf16): every path gives round(tree)
+        rounded = round_to(expected, torch.bfloat16)
+        got = coll.all_reduce(x, f"{name}/{shape}/then_all_reduce", then=_to_bf16)
+        verdicts[f"then_all_reduce.{rep}"] = bitwise_equal(got, rounded)
+        got = coll.reduce_scatter(x, f"{name}/{shape}/then_reduce_scatter", then=_to_bf16)
+        verdicts[f"then_reduce_scatter.{rep}"] = bitwise_equal(got, torch.tensor_split(rounded, P, dim=0)[me])
+        started = coll.start_all_reduce(x, f"{name}/{shape}/then_start_all_reduce", then=_to_bf16)
+        verdicts[f"then_start_all_reduce.{rep}"] = bitwise_equal(started(), rounded)
         if segmented is not None:
             got = segmented.all_reduce(x, f"{name}/{shape}/segmented")
             verdicts[f"segmented_all_reduce.{rep}"] = bitwise_equal(got, expected)
+            got = segmented.all_reduce(x, f"{name}/{shape}/then_segmented", then=_to_bf16)
+            verdicts[f"then_segmented_all_reduce.{rep}"] = bitwise_equal(got, rounded)
     # all_gather: member i contributes shape[0] + i rows (uneven), along dim 0 and along the last dim
     for dim in sorted({0, len(shape) - 1}):
         pieces = []
