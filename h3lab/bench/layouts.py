@@ -23,7 +23,9 @@ h3lab.reference.eager), from every rank's steps:
 - skew: per step, the arrival spread at its first call moving >= 1 MiB (the first large
   collective; below that size the step's largest), as a fraction of the step;
 - bytes sent and received per step per rank (det: the collectives' own counts; eager:
-  nccl-tests' per-rank conventions), collective share of the step, peak memory per rank;
+  nccl-tests' per-rank conventions), collective share of the step, peak memory per rank (the
+  whole block's weights stay alive on every rank, so `step_extra_gib`, the peak less what was
+  allocated before the steps, is what the step itself needs);
 - det's bits: digests of the unit slices of every weight gradient, d temb and out/dx in row blocks
   of rows/8 from one step after the timed ones, equal across ranks and to tp1's at the same rows.
 The comparison per layout and rows: det, eager, det/eager, the overhead (det/eager) / (det/eager at
@@ -309,6 +311,10 @@ def summarize_mode(recs: dict[int, dict], *, same_host: bool = True) -> dict:
         "step_start_spread_ms": spread(_start_spreads(recs, "steps")),
         "peak_gib": {r: rec["peak_gib"] for r, rec in sorted(recs.items())},
         "base_gib": {r: rec["base_gib"] for r, rec in sorted(recs.items())},
+        # what the step itself allocates above the weights, shards and inputs alive before it
+        "step_extra_gib": {
+            r: None if rec["peak_gib"] is None else rec["peak_gib"] - rec["base_gib"] for r, rec in sorted(recs.items())
+        },
         "first_step": {r: _first_step(rec["first_step"]) for r, rec in sorted(recs.items())},
     }
     chosen = [rec["sdpa_backend"] for rec in recs.values() if "sdpa_backend" in rec]
@@ -544,6 +550,8 @@ def compare(cases: dict[str, dict]) -> list[dict]:
                 "meets_skew_target": None if skew is None else skew < SKEW_TARGET,
                 "det_peak_gib": _max_value(det["peak_gib"]),
                 "eager_peak_gib": _max_value(eager["peak_gib"]) if eager else None,
+                "det_step_extra_gib": _max_value(det["step_extra_gib"]),
+                "eager_step_extra_gib": _max_value(eager["step_extra_gib"]) if eager else None,
                 "det_sent_per_step": max((c["sent_per_step"] for c in det.get("collectives", {}).values()), default=0),
                 "eager_sent_per_step": max(
                     (c["sent_per_step"] for c in (eager or {}).get("collectives", {}).values()), default=0
@@ -609,6 +617,8 @@ def table(comparison: list[dict]) -> str:
         ("det_skew_fraction", "skew", "{:.2%}"),
         ("det_peak_gib", "peak det GiB", "{:.2f}"),
         ("eager_peak_gib", "peak eager GiB", "{:.2f}"),
+        ("det_step_extra_gib", "step det GiB", "{:.2f}"),
+        ("eager_step_extra_gib", "step eager GiB", "{:.2f}"),
     ]
     cell = lambda fmt, v: "-" if v is None else fmt.format(v)  # noqa: E731
     body = [[h for _, h, _ in cols] + ["bits"]]
