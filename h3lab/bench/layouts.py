@@ -450,9 +450,14 @@ def summarize_diagnose(diag: dict[int, dict], *, same_host: bool = True) -> dict
     on = {r: {"steps": d["progress_file"]["on"]} for r, d in diag.items()}
     out["progress_file"] = {
         "tick_us": {r: d["progress_file"]["tick_us"] for r, d in diag.items()},
+        "write_costs_us": {r: d["progress_file"]["write_costs_us"] for r, d in diag.items()},
         "ticks_per_step": {r: d["progress_file"]["ticks_per_step"] for r, d in diag.items()},
-        "host_ms_per_step": {
-            r: d["progress_file"]["tick_us"] * d["progress_file"]["ticks_per_step"] / 1e3 for r, d in diag.items()
+        "host_ms_per_step": {  # as it writes now, and as the runner wrote before (whole files)
+            r: {
+                folder: {k: v * d["progress_file"]["ticks_per_step"] / 1e3 for k, v in cost.items()}
+                for folder, cost in d["progress_file"]["write_costs_us"].items()
+            }
+            for r, d in diag.items()
         },
         "step_ms_off": _median(_layout_steps(off)),
         "step_ms_on": _median(_layout_steps(on)),

@@ -5,7 +5,7 @@ Each suspect of a late rank, run on the deterministic layout's own steps, every 
 - `arrival_barrier`: a one-element all_reduce before every collective, timed apart: the wait for
   the late peer measured directly (checks the split the plain records infer from arrival times);
 - `progress_file`: the runner's per-collective status-file write (dist.distcomm.Progress) on, and
-  the cost of one write;
+  the cost of one write as the runner wrote it before (a whole file per call) and as it does now;
 - `heartbeat`: the runner's heartbeat thread (a file write every HEARTBEAT_S) running beside the steps;
 - `host_syncs` (CUDA): every host synchronisation one step makes, by the h3lab line that made it;
 - `triton_cache_misses`: kernels Triton had to specialise or compile during steady steps (a
@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
+import os
+import tempfile
 import threading
 import time
 import traceback
@@ -70,21 +73,43 @@ def diagnose(
     return out
 
 
+def _write_costs(r: Any) -> dict[str, dict[str, float]]:
+    """Microseconds per status write, in the run's folder and the system's temporary one: as the
+    runner wrote it before (a whole file per call: open, truncate, write, close) and as Progress
+    writes it now (one record overwritten in a file kept open)."""
+    out = {}
+    for folder in (Path(r.spec["out_dir"]), Path(tempfile.gettempdir())):
+        path = folder / f"h3lab-rank{r.rank}-{os.getpid()}.probe.json"
+        record = json.dumps({"state": "running", "calls": 1, "site": "attn.to_out.0"})
+        t = now_ns()
+        for _ in range(TICKS):
+            path.write_text(record)
+        whole = (now_ns() - t) / TICKS / 1e3
+        probe = Progress(path)
+        t = now_ns()
+        for _ in range(TICKS):
+            probe.tick("attn.to_out.0")
+        kept_open = (now_ns() - t) / TICKS / 1e3
+        probe.close()
+        path.unlink(missing_ok=True)
+        out[str(folder)] = {"whole_file_us": whole, "kept_open_us": kept_open}
+    return out
+
+
 def _progress(r: Any, comm: DistComm, step: Callable, barrier: Callable, record: Record, n: int) -> dict:
     path = Path(r.spec["out_dir"]) / f"rank{r.rank}.progress.json"
-    probe = Progress(path)
-    t = now_ns()
-    for _ in range(TICKS):
-        probe.tick("probe")
-    tick_us = (now_ns() - t) / TICKS / 1e3
+    costs = _write_costs(r)
+    tick_us = costs[r.spec["out_dir"]]["kept_open_us"] if r.spec["out_dir"] in costs else None
     off = [record(step, barrier) for _ in range(n)]
-    saved, comm.progress = comm.progress, Progress(path)
+    saved, writing = comm.progress, Progress(path)
+    comm.progress = writing
     try:
         on = [record(step, barrier) for _ in range(n)]
-        calls = comm.progress.calls // max(n, 1)
+        calls = writing.calls // max(n, 1)
     finally:
         comm.progress = saved
-    return {"tick_us": tick_us, "ticks_per_step": calls, "off": off, "on": on}
+        writing.close()
+    return {"tick_us": tick_us, "write_costs_us": costs, "ticks_per_step": calls, "off": off, "on": on}
 
 
 def _heartbeat(r: Any, step: Callable, barrier: Callable, record: Record, n: int) -> dict:
