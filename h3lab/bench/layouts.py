@@ -134,21 +134,11 @@ def run_layout_bench(
         "out_dir": str(work.resolve()),
     }
     write_json(work / "spec.json", spec)
-    res = launch(
-        "h3lab.run.workers.layout_bench",
-        [str((work / "spec.json").resolve())],
-        nproc_per_node=world,
-        log_dir=work / "logs",
-        timeout_s=timeout_s,
-    )
-    ranks = [_read(work / f"rank{r}.json") for r in range(world)]
-    record = summarize(ranks, spec)
-    record["launch"] = {
-        "ok": res.ok,
-        "returncode": res.returncode,
-        "timed_out": res.timed_out,
-        "elapsed_s": res.elapsed_s,
-    }
+    worker, spec_arg = "h3lab.run.workers.layout_bench", [str((work / "spec.json").resolve())]
+    res = launch(worker, spec_arg, nproc_per_node=world, log_dir=work / "logs", timeout_s=timeout_s)
+    record = summarize([_read(work / f"rank{r}.json") for r in range(world)], spec)
+    record["launch"] = {"ok": res.ok, "returncode": res.returncode, "timed_out": res.timed_out}
+    record["launch"]["elapsed_s"] = res.elapsed_s
     if not res.ok:
         record["launch"]["agent_log_tail"] = "\n".join(p.read_text()[-4000:] for p in res.agent_logs if p.exists())
     record["env"] = capture(device)
