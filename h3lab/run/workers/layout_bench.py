@@ -233,7 +233,7 @@ def choose_sdpa(step: Callable, kernels: list, barrier: Barrier, r: Rank, layout
         try:
             step_record(step, barrier, r, None)
             ms[backend.name] = step_record(step, barrier, r, None)["step_ms"]
-        except RuntimeError:  # not supported for these shapes or this GPU: on every rank alike
+        except (RuntimeError, NotImplementedError):  # not for these shapes or this GPU: on every rank alike
             ms[backend.name] = None
     seen = [None] * layout.world
     dist.all_gather_object(seen, ms, group=r.host_groups[layout.world])
