@@ -12,6 +12,7 @@ unit tree; it never changes the arithmetic. Row spaces, from small to large:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from torch import Tensor
@@ -22,8 +23,19 @@ from h3lab.config import NUM_UNITS
 class BlockComm(Protocol):
     units: range  # canonical units held by this rank (contiguous; all 8 in one process)
 
-    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
-        """Finish the 8-unit tree from this rank's subtree root; optionally keep only local rows (SP)."""
+    def reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """Finish the 8-unit tree from this rank's subtree root; optionally keep only local rows (SP).
+        `then`: an elementwise function of the sums (the consumer's rounding): the result is then(sums),
+        applied where it saves bytes (before the sums are shared)."""
+        ...
+
+    def start_reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Callable[[Tensor], Tensor] | None = None
+    ) -> Callable[[], Tensor]:
+        """`reduce_units` begun now, its result from the returned function: the bytes may move while the
+        block queues work that does not need them (the same bits as `reduce_units`)."""
         ...
 
     def gather_units(self, part: Tensor, site: str, *, dim: int) -> Tensor:
@@ -44,8 +56,16 @@ class LocalComm:
 
     units = range(NUM_UNITS)
 
-    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
-        return root
+    def reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        return then(root) if then is not None else root
+
+    def start_reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Callable[[Tensor], Tensor] | None = None
+    ) -> Callable[[], Tensor]:
+        out = self.reduce_units(root, site, then=then)
+        return lambda: out
 
     def gather_units(self, part: Tensor, site: str, *, dim: int) -> Tensor:
         return part

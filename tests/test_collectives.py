@@ -26,6 +26,7 @@ from h3lab.dist.collectives import (
 )
 from h3lab.ops.fixed import balanced_tree
 from h3lab.run.launch import launch
+from h3lab.run.workers.collective_check import CHECK_SEGMENT_BYTES
 
 SHAPES = "1,7,9973,65537,33x17,3x5"
 # world -> (nproc_per_node, agents, worker args): every algorithm on all ranks, plus these extras
@@ -180,7 +181,8 @@ def test_every_verdict_is_bitwise(runs, world):
         for row in rec["results"]:
             failed = [k for k, ok in row["verdicts"].items() if not ok]
             assert not failed, (world, rec["rank"], row["config"], row["shape"], failed)
-            assert len(row["verdicts"]) == 8 + (3 if len(row["shape"]) == 2 else 2)
+            segmented = 4 if row["algorithm"] == "scatter_tree" else 0  # the pipelined all_reduce, per rep
+            assert len(row["verdicts"]) == 18 + segmented + (3 if len(row["shape"]) == 2 else 2)
             if row["P"] >= 3 and row["numel"] >= 9973:  # the data can tell a wrong order from the right one
                 assert row["order_sensitive"], (row["config"], row["shape"])
 
@@ -202,7 +204,9 @@ def test_misuse_raises_on_every_member(runs, world):
 
 def _expected_bytes(row: dict, P: int, member: int, L: int | None) -> tuple[int, int, int] | None:
     """(sent, received, local) bytes per member for one decision record's first call."""
-    shape, alg, op = row["site"].split("/")[1], row["algorithm"], row["site"].split("/")[2]
+    shape, alg, op = row["site"].split("/")[1], row["algorithm"], row["op"]
+    if row["site"].split("/")[2] not in ("all_reduce", "reduce_scatter", "start_all_reduce", "start_reduce_scatter"):
+        return None
     dims = [int(d) for d in shape.strip("()").split(",") if d.strip()]
     N = math.prod(dims)
     S = N * ITEM
@@ -258,7 +262,8 @@ def test_bytes_and_decisions(runs, world):
                     ring = 2 * (P - 1) * S / P
                     assert ring <= row["bytes_received"] <= ring + 2 * (P - 1) * ITEM
                     assert (row["bytes_received"] == ring) == (row["numel"] % P == 0)
-            algs = {r["algorithm"] for r in block["decisions"] if r["op"] == "all_reduce"}
+            plain = [r for r in block["decisions"] if "/then_" not in r["site"]]
+            algs = {r["algorithm"] for r in plain if r["op"] == "all_reduce"}
             want = config.split(":")[1]
             if P == 1:
                 assert algs == {"identity"}
@@ -267,9 +272,48 @@ def test_bytes_and_decisions(runs, world):
             elif P == 2:
                 assert algs == {"gather_tree"}
             else:
-                sizes = {r["numel"] * ITEM for r in block["decisions"] if r["op"] == "all_reduce"}
+                sizes = {r["numel"] * ITEM for r in plain if r["op"] == "all_reduce"}
                 threshold = AUTO_SCATTER_MIN_BYTES["gloo"]
                 assert algs == {"gather_tree" if s < threshold else "scatter_tree" for s in sizes}
+
+
+def test_a_rounding_finish_shrinks_the_gather_at_p2(runs):
+    """auto at P=2 with a finish: gather_tree below the threshold; above it scatter_tree, each owner
+    rounds its half to bf16 before the gather: S/2 + S/4 received instead of S."""
+    seen = set()
+    for rec in runs[2]:
+        for row in rec["decisions"]["all:auto"]["decisions"]:
+            if not row["site"].endswith("/then_all_reduce"):
+                continue
+            nbytes = row["numel"] * ITEM
+            big = nbytes >= AUTO_SCATTER_MIN_BYTES["gloo"]
+            assert row["algorithm"] == ("scatter_tree" if big else "gather_tree"), row
+            c = -(-row["numel"] // 2)
+            assert row["bytes_received"] == (c * ITEM + c * 2 if big else nbytes), row
+            seen.add(big)
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("world", sorted(LAUNCHES))
+def test_pipelined_scatter_tree_moves_each_segment_as_a_whole_tensor(runs, world):
+    """Segments of CHECK_SEGMENT_BYTES (a multiple of P elements), the last one short and padded:
+    each moves scatter_tree's 2(P-1)*ceil(len/P) elements, so the byte count shows the segmentation."""
+    seen = 0
+    for rec in runs[world]:
+        for config, block in rec["decisions"].items():
+            P = len(_ranks(config, world))
+            for row in block["segmented_decisions"]:
+                if not row["site"].endswith("/segmented"):  # then_segmented gathers bf16 chunks
+                    continue
+                seg = CHECK_SEGMENT_BYTES // ITEM // P * P
+                numel = row["numel"]
+                if P == 1 or numel < 2 * seg:
+                    continue
+                lens = [min(seg, numel - lo) for lo in range(0, numel, seg)]
+                assert len(lens) >= 3
+                assert row["bytes_received"] == sum(2 * (P - 1) * -(-n // P) * ITEM for n in lens), row
+                seen += 1
+    assert seen > 0
 
 
 def test_p8_hierarchical_trees_equal_the_contract(runs):

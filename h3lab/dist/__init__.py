@@ -4,6 +4,7 @@
   seqshard     `SeqShard`: which rows of the packed sequence each rank holds (with padding)
   collectives  deterministic reductions over torch.distributed (gather_tree, scatter_tree, hierarchical)
   distcomm     `DistComm`/`BaselineComm`: the block's `BlockComm` seam for one rank of a layout
+  timed        when each collective of a step arrived and left, per rank (benchmarks)
 
 May import: the core only. The block never imports this package: a layout is applied from outside,
 through `h3lab.comm.BlockComm` and `h3lab.units`.

@@ -18,6 +18,15 @@ Algorithms for all_reduce, per member, S = bytes of one member's partial:
   the G partials. Allowed only where that nested tree is the flat tree: G a power of two (or L = 1),
   so 2x4 gives ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)) and 2x3 ((r0+r1)+r2)+((r3+r4)+r5); 3x2 is refused.
 Metadata exchanges (shape signatures, sizes for all_gather) are not counted in the byte figures.
+
+`start_all_reduce` / `start_reduce_scatter` queue the first backend call and return the rest (the
+wait, the tree, scatter_tree's gather): a caller overlaps the transfer with work that does not need
+it. With `segment_bytes`, scatter_tree's all_reduce of a large message runs as a pipeline of
+segments, each one the whole algorithm on its elements, so the owner's adds of one segment overlap
+the next one's all-to-all. `then` (all_reduce, reduce_scatter) finishes the reduced values with the
+caller's elementwise function (its rounding) before they are shared: with scatter_tree each owner
+rounds its chunk and the members gather the rounded chunks, half the bytes of an FP32 gather for a
+bf16 result. None of these changes which adds run in which order: the bits are the same.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,10 +59,15 @@ _MAX_NDIM = 10  # shape signatures carry up to 10 dims; the block's tensors have
 # B ~ 370 GB/s busBw -> S* ~ 1 MiB at P=8 (estimate until the 8-GPU bench replaces it). At P=2
 # both move S bytes, so gather_tree (one collective) always.
 AUTO_SCATTER_MIN_BYTES = {"gloo": 256 << 10, "nccl": 1 << 20}
+Finish = Callable[[Tensor], Tensor]  # an elementwise function of the reduced values (see all_reduce)
 _SHM_DIR = Path("/dev/shm")
 # torch 2.13 renamed all_gather_into_tensor (now a deprecated alias); GPU nodes may bring torch 2.11
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SHM_MIN_CAPACITY = 1 << 20  # frames start at 1 MiB and at least double: 10 re-maps up to 1 GiB
+
+
+def _keep(t: Tensor) -> Tensor:
+    return t
 
 
 def tree_string(labels: Sequence[str]) -> str:
@@ -119,9 +133,17 @@ class _Bytes:
 
 
 def choose_algorithm(
-    op: str, requested: str, *, nbytes: int, num_members: int, local_size: int | None, transport: str
+    op: str,
+    requested: str,
+    *,
+    nbytes: int,
+    num_members: int,
+    local_size: int | None,
+    transport: str,
+    then: bool = False,
 ) -> tuple[str, str]:
-    """(algorithm, reason) for one call; `local_size` is None unless the hierarchical tree is allowed."""
+    """(algorithm, reason) for one call; `local_size` is None unless the hierarchical tree is allowed;
+    `then`: the caller's elementwise function runs on the reduced values before they are shared."""
     P = num_members
     if op == "all_gather":
         return "copy", "all_gather is a copy: one backend all-gather in member order, no arithmetic"
@@ -137,10 +159,15 @@ def choose_algorithm(
         )
     if op == "reduce_scatter":
         return "scatter_tree", "auto: reduce_scatter is scatter_tree's first half ((P-1)/P*S received, not (P-1)*S)"
-    if P == 2:
-        return "gather_tree", "auto: P=2: gather_tree and scatter_tree both receive S; one collective beats two"
     key = "nccl" if transport == "nccl" else "gloo"
     threshold = AUTO_SCATTER_MIN_BYTES[key]
+    if P == 2 and then and nbytes >= threshold:
+        return "scatter_tree", (
+            f"auto: P=2, {nbytes} B >= {threshold} B ({key}) finished before sharing: the owner's half is "
+            "finished, then gathered (S/2 + what the finish leaves of S/2 received, not S)"
+        )
+    if P == 2:
+        return "gather_tree", "auto: P=2: gather_tree and scatter_tree both receive S; one collective beats two"
     if nbytes < threshold:
         return "gather_tree", f"auto: {nbytes} B < {threshold} B ({key}): latency-bound, one collective"
     return "scatter_tree", f"auto: {nbytes} B >= {threshold} B ({key}): bandwidth-bound, 2(P-1)/P*S received"
@@ -187,22 +214,41 @@ def _wire(t: Tensor, transport: str) -> Tensor:
 
 def _gather_rows(group: _Group, flat: Tensor, transport: str, moved: _Bytes) -> Tensor:
     """All-gather one flat tensor per member: [n, numel] on `flat`'s device, member order."""
+    return _start_gather_rows(group, flat, transport, moved)()
+
+
+def _start_gather_rows(group: _Group, flat: Tensor, transport: str, moved: _Bytes) -> Callable[[], Tensor]:
+    """`_gather_rows` begun: the backend moves the bytes while the caller queues other work; the
+    returned function waits for them (on NCCL the current stream waits, the host does not)."""
     n = len(group.order)
     wire = _wire(flat, transport)
     out = wire.new_empty(n * wire.numel())
-    _all_gather_single(out, wire, group=group.pg)
+    work = _all_gather_single(out, wire, group=group.pg, async_op=True)
     moved.sent += (n - 1) * wire.numel()
     moved.received += (n - 1) * wire.numel()
-    rows = out.view(flat.dtype).view(n, flat.numel())
-    if not group.identity:
-        rows = rows[list(group.order)]
-    return rows.to(flat.device)
+
+    def finish() -> Tensor:
+        work.wait()
+        rows = out.view(flat.dtype).view(n, flat.numel())
+        if not group.identity:
+            rows = rows[list(group.order)]
+        return rows.to(flat.device)
+
+    return finish
 
 
-def _all_to_all(group: _Group, flat: Tensor, in_numels: list[int], out_numels: list[int], transport: str,
-                moved: _Bytes) -> Tensor:
+def _all_to_all(
+    group: _Group, flat: Tensor, in_numels: list[int], out_numels: list[int], transport: str, moved: _Bytes
+) -> Tensor:
     """Member j receives `flat`'s j-th piece (sizes `in_numels`, member order); returns what this member
     received from members 0..n-1 (sizes `out_numels`), concatenated in member order."""
+    return _start_all_to_all(group, flat, in_numels, out_numels, transport, moved)()
+
+
+def _start_all_to_all(
+    group: _Group, flat: Tensor, in_numels: list[int], out_numels: list[int], transport: str, moved: _Bytes
+) -> Callable[[], Tensor]:
+    """`_all_to_all` begun; the returned function waits for the bytes (see `_start_gather_rows`)."""
     item, me = flat.element_size(), group.me
     by_grank = sorted(range(len(group.order)), key=lambda j: group.order[j])  # member positions, group-rank order
     if not group.identity:
@@ -210,22 +256,83 @@ def _all_to_all(group: _Group, flat: Tensor, in_numels: list[int], out_numels: l
         flat = torch.cat([pieces[j] for j in by_grank]) if flat.numel() else flat
     wire = _wire(flat, transport)
     out = wire.new_empty(sum(out_numels) * item)
-    dist.all_to_all_single(
-        out, wire, output_split_sizes=[out_numels[j] * item for j in by_grank],
-        input_split_sizes=[in_numels[j] * item for j in by_grank], group=group.pg,
+    work = dist.all_to_all_single(
+        out,
+        wire,
+        output_split_sizes=[out_numels[j] * item for j in by_grank],
+        input_split_sizes=[in_numels[j] * item for j in by_grank],
+        group=group.pg,
+        async_op=True,
     )
     moved.sent += (sum(in_numels) - in_numels[me]) * item
     moved.received += (sum(out_numels) - out_numels[me]) * item
-    got = (out.view(flat.dtype) if out.numel() else flat.new_empty(0)).to(flat.device)
-    if not group.identity and got.numel():
-        pieces = dict(zip(by_grank, torch.split(got, [out_numels[j] for j in by_grank]), strict=True))
-        got = torch.cat([pieces[j] for j in range(len(group.order))])
-    return got
+
+    def finish() -> Tensor:
+        work.wait()
+        got = (out.view(flat.dtype) if out.numel() else flat.new_empty(0)).to(flat.device)
+        if not group.identity and got.numel():
+            pieces = dict(zip(by_grank, torch.split(got, [out_numels[j] for j in by_grank]), strict=True))
+            got = torch.cat([pieces[j] for j in range(len(group.order))])
+        return got
+
+    return finish
 
 
 def _chunk_numels(numel: int, parts: int) -> list[int]:
     """Element counts of `torch.tensor_split(x, parts)` pieces: the first numel % parts get one more."""
     return [numel // parts + (j < numel % parts) for j in range(parts)]
+
+
+def _pipelined_scatter_all_reduce(
+    group: _Group, gather_group: _Group, x: Tensor, seg: int, transport: str, moved: _Bytes, then: Finish
+) -> Tensor:
+    """scatter_tree's all_reduce over consecutive segments of `seg` elements (a multiple of P) of the
+    flat tensor, each reduced as the plain algorithm reduces a whole tensor (owner j adds chunk j of
+    the segment): the same elementwise tree, so the same bits. Segment k+1's all-to-all is queued
+    before segment k's tree; the gathers go through `gather_group` (a second communicator of the
+    same members, in the same order), so a segment's gather, the next one's tree and the one after's
+    all-to-all can run at once; a full segment is gathered straight into the output. `then` runs on
+    each owner's chunk before its gather. Members must be in group-rank order."""
+    P = len(group.order)
+    flat = x.reshape(-1)
+    N = flat.numel()
+    bounds = [(lo, min(lo + seg, N)) for lo in range(0, N, seg)]
+    outs: list[Tensor] = []  # allocated at the first gather, in the dtype `then` gives
+    direct = transport in ("nccl", "gloo")  # the backend writes into `out` itself (no staging copy)
+
+    def scatter(k: int) -> tuple[Callable[[], Tensor], int]:
+        lo, hi = bounds[k]
+        c = -(-(hi - lo) // P)
+        piece = flat[lo:hi]
+        if P * c != hi - lo:  # only a last, short segment is padded
+            piece = torch.cat([piece, piece.new_zeros(P * c - (hi - lo))])
+        return _start_all_to_all(group, piece, [c] * P, [c] * P, transport, moved), c
+
+    def gather(k: int, mine: Tensor) -> Callable[[], None]:
+        lo, hi = bounds[k]
+        if not outs:
+            outs.append(flat.new_empty(N, dtype=mine.dtype))
+        out = outs[0]
+        if direct and mine.numel() * P == hi - lo:
+            work = _all_gather_single(
+                _wire(out[lo:hi], transport), _wire(mine, transport), group=gather_group.pg, async_op=True
+            )
+            moved.sent += (P - 1) * mine.numel() * mine.element_size()
+            moved.received += (P - 1) * mine.numel() * mine.element_size()
+            return work.wait
+        gathered = _start_gather_rows(gather_group, mine, transport, moved)
+        return lambda: out[lo:hi].copy_(gathered().reshape(-1)[: hi - lo])
+
+    waits: list[Callable[[], object]] = []
+    pending = scatter(0)
+    for k in range(len(bounds)):
+        got, c = pending
+        if k + 1 < len(bounds):
+            pending = scatter(k + 1)
+        waits.append(gather(k, then(balanced_tree(list(got().view(P, c).unbind(0))))))
+    for wait in waits:
+        wait()
+    return outs[0].view(x.shape)
 
 
 class _SharedFrames:
@@ -272,8 +379,11 @@ class _SharedFrames:
                     f"node group {self.group_id}: {_SHM_DIR} lacks {need} B free for {self.L} x 2 frames of "
                     f"{capacity} B (short on members {short_by}); enlarge it (docker --shm-size) or use CUDA tensors"
                 )
-            peers = {m: torch.from_file(str(self._path(m)), shared=True, size=2 * capacity, dtype=torch.uint8)
-                     for m in range(self.L) if m != self.me}
+            peers = {
+                m: torch.from_file(str(self._path(m)), shared=True, size=2 * capacity, dtype=torch.uint8)
+                for m in range(self.L)
+                if m != self.me
+            }
             dist.barrier(group=self.group)  # everyone mapped everything: the names can go
         finally:
             own.unlink(missing_ok=True)
@@ -301,32 +411,72 @@ class _SharedFrames:
 class DeterministicCollective:
     """all_reduce / reduce_scatter / all_gather over a fixed member list, with one tree (see module doc)."""
 
-    def __init__(self, *, members: list[int], rank: int, algorithm: str, local_size: int | None, hierarchical: bool,
-                 device: torch.device | None, flat_group, intra_group, lane_group) -> None:
+    def __init__(
+        self,
+        *,
+        members: list[int],
+        rank: int,
+        algorithm: str,
+        local_size: int | None,
+        hierarchical: bool,
+        device: torch.device | None,
+        flat_group,
+        intra_group,
+        lane_group,
+        segment_bytes: int | None = None,
+        gather_group: _Group | None = None,
+    ) -> None:
         self.members, self.rank, self.algorithm = list(members), rank, algorithm
+        self.segment_bytes, self._gather_group = segment_bytes, gather_group
         self.local_size, self.device = local_size, device
         self.index = self.members.index(rank) if rank in self.members else None
         self._hier_L = local_size if hierarchical else None  # None: the hierarchical tree is not allowed
         self._flat, self._intra, self._lane = flat_group, intra_group, lane_group
         self._shm: _SharedFrames | None = None
         self._sites: dict[tuple[str, str], _SiteStats] = {}
+        self._total = _Bytes()
         self._closed = False
         P, L = len(members), local_size or len(members)
         self.tree = tree_string([f"r{q}" for q in members])
-        self.group = {"ranks": list(members), "groups": [list(members[i : i + L]) for i in range(0, P, L)],
-                      "local_size": local_size}
+        self.group = {
+            "ranks": list(members),
+            "groups": [list(members[i : i + L]) for i in range(0, P, L)],
+            "local_size": local_size,
+        }
 
     # ---- public ops ---------------------------------------------------------------------------
 
-    def all_reduce(self, x: Tensor, site: str) -> Tensor:
-        """Every member gets balanced_tree([x_member0, ..., x_member{P-1}]) (a new tensor)."""
-        return self._run("all_reduce", site, x)
+    def all_reduce(self, x: Tensor, site: str, *, then: Finish | None = None) -> Tensor:
+        """Every member gets balanced_tree([x_member0, ..., x_member{P-1}]) (a new tensor).
 
-    def reduce_scatter(self, x: Tensor, site: str) -> Tensor:
-        """This member's dim-0 chunk (torch.tensor_split into P, member order) of all_reduce(x)."""
+        `then`: an elementwise function of the reduced values (the consumer's rounding, say): every
+        member gets then(tree); scatter_tree applies it to the owner's chunk before the gather, so
+        a narrowing `then` shrinks the gather. It must give each element's bits from that element
+        alone (any shape, any chunk)."""
+        return self._run("all_reduce", site, x, then=then)
+
+    def reduce_scatter(self, x: Tensor, site: str, *, then: Finish | None = None) -> Tensor:
+        """This member's dim-0 chunk (torch.tensor_split into P, member order) of all_reduce(x)
+        (then(chunk) with `then`, see `all_reduce`)."""
         if x.dim() < 1:
             raise ValueError(f"reduce_scatter at {site!r}: x has 0 dims; allowed: dim 0 to split over members")
-        return self._run("reduce_scatter", site, x)
+        return self._run("reduce_scatter", site, x, then=then)
+
+    def start_all_reduce(self, x: Tensor, site: str, *, then: Finish | None = None) -> Callable[[], Tensor]:
+        """`all_reduce` begun now and finished by the returned function (call it once).
+
+        The backend moves the bytes while the caller queues other work (on NCCL the host does not
+        wait; the finish makes the current stream wait); the tree's adds run in the finish, so the
+        result is `all_reduce`'s bit for bit. Every member starts and finishes its calls of this
+        collective in the same order.
+        """
+        return self._run("all_reduce", site, x, start=True, then=then)
+
+    def start_reduce_scatter(self, x: Tensor, site: str, *, then: Finish | None = None) -> Callable[[], Tensor]:
+        """`reduce_scatter` begun now and finished by the returned function (see `start_all_reduce`)."""
+        if x.dim() < 1:
+            raise ValueError(f"reduce_scatter at {site!r}: x has 0 dims; allowed: dim 0 to split over members")
+        return self._run("reduce_scatter", site, x, start=True, then=then)
 
     def all_gather(self, x: Tensor, site: str, dim: int = 0, sizes: Sequence[int] | None = None) -> Tensor:
         """Members' tensors concatenated along `dim` in member order (a copy; sizes along `dim` may differ).
@@ -342,14 +492,29 @@ class DeterministicCollective:
         """The name token of this member's /dev/shm frames (files h3lab-<token>-*), None if none were made."""
         return self._shm.token if self._shm is not None else None
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The torch process group of all members (None for one member): for callers that time or
+        synchronise around this collective's calls on the same communicator."""
+        return self._flat.pg if self._flat is not None else None
+
+    def bytes_total(self) -> tuple[int, int, int]:
+        """(sent, received, local) bytes of every call so far, as the decision records count them."""
+        return self._total.sent, self._total.received, self._total.local
+
     def decisions(self) -> list[dict]:
         """One dict per (op, site), first-call order: the decision plus call count, total bytes, seconds."""
         rows = []
         for stats in self._sites.values():
             row = stats.decision.to_dict()
-            row.update(calls=stats.calls, bytes_sent_total=stats.bytes_sent, bytes_received_total=stats.bytes_received,
-                       bytes_local_total=stats.bytes_local, seconds_total=stats.seconds,
-                       algorithms=dict(stats.algorithms))
+            row.update(
+                calls=stats.calls,
+                bytes_sent_total=stats.bytes_sent,
+                bytes_received_total=stats.bytes_received,
+                bytes_local_total=stats.bytes_local,
+                seconds_total=stats.seconds,
+                algorithms=dict(stats.algorithms),
+            )
             rows.append(row)
         return rows
 
@@ -362,9 +527,19 @@ class DeterministicCollective:
 
     # ---- dispatch and records -----------------------------------------------------------------
 
-    def _run(self, op: str, site: str, x: Tensor, *, dim: int = 0, sizes: Sequence[int] | None = None) -> Tensor:
+    def _run(
+        self,
+        op: str,
+        site: str,
+        x: Tensor,
+        *,
+        dim: int = 0,
+        sizes: Sequence[int] | None = None,
+        start: bool = False,
+        then: Finish | None = None,
+    ) -> Tensor | Callable[[], Tensor]:
         self._check_usable(x, op, site)
-        start = time.perf_counter()
+        began = time.perf_counter()
         transport = _transport(x.device, self._flat) if self._flat is not None else "none"
         key = (op, site)
         first = key not in self._sites
@@ -372,28 +547,57 @@ class DeterministicCollective:
             self._check_signatures(x, op, site, transport)
         nbytes = x.numel() * x.element_size()
         hier_L = self._hier_L if self._hier_L is not None and self.algorithm in ("auto", "hierarchical") else None
-        alg, reason = choose_algorithm(op, self.algorithm, nbytes=nbytes, num_members=len(self.members),
-                                       local_size=hier_L, transport=transport)
+        alg, reason = choose_algorithm(
+            op,
+            self.algorithm,
+            nbytes=nbytes,
+            num_members=len(self.members),
+            local_size=hier_L,
+            transport=transport,
+            then=then is not None,
+        )
         moved = _Bytes()
         if op == "all_gather":
             out, used_transport = self._gather(x, dim, sizes, moved, transport)
+            finish = lambda: out  # noqa: E731
         else:
-            out, used_transport = self._reduce(x, alg, moved, transport, scatter=op == "reduce_scatter")
-        stats = self._sites.get(key)
-        if stats is None:
-            decision = CollectiveDecision(
-                site=site, op=op, algorithm=alg, reason=reason, tree="copy" if op == "all_gather" else self.tree,
-                group=self.group, dtype=str(x.dtype), numel=x.numel(), bytes_sent=moved.sent,
-                bytes_received=moved.received, transport=used_transport, bytes_local=moved.local,
+            finish, used_transport = self._start_reduce(
+                x, alg, moved, transport, scatter=op == "reduce_scatter", then=then or _keep
             )
-            stats = self._sites[key] = _SiteStats(decision)
-        stats.calls += 1
-        stats.bytes_sent += moved.sent
-        stats.bytes_received += moved.received
-        stats.bytes_local += moved.local
-        stats.algorithms[alg] += 1
-        stats.seconds += time.perf_counter() - start
-        return out
+        started = time.perf_counter() - began
+
+        def timed_finish() -> Tensor:  # the records count the finish's bytes too (scatter_tree's gather)
+            t = time.perf_counter()
+            out = finish()
+            stats = self._sites.get(key)
+            if stats is None:
+                decision = CollectiveDecision(
+                    site=site,
+                    op=op,
+                    algorithm=alg,
+                    reason=reason,
+                    tree="copy" if op == "all_gather" else self.tree,
+                    group=self.group,
+                    dtype=str(x.dtype),
+                    numel=x.numel(),
+                    bytes_sent=moved.sent,
+                    bytes_received=moved.received,
+                    transport=used_transport,
+                    bytes_local=moved.local,
+                )
+                stats = self._sites[key] = _SiteStats(decision)
+            stats.calls += 1
+            stats.bytes_sent += moved.sent
+            stats.bytes_received += moved.received
+            stats.bytes_local += moved.local
+            stats.algorithms[alg] += 1
+            self._total.sent += moved.sent
+            self._total.received += moved.received
+            self._total.local += moved.local
+            stats.seconds += started + time.perf_counter() - t
+            return out
+
+        return timed_finish if start else timed_finish()
 
     def _check_usable(self, x: Tensor, op: str, site: str) -> None:
         if self._closed:
@@ -424,32 +628,63 @@ class DeterministicCollective:
 
     # ---- algorithms ---------------------------------------------------------------------------
 
-    def _reduce(self, x: Tensor, alg: str, moved: _Bytes, transport: str, *, scatter: bool) -> tuple[Tensor, str]:
+    def _start_reduce(
+        self, x: Tensor, alg: str, moved: _Bytes, transport: str, *, scatter: bool, then: Finish
+    ) -> tuple[Callable[[], Tensor], str]:
+        """The reduction begun: the first backend call is queued, the returned function finishes it
+        (`then` on the reduced values: before the gather where one follows)."""
         P, me = len(self.members), self.index
+        done = lambda out: lambda: out  # noqa: E731
         if alg == "identity" or x.numel() == 0:  # nothing to add (numel agrees on all members)
-            return (torch.tensor_split(x, P, dim=0)[me].clone() if scatter else x.clone()), "none"
+            return done(then(torch.tensor_split(x, P, dim=0)[me].clone() if scatter else x.clone())), "none"
         if alg == "hierarchical":
-            return self._hierarchical(x, moved, transport, scatter=scatter)
+            out, used = self._hierarchical(x, moved, transport, scatter=scatter)
+            return done(then(out)), used
         if alg == "gather_tree":
-            out = balanced_tree(list(_gather_rows(self._flat, x, transport, moved).unbind(0))).view(x.shape)
-            return (torch.tensor_split(out, P, dim=0)[me].clone() if scatter else out), transport
+            gathered = _start_gather_rows(self._flat, x, transport, moved)
+
+            def tree() -> Tensor:
+                out = balanced_tree(list(gathered().unbind(0))).view(x.shape)
+                return then(torch.tensor_split(out, P, dim=0)[me].clone() if scatter else out)
+
+            return tree, transport
         assert alg == "scatter_tree", alg
         if scatter:  # the owner of chunk j (dim-0 rows, tensor_split) receives chunk j of every member
             rows = _chunk_numels(x.shape[0], P)
             numels = [r * (x.numel() // x.shape[0]) for r in rows]
-            got = _all_to_all(self._flat, x.reshape(-1), numels, [numels[me]] * P, transport, moved)
-            out = balanced_tree(list(got.view(P, numels[me]).unbind(0)))
-            return out.view(rows[me], *x.shape[1:]), transport
+            got = _start_all_to_all(self._flat, x.reshape(-1), numels, [numels[me]] * P, transport, moved)
+
+            def owner_tree() -> Tensor:
+                return then(balanced_tree(list(got().view(P, numels[me]).unbind(0))).view(rows[me], *x.shape[1:]))
+
+            return owner_tree, transport
+        seg = self._segment_numel(x)
+        if seg:
+            group = self._gather_group or self._flat
+            return done(_pipelined_scatter_all_reduce(self._flat, group, x, seg, transport, moved, then)), transport
         # all_reduce: any chunking of the flat tensor gives the same elementwise tree; equal chunks of
         # c = ceil(numel/P) elements (zero padding) let both steps use even splits
         c = -(-x.numel() // P)
         flat = x.reshape(-1)
         if P * c != flat.numel():
             flat = torch.cat([flat, flat.new_zeros(P * c - flat.numel())])
-        got = _all_to_all(self._flat, flat, [c] * P, [c] * P, transport, moved)
-        mine = balanced_tree(list(got.view(P, c).unbind(0)))
-        out = _gather_rows(self._flat, mine, transport, moved).reshape(-1)[: x.numel()]
-        return out.view(x.shape), transport
+        got = _start_all_to_all(self._flat, flat, [c] * P, [c] * P, transport, moved)
+
+        def finish() -> Tensor:
+            mine = then(balanced_tree(list(got().view(P, c).unbind(0))))
+            out = _gather_rows(self._flat, mine, transport, moved).reshape(-1)[: x.numel()]
+            return out.view(x.shape)
+
+        return finish, transport
+
+    def _segment_numel(self, x: Tensor) -> int:
+        """Elements per segment of a pipelined scatter_tree all_reduce, 0 for the plain one: segments
+        need `segment_bytes`, a message of at least two segments, and members in group-rank order."""
+        if not self.segment_bytes or self._flat is None or not self._flat.identity:
+            return 0
+        P = len(self.members)
+        seg = self.segment_bytes // x.element_size() // P * P
+        return seg if seg and x.numel() >= 2 * seg else 0
 
     def _hierarchical(self, x: Tensor, moved: _Bytes, transport: str, *, scatter: bool) -> tuple[Tensor, str]:
         P, me = len(self.members), self.index
@@ -494,8 +729,10 @@ class DeterministicCollective:
             sigs = self._signatures(x, transport)
             rest = {(dt, s[:dim] + s[dim + 1 :], len(s)) for dt, s in sigs}
             if len(rest) > 1:
-                raise ValueError(f"all_gather along dim {dim}: members disagree on dtype or other dims: "
-                                 f"{dict(zip(self.members, sigs, strict=True))}")
+                raise ValueError(
+                    f"all_gather along dim {dim}: members disagree on dtype or other dims: "
+                    f"{dict(zip(self.members, sigs, strict=True))}"
+                )
             sizes = [s[dim] for _, s in sigs]
         elif len(sizes) != P:
             raise ValueError(f"all_gather: {len(sizes)} sizes given; allowed: one per member ({P})")
@@ -519,12 +756,14 @@ def new_collective(
     algorithm: str = "auto",
     local_size: int | None = None,
     device: torch.device | None = None,
+    segment_bytes: int | None = None,
 ) -> DeterministicCollective:
     """A deterministic collective over global `ranks` (member order = list order).
 
     Every rank of the world must call this, in the same order with the same arguments: it creates
     the process groups (flat, and for hierarchical the node groups and lanes). Non-members get an
-    object that raises ValueError when used.
+    object that raises ValueError when used. `segment_bytes` pipelines scatter_tree's all_reduce of
+    messages of at least two segments (the same bits, see `_pipelined_scatter_all_reduce`).
 
     Raises:
         ValueError: unknown algorithm, bad ranks, a local size that does not divide the members or
@@ -532,6 +771,8 @@ def new_collective(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r} not allowed; allowed: {list(ALGORITHMS)}")
+    if segment_bytes is not None and segment_bytes < 1:
+        raise ValueError(f"segment_bytes {segment_bytes}; allowed: None or a positive byte count")
     P = len(ranks)
     if P == 0 or len(set(ranks)) != P:
         raise ValueError(f"ranks {ranks}: need at least one rank, each once")
@@ -562,7 +803,18 @@ def new_collective(
                 intra = _Group.make(ranks[g * L : (g + 1) * L], rank) or intra
             for lane_index in range(L):
                 lane = _Group.make(ranks[lane_index::L], rank) or lane
+    # a pipelined all_reduce gathers on a second communicator, so its gathers overlap its all-to-alls
+    second = _Group.make(ranks, rank) if segment_bytes is not None and P > 1 else None
     return DeterministicCollective(
-        members=ranks, rank=rank, algorithm=algorithm, local_size=local_size, hierarchical=nested_ok,
-        device=device, flat_group=flat, intra_group=intra, lane_group=lane,
+        members=ranks,
+        rank=rank,
+        algorithm=algorithm,
+        local_size=local_size,
+        hierarchical=nested_ok,
+        device=device,
+        flat_group=flat,
+        intra_group=intra,
+        lane_group=lane,
+        segment_bytes=segment_bytes,
+        gather_group=second,
     )

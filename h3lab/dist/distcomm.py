@@ -11,29 +11,54 @@ bf16 partial, whatever order the backend picks; gathers are copies in both.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from h3lab.dist.collectives import DeterministicCollective, new_collective
 from h3lab.contract import units_of_rank
+from h3lab.dist.collectives import DeterministicCollective, Finish, new_collective
 from h3lab.dist.layout import Layout
 
 
 class Progress:
-    """Counts this rank's collective calls into a status file, so a hang can name the straggler."""
+    """Counts this rank's collective calls into a status file, so a hang can name the straggler.
+
+    A tick runs inside the block step, at every collective: it overwrites one fixed-size record of
+    a file it keeps open (os.pwrite, no open, truncate or rename per call, which cost milliseconds
+    of host time per call on some filesystems). The record is JSON padded with spaces, so each
+    write covers the last one whole. A writer that replaces the file (the rank's final status,
+    written atomically) gives the path a new file; later ticks go to the old one and never
+    overwrite that status.
+    """
+
+    RECORD_BYTES = 256
 
     def __init__(self, path: Path | None) -> None:
         self.path, self.calls, self.site = path, 0, ""
+        self._fd: int | None = None
 
     def tick(self, site: str) -> None:
         self.calls, self.site = self.calls + 1, site
-        if self.path is not None:
-            self.path.write_text(json.dumps({"state": "running", "calls": self.calls, "site": site}))
+        if self.path is None:
+            return
+        record = json.dumps({"state": "running", "calls": self.calls, "site": site[:160]}).encode()
+        if len(record) > self.RECORD_BYTES:  # a site of escaped characters: its start is enough
+            record = json.dumps({"state": "running", "calls": self.calls, "site": site[:16]}).encode()
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, record.ljust(self.RECORD_BYTES), 0)
+
+    def close(self) -> None:
+        """Close the status file (the record written last stays)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class DistComm:
@@ -51,19 +76,42 @@ class DistComm:
         self.units = units_of_rank(layout.coords(rank)[1], layout.tp)
         self.seconds = 0.0
 
-    def _timed(self, site: str, fn: Callable[[], Tensor]) -> Tensor:
+    def _timed(self, site: str, fn: Callable[[], Any]) -> Any:
         self.progress.tick(site)
         t = time.perf_counter()
         out = fn()
         self.seconds += time.perf_counter() - t
         return out
 
-    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
+    def reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Tensor:
         if self.tp is None:
-            return root
+            return then(root) if then is not None else root
         if scatter_rows and self.layout.sp:
-            return self._timed(site, lambda: self.tp.reduce_scatter(root, site))
-        return self._timed(site, lambda: self.tp.all_reduce(root, site))
+            return self._timed(site, lambda: self.tp.reduce_scatter(root, site, then=then))
+        return self._timed(site, lambda: self.tp.all_reduce(root, site, then=then))
+
+    def start_reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Callable[[], Tensor]:
+        """`reduce_units` begun: the bytes move while the caller queues independent work; the returned
+        function finishes the tree (the same bits). Every rank starts and finishes in one order."""
+        if self.tp is None:
+            out = then(root) if then is not None else root
+            return lambda: out
+        tp = self.tp
+        if scatter_rows and self.layout.sp:
+            finish = self._timed(site, lambda: tp.start_reduce_scatter(root, site, then=then))
+        else:
+            finish = self._timed(site, lambda: tp.start_all_reduce(root, site, then=then))
+        return lambda: self._timed_finish(finish)
+
+    def _timed_finish(self, finish: Callable[[], Tensor]) -> Tensor:
+        t = time.perf_counter()
+        out = finish()
+        self.seconds += time.perf_counter() - t
+        return out
 
     def gather_units(self, part: Tensor, site: str, *, dim: int) -> Tensor:
         if self.tp is None:
@@ -87,6 +135,7 @@ class DistComm:
         for c in (self.tp, self.cp):
             if c is not None:
                 c.close()
+        self.progress.close()
 
 
 def _equal(coll: DeterministicCollective, x: Tensor, dim: int) -> list[int]:
@@ -101,18 +150,27 @@ class BaselineComm(DistComm):
         super().__init__(*args, **kwargs)
         self.act_dtype, self.tp_group = act_dtype, tp_group
 
-    def reduce_units(self, root: Tensor, site: str, *, scatter_rows: bool = False) -> Tensor:
+    def reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Tensor:
         if self.tp is None:
-            return root
+            return then(root) if then is not None else root
 
         def reduce() -> Tensor:
             x = root.to(self.act_dtype)  # people reduce the rounded partial (half the bytes)
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.tp_group)
             if scatter_rows and self.layout.sp:
                 x = x.tensor_split(self.layout.tp)[self.layout.coords(self.rank)[1]]
-            return x.to(torch.float32)
+            x = x.to(torch.float32)
+            return then(x) if then is not None else x
 
         return self._timed(site, reduce)
+
+    def start_reduce_units(
+        self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None
+    ) -> Callable[[], Tensor]:
+        out = self.reduce_units(root, site, scatter_rows=scatter_rows, then=then)
+        return lambda: out
 
 
 def build_comm(
@@ -124,25 +182,36 @@ def build_comm(
     device: torch.device,
     act_dtype: torch.dtype,
     progress: Progress,
-) -> DistComm:
-    """The comm of `rank`; every rank calls this with the same arguments (it creates the groups)."""
+    segment_bytes: int | None = None,
+) -> DistComm | None:
+    """The comm of `rank`; every rank of the world calls this with the same arguments (it creates the
+    groups). A rank outside the layout (a world larger than the layout, as a benchmark that runs
+    several layouts in one launch has) creates the groups and gets None."""
+    if mode not in ("deterministic", "baseline"):
+        raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")
     local_size = layout.local if layout.hierarchical else None
     algo = "hierarchical" if layout.hierarchical else algorithm
     tp_colls = [
-        new_collective(layout.tp_group(c), algorithm=algo, local_size=local_size, device=device)
+        new_collective(
+            layout.tp_group(c), algorithm=algo, local_size=local_size, device=device, segment_bytes=segment_bytes
+        )
         if layout.tp > 1
         else None
         for c in range(layout.cp)
     ]
     cp_colls = [
-        new_collective(layout.cp_group(t), algorithm=algorithm, device=device) if layout.cp > 1 else None
+        new_collective(layout.cp_group(t), algorithm=algorithm, device=device, segment_bytes=segment_bytes)
+        if layout.cp > 1
+        else None
         for t in range(layout.tp)
     ]
-    cp_index, tp_index = layout.coords(rank)
-    tp, cp = tp_colls[cp_index], cp_colls[tp_index]
-    if mode == "deterministic":
-        return DistComm(layout, rank, tp, cp, progress)
+    groups = None
     if mode == "baseline":
         groups = [dist.new_group(layout.tp_group(c)) if layout.tp > 1 else None for c in range(layout.cp)]
-        return BaselineComm(layout, rank, tp, cp, progress, act_dtype=act_dtype, tp_group=groups[cp_index])
-    raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")
+    if rank >= layout.world:
+        return None
+    cp_index, tp_index = layout.coords(rank)
+    tp, cp = tp_colls[cp_index], cp_colls[tp_index]
+    if groups is None:
+        return DistComm(layout, rank, tp, cp, progress)
+    return BaselineComm(layout, rank, tp, cp, progress, act_dtype=act_dtype, tp_group=groups[cp_index])

@@ -7,7 +7,9 @@
   runner    `h3lab run`: the canonical result, each layout on N processes, every byte compared
   summary   a run's summary as text (verdict lines, failure lines)
   golden    the published digests of a reference problem per node type (`h3lab verify`)
-  workers/  the modules torchrun starts (one rank of a layout, collective checks, eager TP)
+  eager_layouts    the eager baseline at a layout: groups, shards, rows
+  layout_diagnose  the layout benchmark's suspects of rank arrival skew, run on a rank's steps
+  workers/  the modules torchrun starts (one rank of a layout, collective checks, eager layouts, benchmark)
 
 May import: the core, io, model, reference, dist.
 """

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.batch import PackedBatch
 from h3lab.block import BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.config import H3Config, block_param_shapes
@@ -33,6 +34,24 @@ from h3lab.weights import BlockWeights
 
 ROW_TENSORS = ("out", "dx")
 _UNIT = re.compile(r"^(?P<prefix>(?:block\d+\.)?)dw\.(?P<grad>[^@]+)@u(?P<unit>\d)$")
+
+
+@dataclass(frozen=True, eq=False)
+class Inputs:
+    """A problem's batch and (for one block) weights, built once per process and reused by every
+    repeat: a repeat that built them between its barrier and its first collective would reach that
+    collective as late as its build was slow (synthetic real-size weights are drawn on the CPU),
+    and the other ranks' step would count the difference as their wait."""
+
+    weights: BlockWeights | None  # None for a chain: its blocks' weights come from the model's provider
+    batch: PackedBatch
+
+
+def prepare(problem: Problem, device: torch.device) -> Inputs | None:
+    """The inputs `compute` reuses across repeats; None for a trajectory (it builds its own)."""
+    if problem.task == "trajectory":
+        return None
+    return Inputs(problem.weights(device) if problem.task == "block" else None, problem.batch(device))
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,20 +69,22 @@ def compute(
     layout: Layout | None = None,
     rank: int = 0,
     trace: Trace | None = None,
+    inputs: Inputs | None = None,
 ) -> Computed:
     """This rank's tensors (all of them for the canonical process, `layout=None`) and its timings.
 
     With `problem.digests` only the row tensors (out, dx) stay tensors; every other tensor becomes
     its sha256 as soon as it exists — a 50-block real chain's weight gradients are 65 GB.
+    `inputs` (`prepare(problem, device)`): the weights and batch to use instead of building them.
     """
     shard = None if layout is None else _shard_fn(layout, rank)
     if problem.task == "trajectory":
         tensors, timings = _trajectory(problem, comm, device, shard)
         return _split(tensors, problem.digests, timings)
-    batch = problem.batch(device)
+    batch = inputs.batch if inputs is not None else problem.batch(device)
     local = batch if shard is None else shard(batch)
     if problem.task == "block":
-        w = problem.weights(device)
+        w = inputs.weights if inputs is not None and inputs.weights is not None else problem.weights(device)
         step = block_step(unit_weights(w, comm.units), local, comm, backend=problem.block_backend, trace=trace)
         return _split(_step_tensors(step, ""), problem.digests, step.timings)
     digests: dict[str, str] = {}

@@ -3,6 +3,7 @@
 rank              one rank of a layout: the block (or chain, trajectory) on its rows and units
 agent             torchrun with every TCP store of a one-machine run on 127.0.0.1
 collective_check  deterministic collectives against the local tree; their bandwidth
-eager_tp          the eager, non-deterministic TP block timed on every rank
+eager_tp          the eager, non-deterministic block (TP, or any layout) timed on every rank
+layout_bench      one rank of the layout benchmark: deterministic and eager steps, every collective timed
 hello             joins the process group and reports (a launch smoke test)
 """

@@ -1,7 +1,8 @@
 """Worker: deterministic collectives against the local balanced tree, bit for bit; or a bandwidth bench.
 
     python -m h3lab.run.workers.collective_check OUT_DIR [--configs all:gather_tree ...] [--shapes 7,33x17]
-    python -m h3lab.run.workers.collective_check OUT_DIR --bench --device cuda --backend nccl --bench-mib 1,1024
+    python -m h3lab.run.workers.collective_check OUT_DIR --bench --device cuda --backend nccl --bench-mib 1,1024 \
+        [--local-sizes 2] [--segment-mib 32]
 
 Launched only through `h3lab.run.launch.launch`. Every rank regenerates every member's partial from
 (seed, case, rank), so it computes the expected tree itself and nothing large is shipped back.
@@ -24,10 +25,13 @@ from torch import Tensor
 
 from h3lab.dist.collectives import DeterministicCollective, new_collective
 from h3lab.io.jsonfile import write_json
-from h3lab.metrics import bitwise_equal, sha256_tensor
-from h3lab.ops.fixed import balanced_tree
+from h3lab.metrics import bitwise_equal
+from h3lab.ops.fixed import balanced_tree, round_to
 
 DEFAULT_SHAPES = "1,7,9973,65537,33x17,3x5"  # odd numels, 2-D, and fewer rows than members (empty chunks)
+# scatter_tree configs are checked pipelined too, with segments this small: 9973 and 65537 FP32
+# elements give 3 and 17 segments, the last one short (padded)
+CHECK_SEGMENT_BYTES = 16 << 10
 
 
 def partial(seed: int, case: int, rank: int, shape: tuple[int, ...]) -> Tensor:
@@ -49,10 +53,21 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split("x"))
 
 
+def _to_bf16(t: Tensor) -> Tensor:
+    return round_to(t, torch.bfloat16)
+
+
 def check_shape(
-    coll: DeterministicCollective, name: str, shape: tuple[int, ...], case: int, seed: int, device: torch.device
+    coll: DeterministicCollective,
+    name: str,
+    shape: tuple[int, ...],
+    case: int,
+    seed: int,
+    device: torch.device,
+    segmented: DeterministicCollective | None = None,
 ) -> dict:
-    """All verdicts for one shape on one collective (this rank is a member)."""
+    """All verdicts for one shape on one collective (this rank is a member); `segmented`: the same
+    collective with pipelined segments, checked against the same tree."""
     members, me = coll.members, coll.index
     P = len(members)
     verdicts: dict[str, bool] = {}
@@ -68,6 +83,23 @@ def check_shape(
             chunk, torch.tensor_split(got, P, dim=0)[me]
         )
         verdicts[f"input_unchanged.{rep}"] = bitwise_equal(x, parts[me])
+        started = coll.start_all_reduce(x, f"{name}/{shape}/start_all_reduce")
+        verdicts[f"start_all_reduce.{rep}"] = bitwise_equal(started(), expected)
+        started = coll.start_reduce_scatter(x, f"{name}/{shape}/start_reduce_scatter")
+        verdicts[f"start_reduce_scatter.{rep}"] = bitwise_equal(started(), torch.tensor_split(expected, P, dim=0)[me])
+        # finished before sharing (the block's rounding to bf16): every path gives round(tree)
+        rounded = round_to(expected, torch.bfloat16)
+        got = coll.all_reduce(x, f"{name}/{shape}/then_all_reduce", then=_to_bf16)
+        verdicts[f"then_all_reduce.{rep}"] = bitwise_equal(got, rounded)
+        got = coll.reduce_scatter(x, f"{name}/{shape}/then_reduce_scatter", then=_to_bf16)
+        verdicts[f"then_reduce_scatter.{rep}"] = bitwise_equal(got, torch.tensor_split(rounded, P, dim=0)[me])
+        started = coll.start_all_reduce(x, f"{name}/{shape}/then_start_all_reduce", then=_to_bf16)
+        verdicts[f"then_start_all_reduce.{rep}"] = bitwise_equal(started(), rounded)
+        if segmented is not None:
+            got = segmented.all_reduce(x, f"{name}/{shape}/segmented")
+            verdicts[f"segmented_all_reduce.{rep}"] = bitwise_equal(got, expected)
+            got = segmented.all_reduce(x, f"{name}/{shape}/then_segmented", then=_to_bf16)
+            verdicts[f"then_segmented_all_reduce.{rep}"] = bitwise_equal(got, rounded)
     # all_gather: member i contributes shape[0] + i rows (uneven), along dim 0 and along the last dim
     for dim in sorted({0, len(shape) - 1}):
         pieces = []
@@ -110,14 +142,18 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> dict:
         ranks, algorithm, local_size = parse_config(config, world)
         created = time.perf_counter()
         coll = new_collective(ranks, algorithm=algorithm, local_size=local_size, device=device)
+        segmented = None
+        if algorithm == "scatter_tree":
+            segmented = new_collective(ranks, algorithm=algorithm, device=device, segment_bytes=CHECK_SEGMENT_BYTES)
         created = time.perf_counter() - created
         if coll.index is None:
             errors[f"{config}/non_member"] = expect_value_error(lambda c=coll: c.all_reduce(torch.ones(3), "x"))
             coll.close()
             continue
+        seg_sites = segmented.decisions if segmented is not None else list
         start = time.perf_counter()
         for si, shape in enumerate(shapes):
-            row = check_shape(coll, config, shape, (ci * 100 + si) * 10, args.seed, device)
+            row = check_shape(coll, config, shape, (ci * 100 + si) * 10, args.seed, device, segmented)
             row.update(
                 config=config,
                 ranks=ranks,
@@ -144,6 +180,7 @@ def run_checks(args: argparse.Namespace, device: torch.device) -> dict:
             "create_seconds": created,
             "shm_token": token,
             "shm_leftovers": leftovers,
+            "segmented_decisions": seg_sites(),
         }
         coll.close()
         errors[f"{config}/closed"] = expect_value_error(lambda c=coll: c.all_reduce(torch.ones(3), "x"))
@@ -162,60 +199,67 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_bench(args: argparse.Namespace, device: torch.device) -> dict:
-    """Median all_reduce time per (size, algorithm) against the backend's own all_reduce (SUM)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    colls = {
+def bench_partial(seed: int, rank: int, numel: int, device: torch.device) -> Tensor:
+    """`partial`'s distribution drawn on `device` (its generator): every rank draws every member's
+    partial of a GiB-size message in milliseconds, so each checks the tree itself."""
+    g = torch.Generator(device).manual_seed(seed * 4099 + rank)
+    scale = torch.exp2(torch.randint(-12, 12, (numel,), generator=g, device=device).to(torch.float32))
+    return torch.randn(numel, generator=g, device=device) * scale
+
+
+def _timed_ms(fn, device: torch.device) -> tuple[float, Tensor]:
+    """(milliseconds, result) of one call after a barrier and a device synchronisation: CUDA events
+    on the current stream (the collective's wait included), wall clock on CPU."""
+    dist.barrier()
+    _sync(device)
+    if device.type != "cuda":
+        t = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t) * 1e3, out
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), out
+
+
+def bench_collectives(args: argparse.Namespace, world: int, device: torch.device) -> dict:
+    """Ours (per algorithm) and the backend's own sum for all_reduce and reduce_scatter."""
+    ours = {
         alg: new_collective(list(range(world)), algorithm=alg, device=device) for alg in ("gather_tree", "scatter_tree")
     }
+    if args.segment_mib:
+        seg = int(float(args.segment_mib) * (1 << 20))
+        ours[f"scatter_tree/seg{args.segment_mib}MiB"] = new_collective(
+            list(range(world)), algorithm="scatter_tree", device=device, segment_bytes=seg
+        )
     for L in (int(v) for v in args.local_sizes.split(",") if v):
-        colls[f"hierarchical:{L}"] = new_collective(
+        ours[f"hierarchical:{L}"] = new_collective(
             list(range(world)), algorithm="hierarchical", local_size=L, device=device
         )
+    return ours
+
+
+def run_bench(args: argparse.Namespace, device: torch.device) -> dict:
+    """Median time per (op, size, algorithm) against the backend's all_reduce / reduce_scatter (SUM),
+    each of ours checked bit for bit against the local balanced tree of every member's partial."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    colls = bench_collectives(args, world, device)
     rows = []
     for mib in (float(v) for v in args.bench_mib.split(",")):
-        numel = max(1, int(mib * (1 << 20)) // 4)
+        numel = max(world, int(mib * (1 << 20)) // 4 // world * world)  # even chunks for the backend's reduce_scatter
         nbytes = numel * 4
-        x = partial(args.seed, 0, rank, (numel,)).to(device)
-        hashes = {}
-        for name in [*colls, "backend_all_reduce"]:
-            times = []
-            for it in range(args.warmup + args.iters):
-                dist.barrier()
-                _sync(device)
-                t0 = time.perf_counter()
-                if name == "backend_all_reduce":
-                    out = x.clone()
-                    dist.all_reduce(out)
-                else:
-                    out = colls[name].all_reduce(x, f"bench/{mib}")
-                _sync(device)
-                if it >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-                if it == 0:
-                    hashes[name] = sha256_tensor(out.cpu())
-            t = statistics.median(times)
-            alg_bw = nbytes / t / 1e9  # nccl-tests conventions: busBw = algBw * 2(P-1)/P for all_reduce
-            rows.append(
-                {
-                    "mib": mib,
-                    "bytes": nbytes,
-                    "name": name,
-                    "median_s": t,
-                    "min_s": min(times),
-                    "alg_bw_gbs": alg_bw,
-                    "bus_bw_gbs": alg_bw * 2 * (world - 1) / world,
-                }
-            )
-        ours = {h for n, h in hashes.items() if n != "backend_all_reduce"}
-        rows.append(
-            {
-                "mib": mib,
-                "name": "bitwise",
-                "ours_agree": len(ours) == 1,
-                "backend_sum_equal_ours": hashes["backend_all_reduce"] in ours,
-            }
-        )
+        parts = [bench_partial(args.seed, q, numel, device) for q in range(world)]
+        expected = balanced_tree(parts)
+        x = parts[rank]
+        del parts
+        for op in ("all_reduce", "reduce_scatter"):
+            want = expected if op == "all_reduce" else torch.tensor_split(expected, world)[rank]
+            for name in [*colls, "backend"]:
+                row = _bench_one(args, colls, name, op, x, want, world, device)
+                rows.append(row | {"mib": mib, "bytes": nbytes, "op": op, "name": name})
+        del expected, x
     decisions = {name: c.decisions() for name, c in colls.items()}
     for c in colls.values():
         c.close()
@@ -228,6 +272,41 @@ def run_bench(args: argparse.Namespace, device: torch.device) -> dict:
         "decisions": decisions,
         "iters": args.iters,
         "warmup": args.warmup,
+        "timing": "CUDA events after a barrier and a device synchronisation" if device.type == "cuda" else "wall",
+    }
+
+
+def _bench_one(args, colls: dict, name: str, op: str, x: Tensor, want: Tensor, world: int, device) -> dict:
+    def call() -> Tensor:
+        if name != "backend":
+            coll = colls[name]
+            return coll.all_reduce(x, f"bench/{op}") if op == "all_reduce" else coll.reduce_scatter(x, f"bench/{op}")
+        if op == "all_reduce":
+            out = x.clone()
+            dist.all_reduce(out)
+            return out
+        out = x.new_empty(x.numel() // world)
+        dist.reduce_scatter_tensor(out, x)
+        return out
+
+    times, equal = [], None
+    for it in range(args.warmup + args.iters):
+        ms, out = _timed_ms(call, device)
+        if it == 0:
+            equal = bitwise_equal(out, want)
+        if it >= args.warmup:
+            times.append(ms)
+        del out
+    t = statistics.median(times) / 1e3
+    alg_bw = x.numel() * 4 / t / 1e9  # nccl-tests: S = the input bytes per rank for both ops
+    factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+    return {
+        "median_s": t,
+        "min_s": min(times) / 1e3,
+        "max_s": max(times) / 1e3,
+        "alg_bw_gbs": alg_bw,
+        "bus_bw_gbs": alg_bw * factor,
+        "bitwise_equal_tree": equal,
     }
 
 
@@ -245,13 +324,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bench-mib", default="0.0625,0.25,1,4", help="partial sizes in MiB (FP32)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--segment-mib", default="", help="--bench: also scatter_tree pipelined in segments of this")
     args = parser.parse_args(argv)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    dist.init_process_group(args.backend)
+    dist.init_process_group(args.backend, device_id=device if args.backend == "nccl" else None)
     try:
         record = run_bench(args, device) if args.bench else run_checks(args, device)
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,14 @@
-"""Worker: the eager, non-deterministic TP block (h3lab.reference.eager) timed on every rank.
+"""Worker: the eager, non-deterministic block (h3lab.reference.eager) at a layout, timed on every rank.
 
     python -m h3lab.run.workers.eager_tp OUT_DIR --config real --rows 264,4096 --device cuda [--reps 10]
+    python -m h3lab.run.workers.eager_tp OUT_DIR --config tiny --rows 32 --layouts tp2+sp,cp2 --save
 
-Launched only through `h3lab.run.launch.launch` with one process per TP rank (NCCL on distinct GPUs,
-gloo on CPU). Writes OUT_DIR/rank{r}.json: per row count the median forward and forward+backward
-seconds (CUDA-synchronised, after warm-up), and with --save the rank's out, dx and dW as
-safetensors (for the CPU test that checks the sharding against the unsharded eager block).
+Launched only through `h3lab.run.launch.launch` with one process per rank (NCCL on distinct GPUs,
+gloo on CPU). Without --layouts: Megatron TP over all ranks (the default group). Writes
+OUT_DIR/rank{r}.json: per row count the median forward and forward+backward seconds
+(CUDA-synchronised, after warm-up), and with --save the rank's out, dx and dW as safetensors
+(rank{r}.safetensors, or rank{r}.<layout>.safetensors per layout), for the CPU tests that check
+the sharding against the unsharded eager block.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from torch import Tensor
 
 from h3lab.batch import packed_batch
 from h3lab.config import H3Config
+from h3lab.dist.layout import parse_layouts
 from h3lab.io.jsonfile import write_json
 from h3lab.reference.eager import eager_block, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
+from h3lab.run.eager_layouts import eager_groups, eager_inputs, eager_parallel
 from h3lab.weights import BlockWeights, synthetic_block
 
 
@@ -62,6 +67,29 @@ def _measure(
     }
 
 
+def _layouts(a: argparse.Namespace, w: BlockWeights, rank: int, world: int, device: torch.device) -> dict:
+    """Each layout of --layouts at the first row count: median seconds, and with --save its tensors."""
+    out = {}
+    rows = int(a.rows.split(",")[0])
+    full = packed_batch(w.config, rows, seed=1).to(device)
+    for layout in parse_layouts(a.layouts):
+        if layout.world != world:
+            raise ValueError(f"layout {layout.name} needs {layout.world} ranks; allowed: layouts of {world} ranks")
+        inp = eager_inputs(w, full, layout, rank)
+        par = eager_parallel(layout, eager_groups(layout, rank))
+
+        def step(backward: bool, inp=inp, par=par) -> dict[str, Tensor]:
+            return eager_block(w, inp.batch, inp.cos, inp.sin, backward, shard=inp.shard, parallel=par)
+
+        if a.save:
+            name = layout.name.replace("+", "_").replace(":", "_")
+            save_file(
+                {k: v.contiguous().cpu() for k, v in step(True).items()}, str(a.out / f"rank{rank}.{name}.safetensors")
+            )
+        out[layout.name] = {"fwd_bwd_median_s": _median_s(lambda step=step: step(True), a.reps, device)}
+    return out
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="h3lab.run.workers.eager_tp")
     ap.add_argument("out", type=Path)
@@ -70,6 +98,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--save", action="store_true", help="also write each rank's tensors (first row count)")
+    ap.add_argument("--layouts", default="", help="comma-separated layouts of this world size (tp2+sp, cp2, ...)")
     a = ap.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if a.device == "cuda":
@@ -82,11 +111,14 @@ def main(argv: list[str]) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     c = H3Config.named(a.config)
     w = synthetic_block(c, 0, seed=0, device=device)  # the generator of the device: the same on every rank
-    shard = tp_shard(w, rank, world)
     record: dict = {"rank": rank, "world": world, "device": str(device), "backend": dist.get_backend(), "rows": {}}
-    for i, rows in enumerate(int(r) for r in a.rows.split(",")):
-        save = a.out / f"rank{rank}.safetensors" if a.save and i == 0 else None
-        record["rows"][rows] = _measure(w, shard, rows, a.reps, device, save)
+    if a.layouts:
+        record["layouts"] = _layouts(a, w, rank, world, device)
+    else:
+        shard = tp_shard(w, rank, world)
+        for i, rows in enumerate(int(r) for r in a.rows.split(",")):
+            save = a.out / f"rank{rank}.safetensors" if a.save and i == 0 else None
+            record["rows"][rows] = _measure(w, shard, rows, a.reps, device, save)
     write_json(a.out / f"rank{rank}.json", record)
     dist.destroy_process_group()
     return 0
