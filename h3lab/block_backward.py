@@ -14,6 +14,7 @@ Dimension legend: as h3lab.block_forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -92,13 +93,16 @@ def _ffn_backward(step: Step, rows: Rows, mod: Modulation, grad_out: Tensor, tap
     dh, dg = be.swiglu_bwd(da, h, g, act)
     dh, dg = tr("d.ff.hidden", dh, "tp_units"), tr("d.ff.gate", dg, "tp_units")
     root = be.unit_reduce([(dh, loc["hidden"]), (dg, loc["gate"])], step.num_units)  # hidden, then gate
-    dm2 = tr("d.norm2", be.round(rs.comm.reduce_units(root, "ff.net.0.dx", scatter_rows=True), act), "local")
+    # the reduction's bytes move while the weight-gradient GEMMs below run (they do not need it); each
+    # owner rounds its sums before they are shared
+    finish_dm2 = rs.comm.start_reduce_units(root, "ff.net.0.dx", scatter_rows=True, then=partial(be.round, dtype=act))
     # hidden's and gate's weight gradients as one GEMM over [dh | dg] (a view of the Triton kernel's
     # one buffer; a copy on torch) into one [2 F_local, D] tensor, ff.net.0's own layout: as two GEMMs,
     # handing out ff.net.0 would copy it (reports/h200/README.md, session 11). Per element the same chain.
     dw_ff0 = be.row_mm(rs.seq(join([dh, dg], dim=1), "cp.gather.dhg"), m2_seq, rows.order, w_dt)  # [2 F_local, D]
     dw["ff.net.2.weight"] = be.row_mm(dy_seq, rs.seq(a, "cp.gather.a"), rows.order, w_dt)  # [D, F_local]
     dw["ff.hidden"], dw["ff.gate"] = dw_ff0[: h.shape[1]], dw_ff0[h.shape[1] :]  # [F_local, D] each
+    dm2 = tr("d.norm2", finish_dm2(), "local")
     tape.put(FfnGrads(g_out, d_gate_mlp, dm2))
 
 
@@ -156,10 +160,12 @@ def _qkv_backward(step: Step, rows: Rows, tape: Tape, dw: dict[str, Tensor]) -> 
     dq, dk, dv = dq.reshape(R_tp, -1), dk.reshape(R_tp, -1), be.round(dv, act).reshape(R_tp, -1)
     dq, dk, dv = (tr(f"d.attn.to_{n}", t, "tp_units") for n, t in (("q", dq), ("k", dk), ("v", dv)))
     root = be.unit_reduce([(dq, loc["q"]), (dk, loc["k"]), (dv, loc["v"])], step.num_units)  # q, k, v
-    dm1 = tr("d.norm1", be.round(rs.comm.reduce_units(root, "attn.qkv.dx", scatter_rows=True), act), "local")
+    # moves during the weight-gradient GEMMs below, rounded by each owner before it is shared
+    finish_dm1 = rs.comm.start_reduce_units(root, "attn.qkv.dx", scatter_rows=True, then=partial(be.round, dtype=act))
     m1_seq = rs.seq(m1_tp, "cp.gather.m1")
     for name, d in (("attn.to_q.weight", dq), ("attn.to_k.weight", dk), ("attn.to_v.weight", dv)):
         dw[name] = be.row_mm(rs.seq(d, f"cp.gather.d{name[8]}"), m1_seq, rows.order, step.w_dt)  # [A_local, D]
+    dm1 = tr("d.norm1", finish_dm1(), "local")
     return dm1, dwq_rows, dwk_rows
 
 

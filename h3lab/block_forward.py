@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, Protocol, TypeVar
 
 import torch
@@ -235,7 +236,8 @@ def _ffn_forward(step: Step, x: Tensor, attn: Tensor, mod: Modulation, tape: Tap
     be, tr, rs, act, U = step.be, step.tr, step.rs, step.act, step.num_units
     rep, loc = step.uw.replicated, step.uw.local
     root = be.unit_reduce([(attn, loc["out"].t())], U)
-    o_proj = tr("attn.to_out.0", be.round(rs.comm.reduce_units(root, "attn.to_out.0", scatter_rows=True), act), "local")
+    rnd = partial(be.round, dtype=act)  # runs on each owner's sums before they are shared
+    o_proj = tr("attn.to_out.0", rs.comm.reduce_units(root, "attn.to_out.0", scatter_rows=True, then=rnd), "local")
     x1 = tr("residual1", be.gated_residual(x, mod.gate_msa, o_proj, act), "local")
     m2 = be.rms_modulate_fwd(x1, rep["norm2.weight"], mod.scale_mlp, mod.shift_mlp, step.config.norm_eps, act)
     m2_tp = rs.tp(tr("norm2", m2, "local"), "sp.gather.m2")
@@ -243,7 +245,7 @@ def _ffn_forward(step: Step, x: Tensor, attn: Tensor, mod: Modulation, tape: Tap
     g = tr("ff.gate", be.mm(m2_tp, loc["gate"].t(), act), "tp_units")
     a = tr("ff.swiglu", be.swiglu_fwd(h, g, act), "tp_units")
     root = be.unit_reduce([(a, loc["down"].t())], U)
-    y = tr("ff.net.2", be.round(rs.comm.reduce_units(root, "ff.net.2", scatter_rows=True), act), "local")
+    y = tr("ff.net.2", rs.comm.reduce_units(root, "ff.net.2", scatter_rows=True, then=rnd), "local")
     out = tr("out", be.gated_residual(x1, mod.gate_mlp, y, act), "local")
     tape.put(ToOutSaved(x1, o_proj, attn))
     tape.put(FfnSaved(y, m2_tp, h, g, a))
