@@ -7,6 +7,9 @@ H3 packs text, video and audio rows into one sequence; every row carries its Ada
 key. The key, not the physical position, names a row: weight gradients reduce rows in ascending
 key order, so any permutation or sharding of the rows gives the same bytes. Rows whose first key
 is negative are padding: dropped from every reduction, never an attention key, zero in `out`/`dx`.
+
+Non-finite inputs are refused (the contract's rule 6, h3lab.contract): hidden_states and grad_out
+in active rows, temb and position_ids must be finite; padding rows may hold anything.
 """
 
 from __future__ import annotations
@@ -22,6 +25,20 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 MODALITY_VIDEO, MODALITY_TEXT, MODALITY_AUDIO = 0, 1, 2
 POSITION_DTYPES = (torch.int64, torch.float64)
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed onto 2**64 + seed:
+# seeds are the non-negative half, so one seed names one random stream
+SEED_MAX = 2**64 - 1
+
+
+def check_seed(seed: object, name: str = "seed") -> int:
+    """`seed` as an int in [0, SEED_MAX].
+
+    Raises:
+        ValueError: not an int, or outside the torch generator's range.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"{name}={seed!r}; allowed: an int in [0, 2**64 - 1] (torch.Generator's seeds)")
+    return seed
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -33,10 +50,18 @@ class PackedBatch:
     adaln_indices: Tensor  # [S] int64 in [0, 3T)
     position_ids: Tensor  # [S, 3] (t, h, w), int64 or float64 (the pipeline's fractional grid; RoPE reads float32)
     logical_keys: Tensor  # [S, 2] int64; first key < 0 marks padding
-    grad_out: Tensor  # [S, D], dtype of hidden_states
+    # [S, D], dtype of hidden_states: the upstream gradient of the block's backward; a forward-only
+    # step passes zeros that hold no memory, torch.zeros((), dtype=...).expand(S, D)
+    grad_out: Tensor | None = None
 
     def __post_init__(self) -> None:
         h, g = self.hidden_states, self.grad_out
+        _expect(
+            isinstance(g, Tensor),
+            "grad_out",
+            f"missing ({type(g).__name__}); allowed: a [S, D] tensor of hidden_states' dtype, the "
+            "upstream gradient (a forward-only step: torch.zeros((), dtype=...).expand(S, D))",
+        )
         _expect(h.ndim == 2, "hidden_states", f"must be 2-D [S, hidden], got shape {list(h.shape)}")
         _expect(
             h.dtype in ACTIVATION_DTYPES,
@@ -76,11 +101,33 @@ class PackedBatch:
             "adaln_indices",
             f"values span [{lo}, {hi}]; allowed: [0, {rows - 1}] (3 modalities x {rows // 3} timesteps)",
         )
+        self._check_finite()
         keys = self.logical_keys[self.active]
         if keys.shape[0] != torch.unique(keys, dim=0).shape[0]:
             _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
             dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
             raise ValueError(f"logical_keys: duplicate active key {dup}; active keys must be unique")
+
+    def _check_finite(self) -> None:
+        """NaN or Inf in an input the block reads: refused, with one host sync for all four checks."""
+        active = self.active
+        counts = torch.stack(
+            [
+                (~torch.isfinite(self.hidden_states).all(dim=1) & active).sum(),
+                (~torch.isfinite(self.grad_out).all(dim=1) & active).sum(),
+                (~torch.isfinite(self.temb)).sum(),
+                (~torch.isfinite(self.position_ids)).sum(),
+            ]
+        ).tolist()
+        names = ("hidden_states", "grad_out", "temb", "position_ids")
+        units = ("active rows", "active rows", "values", "values")
+        for name, unit, n in zip(names, units, counts, strict=True):
+            _expect(
+                n == 0,
+                name,
+                f"{n} {unit} hold NaN or Inf; allowed: finite values (strict mode: the contract's bits "
+                "are defined for finite inputs; padding rows may hold anything)",
+            )
 
     @property
     def num_rows(self) -> int:
@@ -141,7 +188,7 @@ def packed_batch(
         raise ValueError(f"num_timesteps must be an int >= 2, got {num_timesteps!r}")
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype {dtype} not allowed; allowed: {list(ACTIVATION_DTYPES)}")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(check_seed(seed))
     modality, timestep, pos = _pack_layout(rows, num_timesteps)
     S, D = rows + padding, config.hidden_size
     keys = torch.stack([torch.zeros(rows, dtype=torch.int64), torch.arange(rows)], dim=1)

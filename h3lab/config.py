@@ -142,7 +142,13 @@ class H3Config:
             path = path / "config.json"
         if not path.is_file():
             raise ValueError(f"no config.json at {str(path)!r}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not JSON ({err}); allowed: a JSON object of config keys") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a JSON {type(raw).__name__}; allowed: a JSON object of config keys")
+        return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

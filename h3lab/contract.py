@@ -16,6 +16,16 @@
 4. Every op computes in FP32 from its stored inputs and rounds once to its output dtype.
 5. Strict mode fails closed: TF32 and reduced-precision reductions off; unsupported dtypes,
    shapes and devices raise `ValueError` instead of falling back.
+6. Inputs are finite. A NaN or Inf in an active row of hidden_states or grad_out, in temb, in
+   position_ids or in a weight loaded from a checkpoint raises `ValueError` (padding rows may hold
+   anything: they reach no result). Rules 2-4 fix the bits of every finite result; IEEE 754 does
+   not fix which NaN an op returns from NaN operands, and hardware differs, so the contract makes
+   no claim about NaN bits and does not pretend to by computing on them. The checks run where
+   inputs enter (PackedBatch construction, once per batch; the checkpoint loader), never inside the
+   block step: a host check of finiteness is a device sync. Finite inputs can still give non-finite
+   results (an overflow to Inf): every comparison counts non-finite elements on both sides
+   (`h3lab.metrics.compare`), and a run's summary warns when the canonical result holds any, since
+   a NaN compares equal to itself bit for bit.
 """
 
 from __future__ import annotations
@@ -102,4 +112,6 @@ def describe() -> dict[str, object]:
         "row_order": "ascending logical_keys, padding (first key < 0) dropped",
         "fused_dx_order": {"attn": "q,k,v", "ff.net.0": "hidden,gate"},
         "strict": {"tf32": False, "reduced_precision_reduction": False, "fallback": None},
+        "nonfinite_inputs": "refused (active rows of hidden_states and grad_out, temb, position_ids, loaded weights)",
+        "nonfinite_results": "counted in every comparison; the run summary warns",
     }

@@ -7,7 +7,9 @@ maximum ULP distance. ULPs use the monotone integer map of Dawson / numpy `nulp_
 int64 so bf16 and fp32 distances are exact. Conventions, chosen explicitly:
   * +0 and -0 are 0 ULP apart but are a byte difference (`bitwise_equal` is False, `num_differing` counts them);
   * two NaNs with identical bits are equal (0 ULP); one NaN, or two NaNs with different payloads, is a
-    "NaN mismatch": counted separately and given the distance `NAN_MISMATCH` (-1) in ULP tensors.
+    "NaN mismatch": counted separately and given the distance `NAN_MISMATCH` (-1) in ULP tensors;
+  * so a NaN (or an Inf) compares equal to itself bit for bit: `compare` also counts the non-finite
+    elements of each side (`nonfinite_a`, `nonfinite_b`), so a pass over NaNs is never silent.
 """
 
 from __future__ import annotations
@@ -111,6 +113,13 @@ def _nan_mismatch(a: Tensor, b: Tensor) -> Tensor:
     return (nan_a != nan_b) | (nan_a & nan_b & (bit_pattern(a) != bit_pattern(b)))
 
 
+def count_nonfinite(t: Tensor) -> int:
+    """How many elements of a float tensor are NaN or +-Inf (0 for integer tensors); a host sync."""
+    if not t.dtype.is_floating_point:
+        return 0
+    return int((~torch.isfinite(t.detach())).sum())
+
+
 def ulp_map(a: Tensor, b: Tensor) -> Tensor:
     """`ulp_distance(a, b)`: int64 distances in the shape of `a`, for heatmaps (-1 marks NaN mismatches)."""
     return ulp_distance(a, b)
@@ -138,6 +147,8 @@ class Comparison:
     frac_differing: float
     max_ulp: int  # over elements that are not NaN mismatches; 0 when bitwise equal
     nan_mismatches: int
+    nonfinite_a: int  # NaN or +-Inf elements of a: equal bits there say nothing about the values
+    nonfinite_b: int
     first_diff: int | None  # flat row-major index of the first differing element
     first_diff_index: list[int] | None  # the same element as a multi-dimensional index
     sha256_a: str
@@ -193,6 +204,8 @@ def compare(a: Tensor, b: Tensor, name: str | None = None) -> Comparison:
         frac_differing=num_differing / a.numel() if a.numel() else 0.0,
         max_ulp=_max_ulp(dist_N),
         nan_mismatches=int((dist_N == NAN_MISMATCH).sum()),
+        nonfinite_a=count_nonfinite(a),
+        nonfinite_b=count_nonfinite(b),
         first_diff=first,
         first_diff_index=None if first is None else [int(i) for i in torch.unravel_index(torch.tensor(first), a.shape)],
         sha256_a=sha256_tensor(a),

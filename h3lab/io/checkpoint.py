@@ -41,6 +41,7 @@ from h3lab.io.manifest import (
     verify_tensor,
     write_manifest,
 )
+from h3lab.metrics import count_nonfinite
 from h3lab.weights import BlockWeights, synthetic_tensor
 
 __all__ = ["load_block", "load_tensors", "synthesize_checkpoint", "write_manifest"]
@@ -308,3 +309,6 @@ def _check_against_config(key: str, t: Tensor, shape: tuple[int, ...], path: Pat
         raise ValueError(
             f"{key}: dtype {dtype_name(t.dtype)} in {path}, the MiniMax-H3 checkpoint stores {dtype_name(want)}"
         )
+    bad = count_nonfinite(t)  # strict mode (h3lab.contract, rule 6): weights are finite
+    if bad:
+        raise ValueError(f"{key}: {bad} values in {path} are NaN or Inf; allowed: finite weights")
