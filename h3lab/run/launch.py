@@ -4,15 +4,19 @@ Workers are modules inside h3lab (never notebook cells). Every launched process 
 token in its environment; whatever happens (success, a raising rank, a hang past the timeout, a
 killed rank, Ctrl-C), `launch` ends by killing every process that carries the token, so no orphan
 outlives it and the next launch is unaffected. torchrun starts each worker in its own session,
-which is why a process-group kill alone would not reach them.
+which is why a process-group kill alone would not reach them. Where the launcher itself dies
+without that sweep (SIGKILL), every launched process follows it through its lifeline
+(h3lab.run.lifeline).
 
-On one machine the rendezvous store listens on 127.0.0.1 only (h3lab.run.workers.agent pre-binds it);
-across machines `rdzv_endpoint`, `nnodes` and `node_rank` are passed through to torchrun.
+Every agent runs through h3lab's wrapper (h3lab.run.workers.agent), which binds each TCP store it
+hosts to one address, never the wildcard: 127.0.0.1 on one machine; across machines
+(`rdzv_endpoint`, `nnodes`, `node_rank`) the endpoint's address, hosted by node 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -20,11 +24,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from h3lab.run.lifeline import LIFELINE_VAR, extended
 
 TOKEN_VAR = "H3LAB_RUN_TOKEN"
 # Keep NVLink multicast off wherever workers start: a program using it can take a shared host's
@@ -33,14 +39,16 @@ SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
-    "GLOO_SOCKET_IFNAME": "lo",
     "PYTHONUNBUFFERED": "1",
 }
+# Processes one machine starts for one launch: 8 GPUs x 8 processes; past that a layout belongs on
+# several machines (`:NxL` with --nnodes), and every CPU rank holds its own copy of torch.
+MAX_LOCAL_PROCESSES = 64
 
 
 @dataclass(frozen=True)
 class LaunchResult:
-    """How one torchrun launch ended."""
+    """How one launch ended."""
 
     returncode: int  # torchrun's exit status (non-zero if any rank failed); -1 when killed on timeout
     timed_out: bool
@@ -49,16 +57,61 @@ class LaunchResult:
     agent_logs: list[Path]
     token: str  # the value of H3LAB_RUN_TOKEN every process of this launch carried
     killed_leftovers: list[int] = field(default_factory=list)  # pids still alive at the end, killed
+    # each agent's exit status (negative: killed by that signal); None: still running at the end,
+    # stopped by the launcher (a timeout, or another agent failed first)
+    agent_codes: list[int | None] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 
 
+def new_token() -> str:
+    """A run token: every process of a run carries it in H3LAB_RUN_TOKEN."""
+    return uuid.uuid4().hex
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    return False
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT (or [v6]:PORT) -> (host, port).
+
+    Raises:
+        ValueError: not HOST:PORT with a port in 1..65535.
+    """
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rendezvous endpoint {endpoint!r}; allowed: HOST:PORT with a port in 1..65535")
+    return host.strip("[]"), int(port)
+
+
+def worker_env(
+    base: Mapping[str, str], token: str, *, endpoint_host: str | None, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of every launched process: `base`, the safety settings, the run token and
+    the lifeline. One machine (`endpoint_host` None, or a loopback endpoint the user gave no
+    interface for) keeps gloo on the loopback interface; across machines the user's
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are left as they are."""
+    env = {**base, **SAFE_ENV, **(extra or {}), TOKEN_VAR: token, LIFELINE_VAR: extended(base)}
+    if endpoint_host is None:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    elif is_loopback(endpoint_host):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the cores; torchrun would set 1 and warn
+    return env
 
 
 def torchrun_command(
@@ -70,22 +123,27 @@ def torchrun_command(
     node_rank: int = 0,
     rdzv_endpoint: str,
     rdzv_id: str,
-    local: bool,
-    is_host: bool | None = None,
+    local_addr: str | None,
+    is_host: bool,
 ) -> list[str]:
-    """The torchrun command line (through h3lab's agent wrapper when `local`)."""
-    launcher = ["-m", "h3lab.run.workers.agent", "--local-addr=127.0.0.1"] if local else ["-m", "torch.distributed.run"]
-    conf = [] if is_host is None else ["--rdzv-conf", f"is_host={str(is_host).lower()}"]
+    """The torchrun command line, through h3lab's agent wrapper (stores bound to one address).
+
+    `local_addr`: the address this agent advertises and hosts the workers' store on (None:
+    torchrun's default, the machine's name); `is_host`: whether this agent hosts the rendezvous
+    store (node 0)."""
     return [
         sys.executable,
-        *launcher,
+        "-m",
+        "h3lab.run.workers.agent",
+        *([f"--local-addr={local_addr}"] if local_addr else []),
         f"--nnodes={nnodes}",
         f"--node-rank={node_rank}",
         f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv_endpoint}",
         f"--rdzv-id={rdzv_id}",
-        *conf,
+        "--rdzv-conf",
+        f"is_host={str(is_host).lower()}",
         "--max-restarts=0",
         "--monitor-interval=0.1",
         "-m",
@@ -106,6 +164,8 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     env: dict[str, str] | None = None,
+    token: str | None = None,
+    rdzv_id: str | None = None,
 ) -> LaunchResult:
     """Run `module` on `agents * nproc_per_node` local processes (or this node's share of a multi-node job).
 
@@ -119,60 +179,102 @@ def launch(
             nodes on 127.0.0.1). Ignored when `rdzv_endpoint` is given.
         nnodes, node_rank, rdzv_endpoint: a real multi-machine job (this machine runs one agent).
         env: extra environment for the workers.
+        token: the run token to tag every process with (default: a new one).
+        rdzv_id: the rendezvous id, the same on every node of a multi-node job and new for each
+            launch (default: the token, which only this machine knows).
 
     Raises:
-        ValueError: bad process counts.
+        ValueError: bad process counts, more than MAX_LOCAL_PROCESSES here, a bad endpoint.
     """
     if nproc_per_node < 1 or agents < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}, agents={agents}: both must be >= 1")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex
-    full_env = {**os.environ, **SAFE_ENV, **(env or {}), TOKEN_VAR: token}
-    full_env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the cores; torchrun would set 1 and warn
     local = rdzv_endpoint is None
+    check_local_processes(nproc_per_node * (agents if local else 1))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    token = token or new_token()
     if local:
-        nnodes, node_ranks, endpoint = agents, list(range(agents)), f"127.0.0.1:{free_port()}"
+        nnodes, node_ranks, endpoint, host = agents, list(range(agents)), f"127.0.0.1:{free_port()}", None
     else:
         nnodes, node_ranks, endpoint = nnodes or 1, [node_rank], rdzv_endpoint
-    commands, procs, logs = [], [], []
-    start = time.monotonic()
-    try:
-        for nr in node_ranks:
-            cmd = torchrun_command(
+        host = split_endpoint(endpoint)[0]
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(f"node_rank={node_rank}; allowed: 0..{nnodes - 1} for nnodes={nnodes}")
+    full_env = worker_env(os.environ, token, endpoint_host=host, extra=env)
+    commands = []
+    for nr in node_ranks:
+        # node 0 hosts the stores on the endpoint's address; on one machine every agent is on loopback
+        local_addr = "127.0.0.1" if local or is_loopback(host) else (host if nr == 0 else None)
+        commands.append(
+            torchrun_command(
                 module,
                 args,
                 nproc_per_node=nproc_per_node,
                 nnodes=nnodes,
                 node_rank=nr,
                 rdzv_endpoint=endpoint,
-                rdzv_id=token,
-                local=local,
-                is_host=(nr == 0) if local else None,
+                rdzv_id=rdzv_id or token,
+                local_addr=local_addr,
+                is_host=nr == 0,
             )
-            log = log_dir / f"agent{nr}.log"
+        )
+    logs = [log_dir / f"agent{nr}.log" for nr in node_ranks]
+    return _run(commands, logs, full_env, token, timeout_s)
+
+
+def launch_process(
+    module: str,
+    args: Sequence[str],
+    *,
+    log: Path,
+    timeout_s: float,
+    token: str | None = None,
+    env: dict[str, str] | None = None,
+) -> LaunchResult:
+    """Run `python -m module args` as one process of this machine, tagged, bounded and swept like
+    `launch`'s agents (its output goes to `log`)."""
+    token = token or new_token()
+    full_env = worker_env(os.environ, token, endpoint_host=None, extra=env)
+    return _run([[sys.executable, "-m", module, *args]], [log], full_env, token, timeout_s)
+
+
+def check_local_processes(count: int) -> None:
+    """Refuse launching more than MAX_LOCAL_PROCESSES processes on this machine."""
+    if count > MAX_LOCAL_PROCESSES:
+        raise ValueError(
+            f"{count} processes on this machine; allowed: at most {MAX_LOCAL_PROCESSES} per machine "
+            "(a larger layout runs on several machines: :NxL with --nnodes N)"
+        )
+
+
+def _run(
+    commands: list[list[str]], logs: list[Path], env: dict[str, str], token: str, timeout_s: float
+) -> LaunchResult:
+    procs: list[subprocess.Popen] = []
+    start = time.monotonic()
+    timed_out, codes = False, []
+    try:
+        for cmd, log in zip(commands, logs, strict=True):
             with open(log, "wb") as fh:
                 procs.append(
-                    subprocess.Popen(cmd, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                    subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
                 )
-            commands.append(cmd)
-            logs.append(log)
         timed_out, codes = _wait(procs, start + timeout_s)
     finally:
         leftovers = kill_token(token)
-    rc = -1 if timed_out else next((c for c in codes if c != 0), 0)
-    return LaunchResult(rc, timed_out, time.monotonic() - start, commands, logs, token, leftovers)
+    rc = -1 if timed_out else next((c for c in codes if c not in (None, 0)), 0)
+    return LaunchResult(rc, timed_out, time.monotonic() - start, commands, logs, token, leftovers, codes)
 
 
-def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int]]:
+def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int | None]]:
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return False, codes  # type: ignore[return-value]
+            return False, codes
         if any(c not in (None, 0) for c in codes):  # one agent failed: the others cannot finish
             time.sleep(2.0)  # let torchrun report its root cause before the sweep below
-            return False, [p.poll() if p.poll() is not None else -1 for p in procs]
+            return False, [p.poll() for p in procs]
         if time.monotonic() > deadline:
-            return True, [-1] * len(procs)
+            return True, [p.poll() for p in procs]
         time.sleep(0.05)
 
 

@@ -6,8 +6,9 @@ The rank writes, under the layout directory: rank{r}.log (stdout and stderr), ra
 to the straggler), rank{r}.safetensors (its out/dx rows, its dW unit slices, replicated grads)
 and rank{r}.json (verdicts against the canonical block, timings, collective decisions).
 
-H3LAB_FAULT=<raise|hang|kill>:<rank> injects a fault on one rank after the process group is up
-(fault-handling tests; documented, never set by the runner itself).
+H3LAB_FAULT=<raise|hang|kill|stop>:<rank> injects a fault on one rank after the process group is up
+(fault-handling tests, h3lab.run.workers.faults; never set by the runner itself). A rank exits when
+its agent or its runner is gone (h3lab.run.lifeline), saying so in its status.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import compare
+from h3lab.run.lifeline import watch
 from h3lab.run.problem import Problem
 from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, prepare
 from h3lab.run.trace import TraceRecorder
+from h3lab.run.workers import faults
 
 
 def _redirect_output(log: Path) -> None:
@@ -41,23 +44,6 @@ def _redirect_output(log: Path) -> None:
     os.dup2(fd, 1), os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-
-
-def _inject_fault(rank: int) -> None:
-    spec = os.environ.get("H3LAB_FAULT", "")
-    if not spec:
-        return
-    kind, _, target = spec.partition(":")
-    if int(target) != rank:
-        return
-    print(f"H3LAB_FAULT: injecting {kind!r} on rank {rank}", flush=True)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank}")
-    if kind == "hang":
-        time.sleep(3600)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise ValueError(f"H3LAB_FAULT kind {kind!r}; allowed: raise, hang, kill")
 
 
 HEARTBEAT_S = 0.2
@@ -90,7 +76,13 @@ def run_rank(spec: dict) -> int:
         write_json(status, record | {"site": progress.site})
         os._exit(128 + signum)
 
+    def on_launcher_gone(pid: int) -> None:  # a thread: also ends a rank blocked in a collective
+        record = {"state": "terminated", "reason": f"its launcher (pid {pid}) is gone", "time": time.time()}
+        write_json(status, record | {"calls": progress.calls, "site": progress.site})
+        os._exit(1)
+
     signal.signal(signal.SIGTERM, on_term)
+    watch(on_launcher_gone, parent_signal=signal.SIGKILL)  # SIGKILL: also ends a rank stuck in C++
     progress.tick("start")
     _start_heartbeat(out_dir / f"rank{rank}.heartbeat")
     try:
@@ -122,8 +114,9 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
     dist.init_process_group(transport, device_id=device if transport == "nccl" else None)
     progress.tick("process group up")  # phases count as progress, so a hang names its straggler
-    _inject_fault(rank)
+    stop_tick = faults.inject(str(rank), progress.tick)
     progress.tick("fault check")
+    progress.tick = stop_tick  # type: ignore[method-assign]  (a `stop` fault stops in the next collective)
     comm = build_comm(
         layout,
         rank,

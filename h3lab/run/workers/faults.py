@@ -1,0 +1,44 @@
+"""Faults a test injects into a worker: `H3LAB_FAULT=<kind>:<who>` (never set by h3lab itself).
+
+`who` is a rank number, or `canonical` for the canonical process. Kinds:
+  raise  raise a RuntimeError
+  hang   sleep (the heartbeat keeps beating: a live process that makes no progress)
+  kill   SIGKILL itself (dies without a word)
+  stop   SIGSTOP itself inside its next collective, after announcing it (the whole process stops,
+         heartbeat included: what a GPU hang or a stopped process looks like from outside)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+FAULT_VAR = "H3LAB_FAULT"
+KINDS = ("raise", "hang", "kill", "stop")
+
+
+def inject(who: str, tick: Callable[[str], None] | None = None) -> Callable[[str], None] | None:
+    """Inject the fault aimed at `who`, if any. For `stop`, returns the progress tick to use from
+    here on (it stops the process right after announcing the next site); otherwise `tick`."""
+    kind, _, target = os.environ.get(FAULT_VAR, "").partition(":")
+    if not kind or target != who:
+        return tick
+    if kind not in KINDS:
+        raise ValueError(f"{FAULT_VAR} kind {kind!r}; allowed: {list(KINDS)}")
+    print(f"{FAULT_VAR}: injecting {kind!r} on {who}", flush=True)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on {who}")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if tick is None:
+        return None
+
+    def tick_then_stop(site: str) -> None:
+        tick(site)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    return tick_then_stop
