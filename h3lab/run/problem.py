@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from h3lab.backend import CONTRACT_BACKENDS
-from h3lab.batch import PackedBatch, packed_batch
+from h3lab.batch import PackedBatch, check_seed, packed_batch
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.dist.layout import Layout
 from h3lab.weights import BlockWeights, synthetic_block
@@ -59,11 +59,20 @@ class Problem:
             raise ValueError(f"unknown backend {self.backend!r}; allowed: {list(CONTRACT_BACKENDS)}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device; allowed here: ['cpu']")
+        if self.block_backend == "triton" and self.device != "cuda":
+            raise ValueError(f"backend 'triton' runs on CUDA only, device is {self.device!r}; allowed here: ['torch']")
         for name in ("rows", "repeats", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.padding < 0 or self.block < 0:
             raise ValueError(f"padding={self.padding}, block={self.block}: both must be >= 0")
+        check_seed(self.seed, "seed")
+        check_seed(self.weights_seed, "weights_seed")
+        if self.checkpoint is not None:  # config.json is small: a block past the checkpoint fails here
+            layers = self.config().num_layers
+            last = self.block_range.stop - 1
+            if last >= layers:
+                raise ValueError(f"block {last} is past the checkpoint; allowed: 0..{layers - 1} ({self.checkpoint})")
 
     @property
     def block_backend(self) -> str:
@@ -80,7 +89,9 @@ class Problem:
         if self.synthetic is not None:
             c = H3Config.named(self.synthetic)
             return c.replace(num_layers=max(self.block_range.stop, 1)) if self.task != "block" else c
-        return H3Config.from_json(self.checkpoint)  # type: ignore[arg-type]
+        from h3lab.io.manifest import find_layout  # the folder itself, or a repo's transformer/
+
+        return H3Config.from_json(find_layout(self.checkpoint).folder)  # type: ignore[arg-type]
 
     def weights(self, device: torch.device | str = "cpu") -> BlockWeights:
         if self.synthetic is not None:
@@ -110,6 +121,17 @@ class Problem:
     def one_gpu_per_rank(self, layout: Layout) -> bool:
         """NCCL needs distinct GPUs; with fewer GPUs than local ranks, bytes travel over gloo (CPU)."""
         return torch.cuda.device_count() >= layout.local
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        """Where the weights come from: a synthetic config and seed, or a checkpoint folder and whether
+        it has a manifest (every load then verifies each file and tensor against it, or raises)."""
+        if self.synthetic is not None:
+            return {"synthetic": self.synthetic, "weights_seed": self.weights_seed}
+        from h3lab.io.manifest import MANIFEST_NAME, find_layout
+
+        folder = find_layout(self.checkpoint).folder
+        verified = (folder / MANIFEST_NAME).is_file()
+        return {"path": str(folder.resolve()), "manifest_verified": verified}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

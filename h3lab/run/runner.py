@@ -1,18 +1,29 @@
 """The layout runner: canonical block once, each layout on N processes, every byte compared.
 
-Run directory (nothing in it claims completion until `summary.json` says so; it is rewritten
-atomically with status "running" first and "passed" / "failed" last):
+Run directory (claimed exclusively, h3lab.io.rundir; nothing in it claims completion until
+`summary.json` says so; it is rewritten atomically with status "running" first and "passed",
+"failed" or "interrupted" last, whatever ends the run short of a SIGKILL of the runner, which
+leaves "running" with a dead owner: readers call that "stale"):
+  owner.json                        the claim: host, pid and start time of the runner, its token
   request.json                      what was asked, the exact command
   env.json                          versions, devices, node type, git commit and dirty flag
+  canonical.log, canonical.*.json   the canonical process: its output, status and record
   canonical.safetensors             out, dx, dtemb, dw.<parameter> of the single-process block
   layouts/<slug>/                   spec.json, per-rank logs, status, json and safetensors
   layouts/<slug>.safetensors        the layout's reassembled out, dx, dtemb and dw.<parameter>
   summary.json                      verdicts per layout and tensor, decisions, timings, failures
+  nodes/node<R>/                    node R > 0 of a multi-node run: its own owner, request, env, summary
+
+The canonical result runs in a process of its own (h3lab.run.workers.canonical) under the same
+`--timeout` as a layout, so a hang, a crash or a full disk there ends the run with a status, and
+Ctrl-C stops it like a layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -21,21 +32,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from h3lab.comm import LocalComm
 from h3lab.contract import describe
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
-from h3lab.metrics import compare, sha256_tensor
+from h3lab.io.rundir import FINAL_STATES, claim, read_record
+from h3lab.io.tensorfile import write_tensors
+from h3lab.metrics import compare
 from h3lab.run import tasks
-from h3lab.run.launch import LaunchResult, launch
+from h3lab.run.diagnose import diagnose
+from h3lab.run.launch import (
+    LaunchResult,
+    check_local_processes,
+    launch,
+    launch_process,
+    new_token,
+    split_endpoint,
+)
 from h3lab.run.problem import Problem
 from h3lab.run.summary import failure_line
-from h3lab.run.trace import TraceRecorder, assemble_trace, first_divergence, load_trace, save_trace
+from h3lab.run.trace import assemble_trace, first_divergence, load_trace, save_trace
+
+# Kept free on the run folder's disk until the final summary is written: a full disk still gets a
+# true final state (the reserve is released for it). A seven-layout summary is a few hundred kB.
+RESERVE_BYTES = 1 << 20
+POLL_S = 0.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +68,7 @@ class RunRequest:
     layouts: tuple[Layout, ...]
     problem: Problem
     out: Path
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # each phase: the canonical process, and each layout's launch
     algorithm: str = "auto"
     agents: str = "one"  # "one" torchrun agent per layout, or "per-node": one per layout node on 127.0.0.1
     nnodes: int = 1
@@ -57,15 +82,35 @@ class RunRequest:
             raise ValueError("no layouts to run")
         if self.agents not in ("one", "per-node"):
             raise ValueError(f"agents={self.agents!r}; allowed: 'one', 'per-node'")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout {self.timeout_s} s must be positive")
+        if not isinstance(self.timeout_s, int | float) or not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout {self.timeout_s!r} s; allowed: a finite number of seconds > 0")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"nnodes={self.nnodes!r}; allowed: an int >= 1")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank!r}; allowed: 0..{self.nnodes - 1} for nnodes={self.nnodes}")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError("nnodes > 1 needs rdzv_endpoint (HOST:PORT of node 0)")
+        if self.rdzv_endpoint is not None:
+            split_endpoint(self.rdzv_endpoint)
         config = self.problem.config()
         for layout in self.layouts:
             layout.check(config)
             if self.nnodes > 1 and layout.nodes != self.nnodes:
                 raise ValueError(f"layout {layout.name} has {layout.nodes} nodes but the job has nnodes={self.nnodes}")
+            try:  # what this machine starts: the whole layout, or this node's share
+                check_local_processes(layout.local if self.nnodes > 1 else layout.world)
+            except ValueError as err:
+                raise ValueError(f"layout {layout.name}: {err}") from None
+
+    @property
+    def leader(self) -> bool:
+        """Node 0: it computes the canonical result and assembles and compares every layout."""
+        return self.node_rank == 0
+
+    @property
+    def home(self) -> Path:
+        """This node's folder: the run folder on node 0, `nodes/node<R>/` inside it on node R."""
+        return self.out if self.leader else self.out / "nodes" / f"node{self.node_rank}"
 
 
 def slug(layout: Layout) -> str:
@@ -73,17 +118,47 @@ def slug(layout: Layout) -> str:
     return layout.name.replace(":", "_").replace("+", "_")
 
 
-def prepare_run_dir(out: Path) -> None:
-    """Create `out`; refuse one that holds anything (nothing is ever overwritten)."""
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"run directory {str(out)!r} exists and is not empty; choose a new --out")
-    (out / "layouts").mkdir(parents=True, exist_ok=True)
-
-
 def run(req: RunRequest) -> dict:
-    """Run every layout of `req`; returns the summary (also written to `req.out/summary.json`)."""
-    prepare_run_dir(req.out)
-    started = time.time()
+    """Run every layout of `req`; returns the summary (also written to `req.home/summary.json`).
+
+    Raises:
+        ValueError: the run folder cannot be claimed (not empty, a file, unwritable, taken), or a
+            node R > 0 finds no run of node 0 to join. Nothing is written then.
+        Whatever interrupted the run (KeyboardInterrupt, SystemExit from SIGTERM) or broke it (a
+            full disk, a bug), after summary.json says "interrupted" or "failed" with the error.
+    """
+    token = new_token()
+    leader_token = token if req.leader else _join(req)
+    owner = claim(req.home, token=token, node_rank=req.node_rank)
+    summary = _start(req, owner)
+    reserve = req.home / ".reserve"
+    try:
+        _reserve(reserve)
+        canonical = _canonical(req, token) if req.leader else _await_canonical(req)
+        summary["canonical"] = canonical
+        if canonical["status"] != "done":
+            return _finish(req, summary, "failed", canonical["failure"]["reason"], reserve)
+        write_json(req.home / "summary.json", summary)
+        bar = tqdm(req.layouts, desc="layouts", unit="layout", disable=None, file=sys.stderr)
+        for layout in bar:
+            bar.set_postfix_str(layout.name)
+            record = _run_layout(req, layout, token, f"{leader_token}.{slug(layout)}")
+            summary["layouts"][layout.name] = record
+            write_json(req.home / "summary.json", summary)
+            if record["status"] != "passed":
+                tqdm.write(failure_line(layout.name, record), file=sys.stderr)
+    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C; SIGTERM and SIGHUP (SystemExit from the CLI)
+        _finish(req, summary, "interrupted", _describe(err), reserve)
+        raise
+    except BaseException as err:  # a full disk, a bug: never "passed", never left "running"
+        _finish(req, summary, "failed", _describe(err), reserve)
+        raise
+    passed = all(r["status"] == "passed" for r in summary["layouts"].values())
+    return _finish(req, summary, "passed" if passed else "failed", None, reserve)
+
+
+def _start(req: RunRequest, owner: dict) -> dict:
+    """request.json, env.json and summary.json ("running") in this node's folder."""
     request = {
         "layouts": [lay.name for lay in req.layouts],
         "problem": req.problem.to_dict(),
@@ -97,60 +172,133 @@ def run(req: RunRequest) -> dict:
         "command": shlex.join(req.command),
         "cwd": os.getcwd(),
     }
-    write_json(req.out / "request.json", request)
+    write_json(req.home / "request.json", request)
     env = capture(req.problem.device)
-    write_json(req.out / "env.json", env)  # versions, node type, git state
+    write_json(req.home / "env.json", env)  # versions, node type, git state
     summary: dict = {
         "status": "running",
-        "started": started,
+        "started": owner["started"],
+        "owner": owner,
         "request": request,
         "contract": describe(),
         "environment": brief(env),
+        "checkpoint": req.problem.checkpoint_record(),
         "layouts": {},
     }
-    write_json(req.out / "summary.json", summary)
-    leader = req.node_rank == 0
-    if leader:
-        summary["canonical"] = _canonical(req)
-    bar = tqdm(req.layouts, desc="layouts", unit="layout", disable=None, file=sys.stderr)
-    try:
-        for layout in bar:
-            bar.set_postfix_str(layout.name)
-            record = _run_layout(req, layout, leader)
-            summary["layouts"][layout.name] = record
-            write_json(req.out / "summary.json", summary)
-            if record["status"] != "passed":
-                tqdm.write(failure_line(layout.name, record), file=sys.stderr)
-    except BaseException as err:  # Ctrl-C, SIGTERM (raised as SystemExit by the CLI), a bug: never "passed"
-        summary |= {"status": "interrupted", "error": f"{type(err).__name__}: {err}", "finished": time.time()}
-        write_json(req.out / "summary.json", summary)
-        raise
-    summary["status"] = "passed" if all(r["status"] == "passed" for r in summary["layouts"].values()) else "failed"
-    summary["finished"] = time.time()
-    summary["elapsed_s"] = summary["finished"] - started
-    write_json(req.out / "summary.json", summary)
+    write_json(req.home / "summary.json", summary)
     return summary
 
 
-def _canonical(req: RunRequest) -> dict:
-    p = req.problem
-    device = torch.device("cuda" if p.device == "cuda" else "cpu")
-    t = time.perf_counter()
-    result = tasks.canonical(p, device)
-    elapsed, timings = time.perf_counter() - t, result.timings
-    tensors = {k: v.contiguous().cpu() for k, v in result.tensors.items()}
-    save_file(tensors, str(req.out / "canonical.safetensors"))
-    if p.digests:
-        write_json(req.out / "canonical.digests.json", result.digests)
-    if req.trace:  # a second, traced pass: the finder compares every op of every layout with it
-        recorder = TraceRecorder()
-        tasks.compute(p, LocalComm(), device, trace=recorder)
-        recorder.save(req.out / "canonical.trace")
-    sha = {k: sha256_tensor(v) for k, v in tensors.items()}
-    return {"time_s": elapsed, "timings": timings, "backend": p.block_backend, "sha256": sha}
+def _finish(req: RunRequest, summary: dict, status: str, error: str | None, reserve: Path) -> dict:
+    """The final summary.json; on a full disk the reserve is given back for it first."""
+    assert status in FINAL_STATES, status
+    summary |= {"status": status, "finished": time.time()}
+    summary["elapsed_s"] = summary["finished"] - summary["started"]
+    if error is not None:
+        summary["error"] = error
+    path = req.home / "summary.json"
+    try:
+        write_json(path, summary)
+    except OSError:  # a full disk: the reserve makes room; failing that, the record shrinks into place
+        reserve.unlink(missing_ok=True)
+        try:
+            write_json(path, summary)
+        except OSError:
+            _overwrite_in_place(path, {k: summary.get(k) for k in ("status", "error", "owner", "started", "finished")})
+    reserve.unlink(missing_ok=True)
+    return summary
 
 
-def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
+def _reserve(path: Path) -> None:
+    with open(path, "wb") as fh:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fh.fileno(), 0, RESERVE_BYTES)
+        else:
+            fh.write(b"\0" * RESERVE_BYTES)
+
+
+def _overwrite_in_place(path: Path, record: dict) -> None:
+    """The last resort on a full disk: `record` over the bytes of the existing summary.json (padded
+    with spaces), which needs no new blocks; raises when it is longer than the file."""
+    data = json.dumps(record, default=str).encode()
+    size = path.stat().st_size
+    if len(data) > size:
+        raise OSError(f"{path}: the final record ({len(data)} bytes) does not fit the {size} bytes on disk")
+    with open(path, "r+b") as fh:
+        fh.write(data + b" " * (size - len(data)))
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"stopped by a signal (exit status {err.code})"
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def _canonical(req: RunRequest, token: str) -> dict:
+    """The canonical result, from its own process (h3lab.run.workers.canonical) bounded by the timeout."""
+    spec = {"problem": req.problem.to_dict(), "out": str(req.out.resolve()), "trace": req.trace}
+    write_json(req.out / "canonical.spec.json", spec)
+    res = launch_process(
+        "h3lab.run.workers.canonical",
+        [str((req.out / "canonical.spec.json").resolve())],
+        log=req.out / "canonical.log",
+        timeout_s=req.timeout_s,
+        token=token,
+    )
+    record = read_record(req.out / "canonical.json")
+    if res.ok and record is not None:
+        return record | {"launch": _launch_record(res)}
+    status = read_record(req.out / "canonical.status.json") or {"state": "never started"}
+    if res.timed_out:
+        reason = f"canonical process hung: still running after {res.elapsed_s:.0f} s (--timeout {req.timeout_s:g})"
+    elif status["state"] == "error":
+        reason = f"canonical process raised {status['error']}"
+    else:
+        reason = (
+            f"canonical process exited with {res.returncode} without reporting (state {status['state']!r}: "
+            "killed, out of memory, or a full disk)"
+        )
+    failure = {"rank": None, "reason": reason, "log": str(req.out / "canonical.log")}
+    return {"status": "failed", "failure": failure, "launch": _launch_record(res)}
+
+
+def _join(req: RunRequest) -> str:
+    """Node R > 0: wait (up to the timeout) for node 0's claim of the shared run folder; its token.
+
+    Raises:
+        ValueError: no running run of node 0 with this endpoint and node count appeared in time.
+    """
+    deadline = time.monotonic() + req.timeout_s
+    while time.monotonic() < deadline:
+        summary = read_record(req.out / "summary.json") or {}
+        request = summary.get("request", {})
+        ours = (request.get("node_rank"), request.get("rdzv_endpoint"), request.get("nnodes"))
+        if summary.get("status") == "running" and ours == (0, req.rdzv_endpoint, req.nnodes):
+            return summary["owner"]["token"]
+        time.sleep(POLL_S)
+    raise ValueError(
+        f"node {req.node_rank}: no running run of node 0 with --rdzv-endpoint {req.rdzv_endpoint} and "
+        f"--nnodes {req.nnodes} in {str(req.out)!r} within {req.timeout_s:g} s; allowed: the --out node 0 was given"
+    )
+
+
+def _await_canonical(req: RunRequest) -> dict:
+    """Node R > 0: node 0's canonical result (its ranks compare against it), or why there is none."""
+    deadline = time.monotonic() + req.timeout_s
+    while time.monotonic() < deadline:
+        summary = read_record(req.out / "summary.json") or {}
+        canonical = summary.get("canonical")
+        if canonical is not None:
+            return {"status": canonical["status"], "failure": canonical.get("failure"), "from": "node 0"}
+        if summary.get("status") in FINAL_STATES:
+            reason = f"node 0's run ended {summary['status']} before its canonical result: {summary.get('error')}"
+            return {"status": "failed", "failure": {"rank": None, "reason": reason, "log": None}}
+        time.sleep(POLL_S)
+    reason = f"node 0 wrote no canonical result within {req.timeout_s:g} s (--timeout)"
+    return {"status": "failed", "failure": {"rank": None, "reason": reason, "log": None}}
+
+
+def _run_layout(req: RunRequest, layout: Layout, token: str, rdzv_id: str) -> dict:
     d = req.out / "layouts" / slug(layout)
     d.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -161,11 +309,12 @@ def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
         "layout_dir": str(d.resolve()),
         "canonical": str((req.out / "canonical.safetensors").resolve()),
     }
-    write_json(d / "spec.json", spec)
+    spec_path = d / ("spec.json" if req.leader else f"spec.node{req.node_rank}.json")  # paths are per machine
+    write_json(spec_path, spec)
     per_node = req.agents == "per-node" and req.rdzv_endpoint is None
     res = launch(
         "h3lab.run.workers.rank",
-        [str((d / "spec.json").resolve())],
+        [str(spec_path.resolve())],
         nproc_per_node=layout.local if (per_node or req.nnodes > 1) else layout.world,
         log_dir=d,
         timeout_s=req.timeout_s,
@@ -173,18 +322,38 @@ def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
         nnodes=req.nnodes,
         node_rank=req.node_rank,
         rdzv_endpoint=req.rdzv_endpoint,
+        token=token,
+        rdzv_id=rdzv_id,
     )
     record: dict = {"world": layout.world, "launch": _launch_record(res)}
+    if res.ok and req.nnodes > 1:  # other machines' ranks may still be writing their files
+        res = _await_ranks(d, layout.world, res, time.monotonic() + req.timeout_s)
     if not res.ok:
-        record |= {"status": "failed", "failure": diagnose(d, layout.world, res)}
-        return record
-    if not leader:
+        return record | {"status": "failed", "failure": diagnose(d, layout.world, res)}
+    if not req.leader:
         return record | {"status": "passed", "note": "ranks of this node finished; node 0 assembles"}
+    return record | _compare_layout(req, layout, d)
+
+
+def _await_ranks(d: Path, world: int, res: LaunchResult, deadline: float) -> LaunchResult:
+    """Wait until every rank's status is final; a rank that failed (or never finished) fails the launch."""
+    while True:
+        states = [(read_record(d / f"rank{r}.status.json") or {}).get("state") for r in range(world)]
+        if all(s == "done" for s in states):
+            return res
+        if any(s in ("error", "terminated") for s in states) or time.monotonic() > deadline:
+            timed_out = not any(s in ("error", "terminated") for s in states)
+            return dataclasses.replace(res, returncode=1, timed_out=timed_out)
+        time.sleep(POLL_S)
+
+
+def _compare_layout(req: RunRequest, layout: Layout, d: Path) -> dict:
+    """Node 0: the layout's shards assembled, compared with the canonical result byte for byte."""
     ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(layout.world)]
     num_rows = None if req.problem.task == "trajectory" else req.problem.batch().num_rows
     full, consistent = _assemble(d, layout, req.problem.config(), num_rows)
     canon = load_file(str(req.out / "canonical.safetensors"))
-    save_file(full, str(req.out / "layouts" / f"{slug(layout)}.safetensors"))
+    write_tensors(req.out / "layouts" / f"{slug(layout)}.safetensors", full)
     tensors = {k: compare(full[k], canon[k], name=k).to_dict() for k in canon}
     if req.problem.digests:  # every rank checked its digests; they must also agree across replicas
         canon_digests = json.loads((req.out / "canonical.digests.json").read_text())
@@ -197,7 +366,7 @@ def _run_layout(req: RunRequest, layout: Layout, leader: bool) -> dict:
             for k, v in canon_digests.items()
         }
     ok = all(t["bitwise_equal"] for t in tensors.values()) and all(r["all_equal"] for r in ranks) and consistent
-    record |= {
+    record = {
         "status": "passed" if ok else "mismatch",
         "ranks_all_equal": all(r["all_equal"] for r in ranks),
         "replicas_consistent": consistent,
@@ -247,55 +416,6 @@ def _launch_record(res: LaunchResult) -> dict:
         "token": res.token,
         "commands": [shlex.join(c) for c in res.commands],
         "agent_logs": [str(p) for p in res.agent_logs],
+        "agent_codes": res.agent_codes,
         "killed_leftovers": res.killed_leftovers,
     }
-
-
-def diagnose(d: Path, world: int, res: LaunchResult) -> dict:
-    """Name the rank that failed first and why, from the ranks' status and heartbeat files.
-
-    Every failed rank gets an event time: when it raised, or, for a rank that died without a word
-    (SIGKILL, a crash, or a rank blocked in a collective that the agent had to kill), its last
-    heartbeat. The earliest event is the root cause; the others are collateral. On a timeout the
-    straggler is the rank with the fewest collective calls (the others wait for it inside one).
-    """
-    status, beat = {}, {}
-    for r in range(world):
-        p, hb = d / f"rank{r}.status.json", d / f"rank{r}.heartbeat"
-        status[r] = _read(p, json.loads, {"state": "never started"})
-        beat[r] = _read(hb, float, float("-inf"))
-    states = {rank: s["state"] for rank, s in status.items()}
-    log = lambda r: str(d / f"rank{r}.log")  # noqa: E731
-    if res.timed_out:
-        # the runner's kill after the timeout marks ranks "terminated"; their progress is what counts
-        running = [r for r, s in status.items() if s["state"] in ("running", "never started", "terminated")]
-        if running:
-            r = min(running, key=lambda r: status[r].get("calls", -1))
-            calls, site = status[r].get("calls", 0), status[r].get("site", "")
-            reason = f"hung: still running after {res.elapsed_s:.0f} s, stuck after step {calls} ({site!r})"
-            return {"rank": r, "reason": reason, "log": log(r), "states": states}
-    events = []
-    for r, s in status.items():
-        if s["state"] == "error":
-            events.append((s["time"], r, f"raised {s['error']}"))
-        elif s["state"] in ("running", "never started"):
-            events.append(
-                (
-                    beat[r],
-                    r,
-                    "killed: the process died without reporting (a signal such as SIGKILL, "
-                    "a crash, or the agent stopping a rank blocked in a collective)",
-                )
-            )
-    if not events:
-        return {"rank": 0, "reason": f"torchrun exited with {res.returncode}", "log": log(0), "states": states}
-    _, r, reason = min(events)
-    return {"rank": r, "reason": reason, "log": log(r), "states": states}
-
-
-def _read(path: Path, parse, default):
-    """A rank's status or heartbeat file; a missing or half-written one (the rank died mid-write) is `default`."""
-    try:
-        return parse(path.read_text())
-    except (OSError, ValueError):
-        return default

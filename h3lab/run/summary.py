@@ -11,7 +11,17 @@ def format_summary(summary: dict) -> str:
         equal = f"{sum(t['bitwise_equal'] for t in tensors.values())}/{len(tensors)}" if tensors else "-"
         fwd, bwd, coll = (_slowest(rec.get("ranks", []), k) for k in ("forward_s", "backward_s", "collective_s"))
         lines.append(f"{name:<14} {rec['status']:<9} {equal:>7}  {fwd:7.3f} {bwd:7.3f} {coll:7.3f}")
-    lines.append(f"overall: {summary['status']}")
+    canonical = summary.get("canonical") or {}
+    if canonical.get("status") == "failed":
+        f = canonical["failure"]
+        lines.append(f"canonical: FAILED: {f['reason']}" + (f" (log: {f['log']})" if f.get("log") else ""))
+    nonfinite = canonical.get("nonfinite") or {}
+    if nonfinite:  # equal bits of NaN or Inf say nothing about the values: never a silent pass
+        counts = ", ".join(f"{k} ({n})" for k, n in nonfinite.items())
+        lines.append(
+            f"WARNING: the canonical result holds NaN or Inf in {counts}; bitwise equality there is of bits only"
+        )
+    lines.append(f"overall: {summary['status']}" + (f" ({summary['error']})" if summary.get("error") else ""))
     return "\n".join(lines)
 
 
@@ -26,7 +36,8 @@ def failure_line(layout: str, record: dict, context: str = "") -> str | None:
     where = f"{layout} ({context})" if context else layout
     if record["status"] == "failed":
         f = record["failure"]
-        return f"{where}: FAILED on rank {f['rank']}: {f['reason']} (log: {f['log']})"
+        who = f"rank {f['rank']}" if f.get("rank") is not None else f"agent {f.get('agent', 0)}"
+        return f"{where}: FAILED on {who}: {f['reason']} (log: {f['log']})"
     if record["status"] == "mismatch":
         bad = [k for k, t in record.get("tensors", {}).items() if not t["bitwise_equal"]]
         return f"{where}: MISMATCH in {', '.join(bad) or 'rank shards'}"

@@ -1,0 +1,26 @@
+"""The safetensors writer of run records: a tensor file reaches its path whole or not at all.
+
+Like `write_json`: the bytes go to a uniquely named sibling temp file, then `os.replace` swaps it
+in. A write that fails (a full disk) leaves no partial file behind and frees what it had taken.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import Tensor
+
+
+def write_tensors(path: str | Path, tensors: dict[str, Tensor]) -> Path:
+    """Write `tensors` (contiguous CPU copies are made) to `path` atomically; returns the path."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
