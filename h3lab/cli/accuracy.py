@@ -1,23 +1,26 @@
 """`h3lab accuracy`: synthesize a checkpoint, load one block, measure it against the FP64 oracle and diffusers.
 
-A run folder holds `checkpoint/` (unless `--checkpoint` names one) and, written last and
-atomically, `summary.json`: a folder without it is an incomplete run.
+A run folder (claimed exclusively, h3lab.io.rundir) holds `owner.json`, `checkpoint/` (unless
+`--checkpoint` names one) and `summary.json`, rewritten atomically: "running" from the start, then
+"passed" or "failed" with the table, or "failed" / "interrupted" with the error.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from h3lab.batch import packed_batch
+from h3lab.batch import check_seed, packed_batch
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.contract import describe
 from h3lab.io.checkpoint import load_block, synthesize_checkpoint
 from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
 from h3lab.io.manifest import MANIFEST_NAME, find_layout
+from h3lab.io.rundir import claim
 from h3lab.reference.accuracy import block_accuracy, format_table
 from h3lab.reference.parity import diffusers_available
 
@@ -34,41 +37,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
 
     def run(args: argparse.Namespace) -> int:
-        out = Path(args.out or f"runs/accuracy-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-        if out.exists() and any(out.iterdir()):
-            raise ValueError(f"run folder {str(out)!r} is not empty; pass a new --out")
-        out.mkdir(parents=True, exist_ok=True)
-        if args.checkpoint is None:  # only the blocks needed: the real config's 50 would be 65 GB
-            config = H3Config.named(args.config)
-            ckpt = synthesize_checkpoint(out / "checkpoint", config, num_blocks=args.block + 1, seed=args.seed)
-            print(f"synthesized {args.config} checkpoint ({args.block + 1} block(s), seed {args.seed}): {ckpt}")
-        else:
-            ckpt = Path(args.checkpoint)
-        verified = (find_layout(ckpt).folder / MANIFEST_NAME).is_file()
-        weights = load_block(ckpt, args.block).to(args.device)
-        batch = packed_batch(weights.config, args.rows, seed=args.seed).to(args.device)
-        print(f"block {args.block} loaded ({'sha256-verified' if verified else 'no manifest.json: unverified'})")
-        if not diffusers_available():
-            print("diffusers not installed: diffusers columns skipped (pip install -e '.[parity]')")
-        report = block_accuracy(weights, batch)
-        print(format_table(report))
-
-        summary = {
-            "format": SUMMARY_FORMAT,
-            "contract": describe(),
-            "config": weights.config.to_dict(),
-            "checkpoint": {"path": str(ckpt), "block": args.block, "manifest_verified": verified},
-            "batch": {"rows": args.rows, "seed": args.seed, "timesteps": batch.num_timesteps},
-            "environment": brief(capture(batch.device))
-            | {"device": str(batch.device), "diffusers": _diffusers_version()},
-            **report,
-        }
-        path = out / "summary.json"
-        write_json(path, summary)  # last: a run folder without summary.json is incomplete
+        check_seed(args.seed, "--seed")
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        out = Path(args.out or f"runs/accuracy-{stamp}-{secrets.token_hex(2)}")  # the suffix: same-second runs
+        owner = claim(out)
+        summary = {"format": SUMMARY_FORMAT, "status": "running", "owner": owner, "contract": describe()}
+        write_json(out / "summary.json", summary)
+        try:
+            summary |= _measure(args, out)
+        except (KeyboardInterrupt, SystemExit) as err:
+            write_json(out / "summary.json", summary | {"status": "interrupted", "error": type(err).__name__})
+            raise
+        except BaseException as err:
+            write_json(out / "summary.json", summary | {"status": "failed", "error": f"{type(err).__name__}: {err}"})
+            raise
+        passed = summary["determinism"]["bitwise_equal"]
+        path = write_json(out / "summary.json", summary | {"status": "passed" if passed else "failed"})
         print(f"summary: {path}")
-        return 0 if report["determinism"]["bitwise_equal"] else 1
+        return 0 if passed else 1
 
     return run
+
+
+def _measure(args: argparse.Namespace, out: Path) -> dict:
+    """The block of the run's checkpoint against the FP64 oracle and diffusers: the summary's body."""
+    if args.checkpoint is None:  # only the blocks needed: the real config's 50 would be 65 GB
+        config = H3Config.named(args.config)
+        ckpt = synthesize_checkpoint(out / "checkpoint", config, num_blocks=args.block + 1, seed=args.seed)
+        print(f"synthesized {args.config} checkpoint ({args.block + 1} block(s), seed {args.seed}): {ckpt}")
+    else:
+        ckpt = Path(args.checkpoint)
+    verified = (find_layout(ckpt).folder / MANIFEST_NAME).is_file()
+    weights = load_block(ckpt, args.block).to(args.device)
+    batch = packed_batch(weights.config, args.rows, seed=args.seed).to(args.device)
+    print(f"block {args.block} loaded ({'sha256-verified' if verified else 'no manifest.json: unverified'})")
+    if not diffusers_available():
+        print("diffusers not installed: diffusers columns skipped (pip install -e '.[parity]')")
+    report = block_accuracy(weights, batch)
+    print(format_table(report))
+    return {
+        "config": weights.config.to_dict(),
+        "checkpoint": {"path": str(ckpt), "block": args.block, "manifest_verified": verified},
+        "batch": {"rows": args.rows, "seed": args.seed, "timesteps": batch.num_timesteps},
+        "environment": brief(capture(batch.device)) | {"device": str(batch.device), "diffusers": _diffusers_version()},
+        **report,
+    }
 
 
 def _diffusers_version() -> str | None:

@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     p.add_argument("--element-tensor", default="out", help="tensor of the per-element maps (default: out)")
     p.add_argument("--no-fp64", action="store_true", help="skip the FP64 oracle (a real block's holds ~10 GB)")
     p.add_argument("--no-screenshot", action="store_true", help="skip the Chromium screenshot")
+    p.add_argument(
+        "--index",
+        action="store_true",
+        help="with --out: also rewrite DIR/../index.html to list the reports beside DIR (never done unasked)",
+    )
 
     def handle(a: argparse.Namespace) -> int:
         from h3lab.workbench.notebooks import NotebookError
@@ -31,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
 
         groups: dict[Path, list[Path]] = {}
         for run in a.runs:
-            node = load_sweep(run).node_type
-            groups.setdefault(a.out or a.root / node.lower(), []).append(run)
+            sweep = load_sweep(run)
+            sweep.require_complete()  # before anything is written
+            groups.setdefault(a.out or a.root / sweep.node_type.lower(), []).append(run)
         status = 0
         for out, runs in groups.items():
             try:
@@ -51,10 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
                 continue
             print(f"report: {page}")
         root = a.root.resolve()
-        if all(out.resolve().is_relative_to(root) for out in groups):
+        if a.out is not None and a.index:  # asked for: the index of the reports beside --out
+            print(f"index: {write_index(a.out.resolve().parent)}")
+        elif all(out.resolve().is_relative_to(root) for out in groups):
             print(f"index: {write_index(root)}")
-        else:  # a report written elsewhere (--out) is not listed in the repository's index
-            print(f"index: not updated ({root}/index.html lists reports under {root} only)")
+        else:  # a report written elsewhere (--out): an index there may be the user's own
+            print(f"index: not updated ({a.out.resolve().parent / 'index.html'} is left alone; --index rewrites it)")
         return status
 
     return handle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=CONTRACT_BACKENDS, default="torch")
     p.add_argument("--mode", choices=["deterministic", "baseline"], default="deterministic")
-    p.add_argument("--out", type=Path, default=None, help="run directory (default runs/run-<time>)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default runs/run-<time>-<hex>)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per phase: the canonical process, each layout")
     p.add_argument("--algorithm", choices=["auto", "gather_tree", "scatter_tree"], default="auto")
     p.add_argument(
         "--agents",
@@ -57,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
 
     def handle(a: argparse.Namespace) -> int:
         first, last = _block_range(a.blocks, a.block)
-        task = "trajectory" if a.trajectory else ("chain" if a.blocks else "block")
+        if a.trajectory is not None and a.trajectory < 1:
+            raise ValueError(f"--trajectory {a.trajectory}; allowed: a number of sampler steps >= 1")
+        task = "trajectory" if a.trajectory is not None else ("chain" if a.blocks else "block")
         problem = Problem(
             synthetic=a.synthetic,
             checkpoint=str(a.checkpoint) if a.checkpoint else None,
@@ -75,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
             mode=a.mode,
             repeats=a.repeats,
         )
-        out = a.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+        out = a.out or default_out()
         req = RunRequest(
             layouts=tuple(parse_layouts(a.layout)),
             problem=problem,
@@ -90,10 +93,15 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         )
         summary = run(req)
         print(format_summary(summary))
-        print(f"run directory: {out}")
+        print(f"run directory: {req.home}")
         return 0 if summary["status"] == "passed" else 1
 
     return handle
+
+
+def default_out() -> Path:
+    """runs/run-<time>-<6 hex>: the random suffix keeps runs started in the same second apart."""
+    return Path("runs") / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def _block_range(blocks: str | None, block: int) -> tuple[int, int | None]:

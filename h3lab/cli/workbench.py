@@ -69,17 +69,26 @@ def _runs() -> Path:
 
 
 def _reproduce(a: argparse.Namespace, params: dict) -> int:
+    from h3lab.io.rundir import claim
     from h3lab.workbench import notebooks, tables
     from h3lab.workbench.publish import publish
     from h3lab.workbench.rundata import load_sweep
-    from h3lab.workbench.sweep import new_run_dir
+    from h3lab.workbench.sweep import mark_ended, new_run_dir
 
+    if a.out:  # claimed before anything is written: an existing sweep (or anything else) is refused
+        claim(a.out, flag="--out")
     run_dir = a.out.resolve() if a.out else new_run_dir(str(params.get("device", "cpu")))
-    run_dir.mkdir(parents=True, exist_ok=True)
     params["run_dir"] = str(run_dir)
     print(f"run directory: {run_dir}")
-    with notebooks.sweep_progress(run_dir):
-        notebooks.execute("reproduce", run_dir / "reproduce.ipynb", params)
+    try:
+        with notebooks.sweep_progress(run_dir):
+            notebooks.execute("reproduce", run_dir / "reproduce.ipynb", params)
+    except (KeyboardInterrupt, SystemExit) as err:  # the kernel is shut down with the notebook
+        mark_ended(run_dir, "interrupted", f"{type(err).__name__}")
+        raise
+    except notebooks.NotebookError as err:
+        mark_ended(run_dir, "failed", str(err))
+        raise
     sweep = load_sweep(run_dir)
     print(tables.terminal_summary(sweep))
     if sweep.accuracy is not None:

@@ -160,23 +160,68 @@ def dump_manifest(manifest: dict, out: Path) -> None:
     write_json(out, manifest, sort_keys=True)
 
 
-def write_manifest(path: str | Path, out: str | Path | None = None) -> Path:
+def manifest_path(path: str | Path, out: str | Path | None = None) -> Path:
+    """Where `write_manifest(path, out)` writes: `out`, else manifest.json beside the weights."""
+    return find_layout(path).folder / MANIFEST_NAME if out is None else Path(out)
+
+
+def write_manifest(path: str | Path, out: str | Path | None = None, *, force: bool = False) -> Path:
     """Pin an existing checkpoint: sha256 of every file it loads from and of every tensor.
 
     Files are hashed in streamed chunks and tensors one at a time through `safe_open`, so memory
     stays at one tensor (520 MB for the real AdaLN weight) even for the 66 GB real checkpoint.
+    An existing manifest is replaced only when it pins exactly what the files hold now, or with
+    `force`: re-pinning changed files would accept a tampered or truncated shard silently.
 
     Args:
         path: the checkpoint folder (or the repo folder holding `transformer/`).
         out: where to write; default `manifest.json` next to the weights, where loaders look for it.
+        force: replace an existing manifest whose pins no longer match the files (or that is unreadable).
 
     Returns:
         The path of the manifest written.
 
     Raises:
-        ValueError: no safetensors weights, an unreadable file, or a key the index maps to a file without it.
+        ValueError: no safetensors weights, an unreadable file, a key the index maps to a file
+            without it, or (without `force`) an existing manifest whose pins differ from the files.
     """
-    layout = find_layout(path)
+    target = manifest_path(path, out)
+    manifest = _pin(find_layout(path))
+    if target.exists() and not force:
+        try:
+            changes = manifest_changes(_read_json(target), manifest)
+        except (ValueError, AttributeError):
+            changes = [f"{target} is not a readable manifest"]
+        if changes:
+            shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+            raise ValueError(
+                f"{target} pins other bytes than the files hold now ({shown}); re-pinning would accept them "
+                "unchecked. allowed: restore the files, or re-pin them knowingly with --force"
+            )
+    dump_manifest(manifest, target)
+    return target
+
+
+def manifest_changes(old: dict, new: dict) -> list[str]:
+    """What `new` pins differently from `old`: files and tensors added, removed or changed, and the config."""
+    changes = []
+    for part, what in (("files", "file"), ("tensors", "tensor")):
+        before, after = old.get(part) or {}, new.get(part) or {}
+        for key in sorted(set(before) | set(after)):
+            if key not in after:
+                changes.append(f"{what} {key} removed")
+            elif key not in before:
+                changes.append(f"{what} {key} added")
+            elif before[key] != after[key]:
+                was, now = before[key].get("sha256", "?"), after[key].get("sha256", "?")
+                changes.append(f"{what} {key} sha256 {was[:12]}.. -> {now[:12]}..")
+    if old.get("config") != new.get("config"):
+        changes.append("config.json changed")
+    return changes
+
+
+def _pin(layout: Layout) -> dict:
+    """The manifest of a checkpoint's files as they are now."""
     files = {name: file_entry(layout.folder / name) for name in layout.meta_files}
     tensors: dict[str, dict[str, Any]] = {}
     for file in layout.files:
@@ -189,10 +234,7 @@ def write_manifest(path: str | Path, out: str | Path | None = None) -> Path:
                 if key not in present:
                     raise ValueError(f"{key}: the index maps it to {file_path}, which does not hold it")
                 tensors[key] = tensor_entry(file, read_tensor(f, key, file_path))
-    manifest = make_manifest(files, tensors, _read_json(layout.folder / CONFIG_NAME))
-    target = layout.folder / MANIFEST_NAME if out is None else Path(out)
-    dump_manifest(manifest, target)
-    return target
+    return make_manifest(files, tensors, _read_json(layout.folder / CONFIG_NAME))
 
 
 def file_entry(path: Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ kernel runs in the notebook's folder while `make` runs in the repository root.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from h3lab.backend import CONTRACT_BACKENDS
+from h3lab.batch import check_seed
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.dist.layout import ALL_LAYOUTS, Layout, parse_layouts
 from h3lab.run.problem import DEVICES, MODES
@@ -85,6 +87,8 @@ class ReproduceParams:
         seeds = [self.seeds] if isinstance(self.seeds, int) else self.seeds
         if not isinstance(seeds, list | tuple) or not seeds or not all(isinstance(s, int) for s in seeds):
             raise ValueError(f"parameter seeds={self.seeds!r}; allowed: an int or a non-empty list of ints")
+        for s in seeds:
+            check_seed(s, "parameter seeds: seed")
         fix("seeds", list(seeds))
         if self.backend not in CONTRACT_BACKENDS:
             raise ValueError(f"parameter backend={self.backend!r}; allowed: {list(CONTRACT_BACKENDS)}")
@@ -93,8 +97,8 @@ class ReproduceParams:
                 raise ValueError(f"parameter {name}={getattr(self, name)!r}; allowed: an int >= 1")
         if not isinstance(self.block, int) or self.block < 0:
             raise ValueError(f"parameter block={self.block!r}; allowed: an int >= 0")
-        if not isinstance(self.timeout, int | float) or self.timeout <= 0:
-            raise ValueError(f"parameter timeout={self.timeout!r}; allowed: seconds > 0")
+        if not isinstance(self.timeout, int | float) or not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"parameter timeout={self.timeout!r}; allowed: a finite number of seconds > 0")
         fix("checkpoint", _path(self.checkpoint))
         fix("run_dir", _path(self.run_dir))
         if self.checkpoint is None and self.config not in NAMED_CONFIGS:

@@ -103,13 +103,19 @@ def publish(
 ) -> Path:
     """Execute the report notebook over `runs` and write out_dir/report.html (+ report.json, data/, screenshot).
 
+    The index of the reports beside it (out_dir/../index.html) is not touched: `write_index` is
+    the caller's choice (`h3lab report` refreshes the repository's reports/index.html only).
+
     Returns:
         The HTML page's path.
 
     Raises:
+        ValueError: a run is not finished (running, interrupted, stale, no canonical result).
         notebooks.NotebookError: the report notebook stopped (bad runs, a failed figure).
     """
     sweeps = [load_sweep(r) for r in runs]
+    for sweep in sweeps:
+        sweep.require_complete()
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     # no out_dir: the figures live inline in the page, not as files beside it
@@ -130,7 +136,6 @@ def publish(
     _write_record(sweeps, out_dir, title or _title(sweeps))
     if take_screenshot and chromium() is not None:
         screenshot(page, out_dir / "screenshot.png")
-    write_index(out_dir.parent)
     return page
 
 

@@ -3,7 +3,8 @@
 A sweep holds env.json, params.json, one runner directory per mode and seed (<mode>/seed<s>/, each
 with the runner's summary.json, canonical.safetensors and layouts/) and, written last, sweep.json.
 A bare runner directory (`h3lab run --out DIR`) reads as a sweep of one mode and seed; its node
-type then comes from the runner's own environment record.
+type then comes from the runner's own environment record. A run whose record still says "running"
+while the process that wrote it is gone reads as "stale" (h3lab.io.rundir).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from h3lab.dist.layout import Layout
 from h3lab.io.env import KNOWN_GPUS
+from h3lab.io.rundir import describe_status, effective_status
 from h3lab.run.problem import Problem
 from h3lab.run.runner import slug
 from h3lab.run.trace import load_trace, timeline
@@ -44,6 +46,11 @@ class RunnerRun:
     @property
     def layouts(self) -> list[str]:
         return list(self.summary["layouts"])
+
+    @property
+    def status(self) -> str:
+        """passed, failed, interrupted, running, or stale (running, its runner gone)."""
+        return effective_status(self.summary)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -128,7 +135,25 @@ class Sweep:
 
     @property
     def status(self) -> str:
-        return self.record.get("status", "incomplete")
+        """passed or failed when finished; else running, interrupted, stale or incomplete."""
+        return effective_status(self.record) if self.record else "incomplete"
+
+    def require_complete(self) -> None:
+        """Raise unless the sweep and every run in it finished (passed or failed) with a canonical result.
+
+        Raises:
+            ValueError: one line naming the run and its state (running, interrupted, stale, ...).
+        """
+        if self.status not in ("passed", "failed"):
+            state = describe_status(self.record, self.path) if self.record else f"{str(self.path)!r} is incomplete"
+            raise ValueError(f"this run cannot be reported: {state}; allowed: a finished run (passed or failed)")
+        for run in self.runs:
+            canonical = run.summary.get("canonical") or {}
+            if run.status not in ("passed", "failed") or canonical.get("status", "done") != "done":
+                why = describe_status(run.summary, run.path)
+                if canonical.get("status") == "failed":
+                    why = f"{str(run.path)!r} has no canonical result: {canonical['failure']['reason']}"
+                raise ValueError(f"this run cannot be reported: {why}; allowed: a finished run (passed or failed)")
 
     @cached_property
     def accuracy(self) -> dict[str, Any] | None:
@@ -163,14 +188,8 @@ def load_sweep(path: str | Path) -> Sweep:
         summary = json.loads((path / "summary.json").read_text())
         env = json.loads((path / "env.json").read_text()) if (path / "env.json").is_file() else {}
         env = env or {**summary.get("environment", {}), "node_type": _node_type(summary.get("environment", {}))}
-        status = summary.get("status", "incomplete")
-        return Sweep(
-            path,
-            env,
-            {"problem": summary["request"]["problem"]},
-            [RunnerRun(path, summary)],
-            {"status": "passed" if status == "passed" else status},
-        )
+        record = {k: summary[k] for k in ("status", "owner", "error") if k in summary}
+        return Sweep(path, env, {"problem": summary["request"]["problem"]}, [RunnerRun(path, summary)], record)
     raise ValueError(f"{str(path)!r} is not a run directory; allowed: a sweep (params.json) or an `h3lab run` folder")
 
 

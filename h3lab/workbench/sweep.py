@@ -8,7 +8,9 @@ runs/<id>/
   <mode>/seed<s>/            one h3lab.run.runner run directory (summary.json, canonical, layouts/, logs)
   accuracy.json              canonical bf16 vs FP64 vs diffusers (the `h3lab reproduce` table)
   verdicts|layouts|ranks|collectives.parquet, figures/
-  sweep.json                 written last: status, every run and every failure
+  sweep.json                 "running" (with its owner) from `prepare` on; written last: status,
+                             every run and every failure; "failed" or "interrupted" with the error
+                             when the sweep stops short
 Workers run under torchrun subprocesses started by h3lab.run.runner; nothing here runs a rank itself.
 """
 
@@ -25,6 +27,7 @@ from h3lab.config import H3Config
 from h3lab.dist.layout import parse_layouts
 from h3lab.io.env import capture, node_type
 from h3lab.io.jsonfile import write_json
+from h3lab.io.rundir import FINAL_STATES, owner_record, read_record
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench import tables
@@ -65,7 +68,18 @@ def prepare(p: ReproduceParams) -> Path:
     record = {"format": SWEEP_FORMAT, **p.to_dict(), "checkpoint_path": str(Path(checkpoint).resolve())}
     record["started"] = time.time()
     write_json(run_dir / "params.json", record)
+    write_json(run_dir / "sweep.json", {"format": SWEEP_FORMAT, "status": "running", "owner": owner_record()})
     return run_dir
+
+
+def mark_ended(run_dir: str | Path, status: str, error: str) -> None:
+    """sweep.json says `status` ("failed" or "interrupted") with `error`, unless it already holds a
+    final state (`finish` wrote it) or the sweep never started (no params.json: nothing to mark)."""
+    run_dir = Path(run_dir)
+    record = read_record(run_dir / "sweep.json") or {}
+    if record.get("status") in FINAL_STATES or not (run_dir / "params.json").is_file():
+        return
+    write_json(run_dir / "sweep.json", record | {"status": status, "error": error, "finished": time.time()})
 
 
 def planned(params: dict[str, Any]) -> list[tuple[str, int, str]]:
@@ -167,9 +181,19 @@ def finish(run_dir: str | Path) -> Sweep:
 
 
 def run_all(p: ReproduceParams) -> Sweep:
-    """prepare, run_sweep, accuracy (if p.accuracy) and finish: the whole reproduce notebook, for scripts."""
+    """prepare, run_sweep, accuracy (if p.accuracy) and finish: the whole reproduce notebook, for scripts.
+
+    A sweep stopped short (Ctrl-C, an error) leaves sweep.json "interrupted" or "failed" with the error.
+    """
     run_dir = prepare(p)
-    run_sweep(run_dir)
-    if p.accuracy:
-        accuracy(run_dir)
-    return finish(run_dir)
+    try:
+        run_sweep(run_dir)
+        if p.accuracy:
+            accuracy(run_dir)
+        return finish(run_dir)
+    except (KeyboardInterrupt, SystemExit) as err:
+        mark_ended(run_dir, "interrupted", f"{type(err).__name__}: {err}")
+        raise
+    except BaseException as err:
+        mark_ended(run_dir, "failed", f"{type(err).__name__}: {err}")
+        raise
