@@ -185,12 +185,15 @@ def test_opens_only_the_needed_shards(tmp_path: Path, config: H3Config, seed: in
 
 
 # ---- bad inputs -------------------------------------------------------------------------------------
+# (*) Bits 0-5 of a byte: a flip there keeps a weight finite (an exponent of all ones needs bit 6 of
+# the high byte, for weights below 2), so the load without the manifest reads it; a NaN or Inf
+# weight is refused on its own (tests/test_bad_values.py).
 def test_flipped_byte_is_caught_by_the_manifest(tmp_path: Path, config: H3Config, seed: int) -> None:
     path = synthesize_checkpoint(tmp_path / "ckpt", config, num_blocks=NUM_BLOCKS, seed=seed)
     shard = _shard_of_block(path, 1)
     before = load_block(path, 1)
     raw = bytearray(shard.read_bytes())
-    raw[-1 - secrets.randbelow(1000)] ^= 1 << secrets.randbelow(8)  # inside the last tensor's data
+    raw[-1 - secrets.randbelow(1000)] ^= 1 << secrets.randbelow(6)  # inside the last tensor's data (*)
     shard.write_bytes(raw)
     with pytest.raises(ValueError, match=rf"{shard.name}: sha256 [0-9a-f]{{64}}, manifest pins"):
         load_block(path, 1)
@@ -229,7 +232,7 @@ def _rewrite_single_file(path: Path, edit) -> None:
     tensors = safetensors.torch.load_file(path / SINGLE)
     edit(tensors)
     safetensors.torch.save_file(tensors, path / SINGLE, metadata={"format": "pt"})
-    write_manifest(path)  # a manifest that agrees: the config checks must still refuse
+    write_manifest(path, force=True)  # a manifest that agrees: the config checks must still refuse
 
 
 def test_missing_key(tmp_path: Path, config: H3Config, seed: int) -> None:
@@ -328,3 +331,26 @@ def test_cli_manifest_equals_synthesized(tmp_path: Path, config: H3Config, seed:
     manifest = json.loads(written)
     assert manifest["format"] == "h3lab-manifest-v1" and manifest["config"] == config.to_diffusers_json()
     assert main(["manifest", str(tmp_path / "nowhere")]) == 2
+
+
+def test_cli_manifest_refuses_to_re_pin_changed_files(tmp_path: Path, config: H3Config, seed: int, capsys) -> None:
+    path = synthesize_checkpoint(tmp_path / "ckpt", config, num_blocks=NUM_BLOCKS, seed=seed)
+    pinned = (path / "manifest.json").read_text()
+    assert main(["manifest", str(path)]) == 0  # the files match their pins: re-pinning changes nothing
+    assert (path / "manifest.json").read_text() == pinned
+    shard = _shard_of_block(path, 1)
+    raw = bytearray(shard.read_bytes())
+    raw[-1 - secrets.randbelow(1000)] ^= 1 << secrets.randbelow(6)  # a tampered shard, same size (*)
+    shard.write_bytes(raw)
+    capsys.readouterr()
+    assert main(["manifest", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"pins other bytes than the files hold now (file {shard.name} sha256" in err and "--force" in err
+    assert len(err.strip().splitlines()) == 1 and (path / "manifest.json").read_text() == pinned
+    with pytest.raises(ValueError, match="sha256"):
+        load_block(path, 1)  # still refused: nothing was re-pinned
+    assert main(["manifest", str(path), "--force"]) == 0
+    changed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("re-pinned: ")]
+    assert changed[0].startswith(f"re-pinned: file {shard.name} sha256") and len(changed) == 2  # the file, one tensor
+    assert changed[1].startswith("re-pinned: tensor transformer_blocks.1.")
+    assert len(load_block(path, 1)) == 12  # the new pins hold

@@ -185,6 +185,11 @@ def test_report_is_self_contained_and_renders_in_chromium(sweep_dir, tmp_path, c
     assert "<table" in text and "tp4xcp2+sp" in text and "from h3lab.workbench" not in text  # no code cells
     assert "report.html" in (root / "index.html").read_text()
     assert json.loads((root / "cpu" / "report.json").read_text())["deterministic_passed"] == 2
+    elsewhere = tmp_path / "mine"
+    elsewhere.mkdir()
+    (elsewhere / "index.html").write_text("my own index")  # --out elsewhere leaves it alone unasked
+    assert main(["report", str(sweep_dir), "--out", str(elsewhere / "page"), "--no-fp64", "--no-screenshot"]) == 0
+    assert (elsewhere / "index.html").read_text() == "my own index" and (elsewhere / "page" / "report.html").is_file()
     exe = chromium()
     if exe is None:
         pytest.skip("Chromium not installed (/usr/bin/chromium; Debian: apt-get install -y chromium)")

@@ -1,0 +1,66 @@
+"""Nothing a user wrote is overwritten or mixed: one run per folder, even when two start at once;
+default names that do not collide; a sweep's --out refused before anything in it is touched."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from h3lab.cli import main
+from h3lab.cli.run import default_out
+from h3lab.io.rundir import claim
+
+PAIRS = 20
+
+
+def test_of_two_runs_claiming_one_folder_at_once_exactly_one_wins(tmp_path):
+    for i in range(PAIRS):
+        out = tmp_path / f"run{i}"
+        if i % 2:
+            out.mkdir()  # an existing empty folder is raced for the same way
+        barrier, won, refused = threading.Barrier(2), [], []
+
+        def contender(out: Path = out, barrier: threading.Barrier = barrier, won=won, refused=refused) -> None:
+            barrier.wait()
+            try:
+                won.append(claim(out))
+            except ValueError as err:
+                refused.append(str(err))
+
+        threads = [threading.Thread(target=contender) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and len(refused) == 1, (i, won, refused)
+        assert re.search(r"claimed by another run at the same moment|is not empty \(holds owner.json\)", refused[0])
+        assert [p.name for p in out.iterdir()] == ["owner.json"]
+
+
+def test_default_run_folders_started_in_one_second_differ():
+    names = [default_out() for _ in range(20)]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"run-\d{8}-\d{6}-[0-9a-f]{6}", n.name) for n in names)
+
+
+def test_reproduce_refuses_an_existing_out_before_touching_it(tmp_path, capsys):
+    out = tmp_path / "old-sweep"
+    out.mkdir()
+    (out / "reproduce.ipynb").write_text("the record of an earlier sweep")
+    assert main(["workbench", "reproduce", "--out", str(out), "-p", "layouts", "tp2", "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty (holds reproduce.ipynb)" in err and len(err.strip().splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["reproduce.ipynb"]
+    assert (out / "reproduce.ipynb").read_text() == "the record of an earlier sweep"
+
+
+@pytest.mark.parametrize("what", ["summary.json", "sweep.json"])
+def test_a_folder_holding_a_run_says_what_state_that_run_is_in(tmp_path, what):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / what).write_text('{"status": "passed"}')
+    with pytest.raises(ValueError, match=r"'.*/run' is passed; it is never overwritten: choose a new folder"):
+        claim(out)
