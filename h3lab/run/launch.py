@@ -180,8 +180,8 @@ def launch(
         nnodes, node_rank, rdzv_endpoint: a real multi-machine job (this machine runs one agent).
         env: extra environment for the workers.
         token: the run token to tag every process with (default: a new one).
-        rdzv_id: the rendezvous id, the same on every node of a multi-node job and new for each
-            launch (default: the token, which only this machine knows).
+        rdzv_id: the rendezvous id: the same on every node of a multi-node job (required there)
+            and new for each launch; one machine's launches default to the token.
 
     Raises:
         ValueError: bad process counts, more than MAX_LOCAL_PROCESSES here, a bad endpoint.
@@ -199,6 +199,8 @@ def launch(
         host = split_endpoint(endpoint)[0]
         if not 0 <= node_rank < nnodes:
             raise ValueError(f"node_rank={node_rank}; allowed: 0..{nnodes - 1} for nnodes={nnodes}")
+        if rdzv_id is None:  # a token of this machine's own would never meet the other nodes'
+            raise ValueError("a multi-node launch needs rdzv_id, one string shared by every node")
     full_env = worker_env(os.environ, token, endpoint_host=host, extra=env)
     commands = []
     for nr in node_ranks:

@@ -130,9 +130,17 @@ def run(req: RunRequest) -> dict:
     token = new_token()
     leader_token = token if req.leader else _join(req)
     owner = claim(req.home, token=token, node_rank=req.node_rank)
-    summary = _start(req, owner)
+    summary = {
+        "status": "running",
+        "started": owner["started"],
+        "owner": owner,
+        "request": _request(req),
+        "layouts": {},
+    }
+    write_json(req.home / "summary.json", summary)
     reserve = req.home / ".reserve"
     try:
+        summary = _start(req, summary)
         _reserve(reserve)
         canonical = _canonical(req, token) if req.leader else _await_canonical(req)
         summary["canonical"] = canonical
@@ -157,9 +165,8 @@ def run(req: RunRequest) -> dict:
     return _finish(req, summary, "passed" if passed else "failed", None, reserve)
 
 
-def _start(req: RunRequest, owner: dict) -> dict:
-    """request.json, env.json and summary.json ("running") in this node's folder."""
-    request = {
+def _request(req: RunRequest) -> dict:
+    return {
         "layouts": [lay.name for lay in req.layouts],
         "problem": req.problem.to_dict(),
         "timeout_s": req.timeout_s,
@@ -172,18 +179,17 @@ def _start(req: RunRequest, owner: dict) -> dict:
         "command": shlex.join(req.command),
         "cwd": os.getcwd(),
     }
-    write_json(req.home / "request.json", request)
+
+
+def _start(req: RunRequest, summary: dict) -> dict:
+    """request.json, env.json and the whole "running" summary.json in this node's folder."""
+    write_json(req.home / "request.json", summary["request"])
     env = capture(req.problem.device)
     write_json(req.home / "env.json", env)  # versions, node type, git state
-    summary: dict = {
-        "status": "running",
-        "started": owner["started"],
-        "owner": owner,
-        "request": request,
+    summary = summary | {
         "contract": describe(),
         "environment": brief(env),
         "checkpoint": req.problem.checkpoint_record(),
-        "layouts": {},
     }
     write_json(req.home / "summary.json", summary)
     return summary
