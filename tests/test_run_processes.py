@@ -72,7 +72,7 @@ def test_a_rank_stopped_inside_a_collective_is_named_by_its_heartbeat(tmp_path, 
     # rank 1 announces its first collective, then stops: rank 0 waits in the same collective with
     # the same number of calls, so only the heartbeat tells the two apart
     monkeypatch.setenv("H3LAB_FAULT", "stop:1")
-    req = RunRequest(layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=8), out=tmp_path / "run", timeout_s=25)
+    req = RunRequest(layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=8), out=tmp_path / "run", timeout_s=18)
     summary = run(req)
     failure = summary["layouts"]["tp2"]["failure"]
     assert failure["rank"] == 1 and failure["reason"].startswith("stopped: its heartbeat stopped"), failure
@@ -123,3 +123,72 @@ def _processes(token: str) -> list[psutil.Process]:
     from h3lab.run.launch import processes_with_token
 
     return processes_with_token(token)
+
+
+# ---- the rules, on the files a launch leaves (no processes) ------------------------------------------
+def _files(d: Path, status: dict[int, dict], beats: dict[int, float]) -> None:
+    for r, s in status.items():
+        (d / f"rank{r}.status.json").write_text(json.dumps(s))
+    for r, t in beats.items():
+        (d / f"rank{r}.heartbeat").write_text(repr(t))
+
+
+@pytest.mark.parametrize(
+    ("status", "beats", "timed_out", "codes", "who", "reason"),
+    [
+        # a rank that finished early is not "stopped"; the one that makes no progress is named
+        (
+            {
+                0: {"state": "done", "time": 1.0},
+                1: {"state": "terminated", "calls": 3},
+                2: {"state": "terminated", "calls": 9},
+            },
+            {0: 100.0, 1: 160.0, 2: 160.0},
+            True,
+            [None],
+            1,
+            "hung: still running",
+        ),
+        # the stale heartbeat wins over the fewest calls
+        (
+            {0: {"state": "terminated", "calls": 5}, 1: {"state": "running", "calls": 7}},
+            {0: 160.0, 1: 120.0},
+            True,
+            [None],
+            1,
+            "stopped: its heartbeat stopped 40 s",
+        ),
+        # an error explains a timeout better than a heartbeat
+        (
+            {0: {"state": "terminated", "calls": 5}, 1: {"state": "error", "error": "RuntimeError: x", "time": 110.0}},
+            {0: 160.0, 1: 110.0},
+            True,
+            [None],
+            1,
+            "raised RuntimeError: x",
+        ),
+        # an agent killed by a signal is named itself
+        (
+            {0: {"state": "terminated", "reason": "its launcher (pid 9) is gone", "time": 5.0}},
+            {0: 4.0},
+            False,
+            [-9],
+            "agent 0",
+            "killed by SIGKILL",
+        ),
+        # nothing started and the agent failed: the agent, not a rank0.log that does not exist
+        ({}, {}, False, [1], "agent 0", "exited with code 1 before starting any rank"),
+    ],
+)
+def test_the_blame_rules_on_recorded_files(tmp_path, status, beats, timed_out, codes, who, reason):
+    from h3lab.run.diagnose import diagnose
+    from h3lab.run.launch import LaunchResult
+
+    _files(tmp_path, status, beats)
+    (tmp_path / "agent0.log").write_text("OSError: [Errno 98] Address already in use\n")
+    world = max(len(status), 2)
+    res = LaunchResult(-1 if timed_out else 1, timed_out, 60.0, [], [tmp_path / "agent0.log"], "tok", [], codes)
+    failure = diagnose(tmp_path, world, res)
+    named = f"agent {failure['agent']}" if failure["rank"] is None else failure["rank"]
+    assert named == who and reason in failure["reason"], failure
+    assert Path(failure["log"]).name == ("agent0.log" if failure["rank"] is None else f"rank{who}.log")

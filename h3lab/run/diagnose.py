@@ -6,9 +6,10 @@ beating while the main thread waits inside a collective). The rules, in order:
 
 1. An agent killed by a signal, or one that failed before any rank started (its port taken, a bad
    endpoint), is blamed itself, with its own log `agent<N>.log`.
-2. A launch that timed out: a rank whose heartbeat stopped well before the others' is the one that
-   stopped (SIGSTOP, a frozen process: the others kept beating while they waited for it); else the
-   rank with the fewest collective calls (the others wait for it inside one).
+2. A launch that timed out with no rank reporting an error: a rank whose heartbeat stopped well
+   before the others' is the one that stopped (SIGSTOP, a frozen process: the others kept beating
+   while they waited for it); else the rank with the fewest collective calls (the others wait for
+   it inside one).
 3. Otherwise every failed rank gets an event time (when it raised; for a rank that died without a
    word, its last heartbeat) and the earliest event is the root cause; the others are collateral.
 """
@@ -34,7 +35,8 @@ def diagnose(d: Path, world: int, res: LaunchResult) -> dict[str, Any]:
     status = {r: _read(d / f"rank{r}.status.json", json.loads, {"state": "never started"}) for r in range(world)}
     beat = {r: _read(d / f"rank{r}.heartbeat", float, float("-inf")) for r in range(world)}
     states = {r: s["state"] for r, s in status.items()}
-    blame = _blame_agent(res, states) or (_blame_timeout(status, beat, res) if res.timed_out else None)
+    raised = any(s == "error" for s in states.values())  # an error explains a timeout better than a beat
+    blame = _blame_agent(res, states) or (_blame_timeout(status, beat, res) if res.timed_out and not raised else None)
     blame = blame or _blame_earliest(status, beat, res)
     return blame | {"states": states}
 
@@ -59,7 +61,8 @@ def _blame_agent(res: LaunchResult, states: dict[int, str]) -> dict[str, Any] | 
 
 def _blame_timeout(status: dict[int, dict], beat: dict[int, float], res: LaunchResult) -> dict[str, Any] | None:
     log = lambda r: str(res.agent_logs[0].parent / f"rank{r}.log")  # noqa: E731
-    started = {r: t for r, t in beat.items() if t > float("-inf") and status[r]["state"] != "done"}
+    # ranks that were still running when the time ran out (the runner's kill marks them "terminated")
+    started = {r: t for r, t in beat.items() if t > float("-inf") and status[r]["state"] in ("running", "terminated")}
     if started:
         freshest = max(started.values())
         stopped = [r for r, t in started.items() if freshest - t > STALE_BEAT_S]
