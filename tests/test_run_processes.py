@@ -24,6 +24,7 @@ from h3lab.cli import main
 from h3lab.dist.layout import parse_layouts
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
+from h3lab.workbench.rundata import load_sweep
 from tests.test_launch import _leftovers
 
 RUN = [sys.executable, "-m", "h3lab", "run", "--layout", "tp2", "--synthetic", "tiny", "--rows", "8"]
@@ -61,6 +62,7 @@ def test_no_process_outlives_a_runner_killed_or_hung_up(tmp_path, capsys, sig):
         return
     # SIGKILL: the runner wrote nothing more; the folder says running, its owner is gone: "stale"
     assert summary["status"] == "running" and summary["owner"]["pid"] == proc.pid
+    assert load_sweep(out).status == "stale"  # what the workbench shows
     assert main(["report", str(out), "--out", str(tmp_path / "report")]) == 2
     assert "is stale: it says 'running' but its runner" in capsys.readouterr().err
     assert main([*RUN[3:], "--out", str(out)]) == 2
