@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 
 from h3lab.io.manifest import manifest_changes, manifest_path, write_manifest
+from h3lab.io.rundir import read_record
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -20,18 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
 
     def run(args: argparse.Namespace) -> int:
         target = manifest_path(args.path, args.out)
-        try:
-            before = json.loads(target.read_text()) if target.is_file() else None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            before = {}
+        replaced, before = target.is_file(), read_record(target) or {}  # {}: an unreadable manifest
         out = write_manifest(args.path, args.out, force=args.force)
         manifest = json.loads(out.read_text())
-        if before is not None and args.force:
-            changes = manifest_changes(before if isinstance(before, dict) else {}, manifest)
-            for change in changes:
+        if replaced and args.force:
+            for change in manifest_changes(before, manifest) or ["nothing changed"]:
                 print(f"re-pinned: {change}")
-            if not changes:
-                print("re-pinned: nothing changed")
         size = sum(entry["size"] for entry in manifest["files"].values())
         print(f"{out}: {len(manifest['files'])} files ({size / 1e6:.1f} MB), {len(manifest['tensors'])} tensors pinned")
         return 0
