@@ -13,7 +13,7 @@ from pathlib import Path
 from h3lab import H3Config
 from h3lab.io.checkpoint import synthesize_checkpoint
 from h3lab.run.launch import free_port, launch, worker_env
-from tests.test_launch import _leftovers
+from tests.conftest import leftovers
 
 
 def test_two_nodes_on_one_machine_share_one_run_folder(tmp_path):
@@ -35,7 +35,7 @@ def test_two_nodes_on_one_machine_share_one_run_folder(tmp_path):
         assert summary["checkpoint"] == {"path": str(Path(ckpt).resolve()), "manifest_verified": True}
     agents = sorted(p.name for p in (out / "layouts" / "tp2_2x1").glob("agent*.log"))
     assert agents == ["agent0.log", "agent1.log"]
-    assert not _leftovers(node0["owner"]["token"]) and not _leftovers(node1["owner"]["token"])
+    assert not leftovers(node0["owner"]["token"]) and not leftovers(node1["owner"]["token"])
 
 
 def test_every_store_of_a_two_node_job_binds_the_endpoint_address_only(tmp_path):

@@ -25,7 +25,7 @@ from h3lab.dist.layout import parse_layouts
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench.rundata import load_sweep
-from tests.test_launch import _leftovers
+from tests.conftest import leftovers
 
 RUN = [sys.executable, "-m", "h3lab", "run", "--layout", "tp2", "--synthetic", "tiny", "--rows", "8"]
 
@@ -52,10 +52,10 @@ def test_no_process_outlives_a_runner_killed_or_hung_up(tmp_path, capsys, sig):
     proc = subprocess.Popen([*RUN, "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for(lambda: _ranks_running(out / "layouts" / "tp2", 2), what="the ranks")
     token = _token(out)
-    assert len(_leftovers(token)) >= 3  # the agent and its two ranks
+    assert len(leftovers(token)) >= 3  # the agent and its two ranks
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    _wait_for(lambda: not _leftovers(token), timeout_s=20, what=f"every process of the run to exit after {sig.name}")
+    _wait_for(lambda: not leftovers(token), timeout_s=20, what=f"every process of the run to exit after {sig.name}")
     summary = json.loads((out / "summary.json").read_text())
     if sig == signal.SIGHUP:  # a closed terminal unwinds like SIGTERM
         assert summary["status"] == "interrupted"
@@ -81,7 +81,7 @@ def test_a_rank_stopped_inside_a_collective_is_named_by_its_heartbeat(tmp_path, 
     assert failure["log"].endswith("layouts/tp2/rank1.log")
     status = [json.loads((tmp_path / "run" / "layouts" / "tp2" / f"rank{r}.status.json").read_text()) for r in (0, 1)]
     assert status[0]["calls"] == status[1]["calls"]  # what the fewest-calls rule alone could not separate
-    assert not _leftovers(summary["owner"]["token"])
+    assert not leftovers(summary["owner"]["token"])
 
 
 def test_an_agent_that_cannot_bind_its_port_is_named_with_its_log(tmp_path, monkeypatch):
@@ -118,7 +118,7 @@ def test_a_killed_agent_is_named_not_a_rank(tmp_path, monkeypatch):
     }
     assert failure["log"].endswith("agent0.log")
     assert summary["layouts"]["tp2"]["launch"]["killed_leftovers"] == []  # the ranks left with their agent
-    assert not _leftovers(summary["owner"]["token"])
+    assert not leftovers(summary["owner"]["token"])
 
 
 def _processes(token: str) -> list[psutil.Process]:

@@ -26,7 +26,7 @@ from h3lab.io.checkpoint import synthesize_checkpoint
 from h3lab.io.jsonfile import write_json
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
-from tests.test_launch import _leftovers
+from tests.conftest import leftovers
 
 
 def _summary(out: Path) -> dict:
@@ -55,7 +55,7 @@ def test_a_checkpoint_failing_verification_fails_the_run_with_the_error(tmp_path
     assert "diffusion_pytorch_model.safetensors: sha256" in summary["error"] and "contents changed" in summary["error"]
     assert summary["canonical"]["failure"]["log"].endswith("canonical.log")
     assert summary["checkpoint"]["manifest_verified"] is True and summary["layouts"] == {}
-    assert not _leftovers(summary["owner"]["token"])
+    assert not leftovers(summary["owner"]["token"])
 
 
 def test_the_timeout_bounds_the_canonical_phase(tmp_path, monkeypatch):
@@ -65,7 +65,7 @@ def test_the_timeout_bounds_the_canonical_phase(tmp_path, monkeypatch):
     assert time.monotonic() - started < 60
     assert summary["status"] == "failed" and "canonical process hung: still running after" in summary["error"]
     assert _summary(tmp_path / "run")["status"] == "failed"
-    assert not _leftovers(summary["owner"]["token"])
+    assert not leftovers(summary["owner"]["token"])
 
 
 def test_sigterm_in_the_canonical_phase_interrupts_the_run(tmp_path):
@@ -81,7 +81,7 @@ def test_sigterm_in_the_canonical_phase_interrupts_the_run(tmp_path):
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read()
     summary = _summary(out)
     assert summary["status"] == "interrupted" and "stopped by a signal" in summary["error"]
-    assert "canonical" not in summary and not _leftovers(token)
+    assert "canonical" not in summary and not leftovers(token)
 
 
 def _read(path: Path) -> str:

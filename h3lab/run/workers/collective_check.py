@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ from h3lab.dist.collectives import DeterministicCollective, new_collective
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import bitwise_equal
 from h3lab.ops.fixed import balanced_tree, round_to
+from h3lab.run.lifeline import exit_now, watch
 
 DEFAULT_SHAPES = "1,7,9973,65537,33x17,3x5"  # odd numels, 2-D, and fewer rows than members (empty chunks)
 # scatter_tree configs are checked pipelined too, with segments this small: 9973 and 65537 FP32
@@ -311,6 +313,7 @@ def _bench_one(args, colls: dict, name: str, op: str, x: Tensor, want: Tensor, w
 
 
 def main(argv: list[str]) -> int:
+    watch(exit_now(), parent_signal=signal.SIGKILL)  # no orphan when the agent or runner is gone
     parser = argparse.ArgumentParser(prog="h3lab.run.workers.collective_check")
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ from h3lab.io.jsonfile import write_json
 from h3lab.reference.eager import eager_block, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
 from h3lab.run.eager_layouts import eager_groups, eager_inputs, eager_parallel
+from h3lab.run.lifeline import exit_now, watch
 from h3lab.weights import BlockWeights, synthetic_block
 
 
@@ -91,6 +93,7 @@ def _layouts(a: argparse.Namespace, w: BlockWeights, rank: int, world: int, devi
 
 
 def main(argv: list[str]) -> int:
+    watch(exit_now(), parent_signal=signal.SIGKILL)  # no orphan when the agent or runner is gone
     ap = argparse.ArgumentParser(prog="h3lab.run.workers.eager_tp")
     ap.add_argument("out", type=Path)
     ap.add_argument("--config", default="real")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 from h3lab.io.jsonfile import write_json
+from h3lab.run.lifeline import exit_now, watch
 
 
 def main(argv: list[str]) -> int:
+    watch(exit_now(), parent_signal=signal.SIGKILL)  # no orphan when the agent or runner is gone
     out = Path(argv[0])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

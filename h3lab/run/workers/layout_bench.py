@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from h3lab.metrics import digest
 from h3lab.reference.eager import EagerCollectives, eager_block
 from h3lab.run import layout_diagnose
 from h3lab.run.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
+from h3lab.run.lifeline import exit_now, watch
 from h3lab.units import unit_weights
 from h3lab.weights import BlockWeights, synthetic_block
 
@@ -293,6 +295,7 @@ def _ranks_of(layout: Layout, rank: int, groups: EagerGroups) -> dict[int, list[
 
 
 def main(argv: list[str]) -> int:
+    watch(exit_now(), parent_signal=signal.SIGKILL)  # no orphan when the agent or runner is gone
     spec = json.loads(Path(argv[0]).read_text())
     r = Rank(spec)
     out_dir = Path(spec["out_dir"])
