@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import h3lab.io.rundir as rundir
 import h3lab.run.runner as runner
 from h3lab import H3Config
 from h3lab.cli import main
@@ -91,25 +92,51 @@ def _read(path: Path) -> str:
         return ""
 
 
+def _no_space(path) -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+def _final_records_need_the_reserve(monkeypatch) -> None:
+    """The disk stays full until the writer gives its reserve back: no final record fits before."""
+
+    def write_json_full_disk(path, record, **kw):
+        final = record.get("status") not in (None, "running")
+        if final and (Path(path).parent / ".reserve").exists():
+            raise _no_space(path)
+        return write_json(path, record, **kw)
+
+    monkeypatch.setattr(rundir, "write_json", write_json_full_disk)  # write_final's writer
+
+
 def test_a_full_disk_still_ends_the_run_with_a_final_state(tmp_path, monkeypatch):
     """The disk fills while the layout is assembled, and stays full until the run gives its reserve back."""
 
     def disk_full(path, tensors):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-    def write_json_full_disk(path, record, **kw):  # no final summary fits while the reserve holds its space
-        final = Path(path).name == "summary.json" and record["status"] != "running"
-        if final and (Path(path).parent / ".reserve").exists():
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return write_json(path, record, **kw)
+        raise _no_space(path)
 
     monkeypatch.setattr(runner, "write_tensors", disk_full)
-    monkeypatch.setattr(runner, "write_json", write_json_full_disk)
+    _final_records_need_the_reserve(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         run(_request(tmp_path / "run"))
     summary = _summary(tmp_path / "run")
     assert summary["status"] == "failed" and "No space left on device" in summary["error"]
     assert summary["canonical"]["status"] == "done" and not (tmp_path / "run" / ".reserve").exists()
+
+
+def test_a_final_record_no_space_can_hold_shrinks_over_the_old_one(tmp_path, monkeypatch):
+    path, owner = tmp_path / "summary.json", rundir.owner_record()
+    layouts = {f"layout{i}": {"status": "passed", "note": "x" * 200} for i in range(8)}
+    write_json(path, {"status": "running", "owner": owner, "started": 1.5, "layouts": layouts})
+
+    def always_full(path, record, **kw):
+        raise _no_space(path)
+
+    monkeypatch.setattr(rundir, "write_json", always_full)
+    final = {"status": "failed", "error": "OSError: no space", "owner": owner, "started": 1.5, "layouts": layouts}
+    rundir.write_final(path, final | {"finished": 2.5})
+    assert json.loads(path.read_text()) == {k: final[k] for k in ("status", "error", "owner", "started")} | {
+        "finished": 2.5
+    }
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) to mount a small tmpfs")
@@ -157,6 +184,17 @@ def test_accuracy_run_folders_end_failed_or_interrupted(tmp_path, monkeypatch, c
         main(["accuracy", "--out", str(tmp_path / "acc2"), "--rows", "8"])
     assert _summary(tmp_path / "acc2")["status"] == "interrupted"
 
+    def disk_full(*args, **kwargs):
+        raise _no_space(tmp_path / "acc3")
+
+    monkeypatch.setattr(accuracy, "block_accuracy", disk_full)
+    _final_records_need_the_reserve(monkeypatch)
+    assert main(["accuracy", "--out", str(tmp_path / "acc3"), "--rows", "8"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    summary = _summary(tmp_path / "acc3")
+    assert summary["status"] == "failed" and "No space left on device" in summary["error"]
+    assert not (tmp_path / "acc3" / ".reserve").exists()
+
 
 def test_a_sweep_stopped_short_says_so_in_sweep_json(tmp_path, monkeypatch):
     from h3lab.workbench import sweep
@@ -172,4 +210,5 @@ def test_a_sweep_stopped_short_says_so_in_sweep_json(tmp_path, monkeypatch):
         sweep.run_all(params)
     record = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert record["status"] == "failed" and record["error"] == "RuntimeError: a broken runner"
+    assert not (tmp_path / "sw" / ".reserve").exists()  # given back for the final record
     assert load_sweep(tmp_path / "sw").status == "failed"

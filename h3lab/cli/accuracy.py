@@ -20,7 +20,7 @@ from h3lab.io.checkpoint import load_block, synthesize_checkpoint
 from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
 from h3lab.io.manifest import MANIFEST_NAME, find_layout
-from h3lab.io.rundir import claim
+from h3lab.io.rundir import claim, describe_end, reserve_space, write_final
 from h3lab.reference.accuracy import block_accuracy, format_table
 from h3lab.reference.parity import diffusers_available
 
@@ -41,18 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         out = Path(args.out or f"runs/accuracy-{stamp}-{secrets.token_hex(2)}")  # the suffix: same-second runs
         owner = claim(out)
-        summary = {"format": SUMMARY_FORMAT, "status": "running", "owner": owner, "contract": describe()}
-        write_json(out / "summary.json", summary)
+        summary = {"format": SUMMARY_FORMAT, "status": "running", "owner": owner, "started": owner["started"]}
+        summary["contract"] = describe()
+        path = write_json(out / "summary.json", summary)
         try:
+            reserve_space(out)  # given back for the final summary on a full disk
             summary |= _measure(args, out)
         except (KeyboardInterrupt, SystemExit) as err:
-            write_json(out / "summary.json", summary | {"status": "interrupted", "error": type(err).__name__})
+            write_final(path, summary | {"status": "interrupted", "error": describe_end(err)})
             raise
         except BaseException as err:
-            write_json(out / "summary.json", summary | {"status": "failed", "error": f"{type(err).__name__}: {err}"})
+            write_final(path, summary | {"status": "failed", "error": describe_end(err)})
             raise
         passed = summary["determinism"]["bitwise_equal"]
-        path = write_json(out / "summary.json", summary | {"status": "passed" if passed else "failed"})
+        write_final(path, summary | {"status": "passed" if passed else "failed"})
         print(f"summary: {path}")
         return 0 if passed else 1
 

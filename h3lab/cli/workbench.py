@@ -69,7 +69,7 @@ def _runs() -> Path:
 
 
 def _reproduce(a: argparse.Namespace, params: dict) -> int:
-    from h3lab.io.rundir import claim
+    from h3lab.io.rundir import claim, describe_end
     from h3lab.workbench import notebooks, tables
     from h3lab.workbench.publish import publish
     from h3lab.workbench.rundata import load_sweep
@@ -84,7 +84,7 @@ def _reproduce(a: argparse.Namespace, params: dict) -> int:
         with notebooks.sweep_progress(run_dir):
             notebooks.execute("reproduce", run_dir / "reproduce.ipynb", params)
     except (KeyboardInterrupt, SystemExit) as err:  # the kernel is shut down with the notebook
-        mark_ended(run_dir, "interrupted", f"{type(err).__name__}")
+        mark_ended(run_dir, "interrupted", describe_end(err))
         raise
     except notebooks.NotebookError as err:
         mark_ended(run_dir, "failed", str(err))

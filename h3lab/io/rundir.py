@@ -10,6 +10,11 @@ folder: host, pid and the process's start time (a reused pid has another start t
 token its child processes carry. A record that still says "running" while that process is gone
 reads as "stale": its runner was killed without a chance to write its final state (SIGKILL, a
 machine that went down). Only a reader on the same host can tell; elsewhere it reads "running".
+
+A full disk must not cost a run its final state: a writer takes `RESERVE_BYTES` in `.reserve`
+(`reserve_space`) once its first record is written, and `write_final` gives that space back when
+the final record does not fit; failing that, a compact final record overwrites the existing record
+in place, which needs no new blocks.
 """
 
 from __future__ import annotations
@@ -25,9 +30,17 @@ from typing import Any
 
 import psutil
 
+from h3lab.io.jsonfile import write_json
+
 OWNER_NAME = "owner.json"
 FINAL_STATES = ("passed", "failed", "interrupted")
 _START_TIME_SLACK_S = 0.01  # psutil's start time is a float from clock ticks: equal for one process
+RESERVE_NAME = ".reserve"
+# Kept free on a run folder's disk until the final record is written: a seven-layout summary is a
+# few hundred kB
+RESERVE_BYTES = 1 << 20
+# what a final record keeps when even the reserve cannot hold it (written over the old record)
+COMPACT_KEYS = ("format", "status", "error", "owner", "started", "finished")
 
 
 def owner_record(**extra: Any) -> dict[str, Any]:
@@ -125,6 +138,61 @@ def claim(out: Path, *, flag: str = "--out", **extra: Any) -> dict[str, Any]:
     return record
 
 
+def reserve_space(folder: Path) -> Path:
+    """Take RESERVE_BYTES in `folder/.reserve` for the final record (`write_final` gives it back)."""
+    path = Path(folder) / RESERVE_NAME
+    with open(path, "wb") as fh:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fh.fileno(), 0, RESERVE_BYTES)
+        else:
+            fh.write(b"\0" * RESERVE_BYTES)
+    return path
+
+
+def write_final(path: Path, record: dict[str, Any]) -> Path:
+    """Write a run's final record to `path` (atomically), even on a full disk; `.reserve` beside it
+    is given back in any case.
+
+    On a full disk the reserve is given back first and the write retried; failing that, the
+    COMPACT_KEYS of `record` overwrite the existing record in place (padded with spaces).
+
+    Raises:
+        OSError: not even the compact record fits over the existing one (or there is none).
+    """
+    path = Path(path)
+    reserve = path.parent / RESERVE_NAME
+    try:
+        write_json(path, record)
+    except OSError:  # a full disk: the reserve makes room; failing that, the record shrinks into place
+        reserve.unlink(missing_ok=True)
+        try:
+            write_json(path, record)
+        except OSError:
+            _overwrite_in_place(path, {k: record[k] for k in COMPACT_KEYS if k in record})
+    reserve.unlink(missing_ok=True)
+    return path
+
+
+def describe_end(err: BaseException) -> str:
+    """What ended a run, for its record's `error`: the exception, or the signal behind a SystemExit
+    (the CLI turns SIGTERM and SIGHUP into SystemExit(128 + signal))."""
+    if isinstance(err, SystemExit):
+        return f"stopped by a signal (exit status {err.code})"
+    if isinstance(err, KeyboardInterrupt):
+        return "KeyboardInterrupt (Ctrl-C)"
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def _overwrite_in_place(path: Path, record: dict[str, Any]) -> None:
+    """`record` over the bytes of the existing file at `path`, padded with spaces: no new blocks."""
+    data = json.dumps(record, default=str).encode()
+    size = path.stat().st_size
+    if len(data) > size:
+        raise OSError(f"{path}: the final record ({len(data)} bytes) does not fit the {size} bytes on disk")
+    with open(path, "r+b") as fh:
+        fh.write(data + b" " * (size - len(data)))
+
+
 def read_record(path: Path) -> dict[str, Any] | None:
     """A JSON object from `path`; None when it is missing, half-written or not an object."""
     with contextlib.suppress(OSError, ValueError):
@@ -138,5 +206,10 @@ def _busy(out: Path, entries: list[str], flag: str) -> str:
         record = read_record(out / name)
         if record is not None:
             return f"{flag} {describe_status(record, out)}; it is never overwritten: choose a new folder"
+    if OWNER_NAME in entries:  # claimed, no record yet: a moment ago, or its runner died at once
+        owner = read_record(out / OWNER_NAME)  # None while the claimer is still writing it
+        gone = ", now gone" if owner_gone(owner) else ""
+        who = f" (pid {owner.get('pid')} on {owner.get('host')}{gone})" if owner else ""
+        return f"{flag} {str(out)!r} is claimed by another run{who}; choose a new folder"
     shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
     return f"{flag} {str(out)!r} is not empty (holds {shown}); allowed: a new or empty folder"

@@ -40,7 +40,7 @@ from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
-from h3lab.io.rundir import FINAL_STATES, claim, read_record
+from h3lab.io.rundir import FINAL_STATES, claim, describe_end, read_record, reserve_space, write_final
 from h3lab.io.tensorfile import write_tensors
 from h3lab.metrics import compare
 from h3lab.run import tasks
@@ -57,9 +57,6 @@ from h3lab.run.problem import Problem
 from h3lab.run.summary import failure_line
 from h3lab.run.trace import assemble_trace, first_divergence, load_trace, save_trace
 
-# Kept free on the run folder's disk until the final summary is written: a full disk still gets a
-# true final state (the reserve is released for it). A seven-layout summary is a few hundred kB.
-RESERVE_BYTES = 1 << 20
 POLL_S = 0.2
 
 
@@ -138,14 +135,13 @@ def run(req: RunRequest) -> dict:
         "layouts": {},
     }
     write_json(req.home / "summary.json", summary)
-    reserve = req.home / ".reserve"
     try:
         summary = _start(req, summary)
-        _reserve(reserve)
+        reserve_space(req.home)  # given back for the final summary on a full disk
         canonical = _canonical(req, token) if req.leader else _await_canonical(req)
         summary["canonical"] = canonical
         if canonical["status"] != "done":
-            return _finish(req, summary, "failed", canonical["failure"]["reason"], reserve)
+            return _finish(req, summary, "failed", canonical["failure"]["reason"])
         write_json(req.home / "summary.json", summary)
         bar = tqdm(req.layouts, desc="layouts", unit="layout", disable=None, file=sys.stderr)
         for layout in bar:
@@ -156,13 +152,13 @@ def run(req: RunRequest) -> dict:
             if record["status"] != "passed":
                 tqdm.write(failure_line(layout.name, record), file=sys.stderr)
     except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C; SIGTERM and SIGHUP (SystemExit from the CLI)
-        _finish(req, summary, "interrupted", _describe(err), reserve)
+        _finish(req, summary, "interrupted", describe_end(err))
         raise
     except BaseException as err:  # a full disk, a bug: never "passed", never left "running"
-        _finish(req, summary, "failed", _describe(err), reserve)
+        _finish(req, summary, "failed", describe_end(err))
         raise
     passed = all(r["status"] == "passed" for r in summary["layouts"].values())
-    return _finish(req, summary, "passed" if passed else "failed", None, reserve)
+    return _finish(req, summary, "passed" if passed else "failed", None)
 
 
 def _request(req: RunRequest) -> dict:
@@ -195,49 +191,15 @@ def _start(req: RunRequest, summary: dict) -> dict:
     return summary
 
 
-def _finish(req: RunRequest, summary: dict, status: str, error: str | None, reserve: Path) -> dict:
-    """The final summary.json; on a full disk the reserve is given back for it first."""
+def _finish(req: RunRequest, summary: dict, status: str, error: str | None) -> dict:
+    """The final summary.json (h3lab.io.rundir.write_final: the reserve makes room on a full disk)."""
     assert status in FINAL_STATES, status
     summary |= {"status": status, "finished": time.time()}
     summary["elapsed_s"] = summary["finished"] - summary["started"]
     if error is not None:
         summary["error"] = error
-    path = req.home / "summary.json"
-    try:
-        write_json(path, summary)
-    except OSError:  # a full disk: the reserve makes room; failing that, the record shrinks into place
-        reserve.unlink(missing_ok=True)
-        try:
-            write_json(path, summary)
-        except OSError:
-            _overwrite_in_place(path, {k: summary.get(k) for k in ("status", "error", "owner", "started", "finished")})
-    reserve.unlink(missing_ok=True)
+    write_final(req.home / "summary.json", summary)
     return summary
-
-
-def _reserve(path: Path) -> None:
-    with open(path, "wb") as fh:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fh.fileno(), 0, RESERVE_BYTES)
-        else:
-            fh.write(b"\0" * RESERVE_BYTES)
-
-
-def _overwrite_in_place(path: Path, record: dict) -> None:
-    """The last resort on a full disk: `record` over the bytes of the existing summary.json (padded
-    with spaces), which needs no new blocks; raises when it is longer than the file."""
-    data = json.dumps(record, default=str).encode()
-    size = path.stat().st_size
-    if len(data) > size:
-        raise OSError(f"{path}: the final record ({len(data)} bytes) does not fit the {size} bytes on disk")
-    with open(path, "r+b") as fh:
-        fh.write(data + b" " * (size - len(data)))
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, SystemExit):
-        return f"stopped by a signal (exit status {err.code})"
-    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
 def _canonical(req: RunRequest, token: str) -> dict:

@@ -27,7 +27,7 @@ from h3lab.config import H3Config
 from h3lab.dist.layout import parse_layouts
 from h3lab.io.env import capture, node_type
 from h3lab.io.jsonfile import write_json
-from h3lab.io.rundir import FINAL_STATES, owner_record, read_record
+from h3lab.io.rundir import FINAL_STATES, describe_end, owner_record, read_record, reserve_space, write_final
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench import tables
@@ -69,6 +69,7 @@ def prepare(p: ReproduceParams) -> Path:
     record["started"] = time.time()
     write_json(run_dir / "params.json", record)
     write_json(run_dir / "sweep.json", {"format": SWEEP_FORMAT, "status": "running", "owner": owner_record()})
+    reserve_space(run_dir)  # given back for the final sweep.json on a full disk
     return run_dir
 
 
@@ -79,7 +80,7 @@ def mark_ended(run_dir: str | Path, status: str, error: str) -> None:
     record = read_record(run_dir / "sweep.json") or {}
     if record.get("status") in FINAL_STATES or not (run_dir / "params.json").is_file():
         return
-    write_json(run_dir / "sweep.json", record | {"status": status, "error": error, "finished": time.time()})
+    write_final(run_dir / "sweep.json", record | {"status": status, "error": error, "finished": time.time()})
 
 
 def planned(params: dict[str, Any]) -> list[tuple[str, int, str]]:
@@ -176,7 +177,7 @@ def finish(run_dir: str | Path) -> Sweep:
         "runs": [{"mode": r.mode, "seed": r.seed, "path": str(r.path), "status": r.summary["status"]} for r in runs],
         "problems": bad[cols].astype(object).where(bad[cols].notna(), None).to_dict("records"),
     }
-    write_json(run_dir / "sweep.json", record)
+    write_final(run_dir / "sweep.json", record)
     return load_sweep(run_dir)
 
 
@@ -192,8 +193,8 @@ def run_all(p: ReproduceParams) -> Sweep:
             accuracy(run_dir)
         return finish(run_dir)
     except (KeyboardInterrupt, SystemExit) as err:
-        mark_ended(run_dir, "interrupted", f"{type(err).__name__}: {err}")
+        mark_ended(run_dir, "interrupted", describe_end(err))
         raise
     except BaseException as err:
-        mark_ended(run_dir, "failed", f"{type(err).__name__}: {err}")
+        mark_ended(run_dir, "failed", describe_end(err))
         raise
