@@ -58,15 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
 
     def handle(a: argparse.Namespace) -> int:
         first, last = _block_range(a.blocks, a.block)
-        if a.trajectory is not None and a.trajectory < 1:
-            raise ValueError(f"--trajectory {a.trajectory}; allowed: a number of sampler steps >= 1")
-        task = "trajectory" if a.trajectory is not None else ("chain" if a.blocks else "block")
         problem = Problem(
             synthetic=a.synthetic,
             checkpoint=str(a.checkpoint) if a.checkpoint else None,
             block=first,
             last_block=last,
-            task=task,
+            task=_task(a),
             steps=a.trajectory or 2,
             digests=a.digests,
             weights_seed=a.weights_seed,
@@ -102,6 +99,13 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
 def default_out() -> Path:
     """runs/run-<time>-<6 hex>: the random suffix keeps runs started in the same second apart."""
     return Path("runs") / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _task(a: argparse.Namespace) -> str:
+    """The task the arguments ask for: a trajectory, a chain of blocks, or one block."""
+    if a.trajectory is not None and a.trajectory < 1:
+        raise ValueError(f"--trajectory {a.trajectory}; allowed: a number of sampler steps >= 1")
+    return "trajectory" if a.trajectory is not None else ("chain" if a.blocks else "block")
 
 
 def _block_range(blocks: str | None, block: int) -> tuple[int, int | None]:
