@@ -36,8 +36,8 @@ OWNER_NAME = "owner.json"
 FINAL_STATES = ("passed", "failed", "interrupted")
 _START_TIME_SLACK_S = 0.01  # psutil's start time is a float from clock ticks: equal for one process
 RESERVE_NAME = ".reserve"
-# Kept free on a run folder's disk until the final record is written: a seven-layout summary is a
-# few hundred kB
+# Kept free on a run folder's disk until the final record is written; a final record that does
+# not fit even then is replaced by its COMPACT_KEYS
 RESERVE_BYTES = 1 << 20
 # what a final record keeps when even the reserve cannot hold it (written over the old record)
 COMPACT_KEYS = ("format", "status", "error", "owner", "started", "finished")
