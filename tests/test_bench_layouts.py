@@ -121,6 +121,18 @@ def test_wait_is_the_late_peers_arrival_and_transfer_the_rest():
     assert skew == {"site": "b", "bytes": 4 << 20, "spread_ms": 2.0}
 
 
+def test_a_peer_arriving_after_the_call_ended_is_clock_error_not_wait():
+    ms = 1_000_000
+    # rank 1's arrival is read 3 ms after rank 0's call returned: no real collective allows that
+    calls = {
+        0: [_call("reduce_units", "a", [0, 1], 0, 6 * ms)],
+        1: [_call("reduce_units", "a", [0, 1], 9 * ms, 10 * ms)],
+    }
+    (a0,), (a1,) = split_calls(calls)[0], split_calls(calls)[1]
+    assert (a0["wait_ms"], a0["transfer_ms"], a0["clock_error_ms"]) == (6.0, 0.0, 3.0)
+    assert (a1["wait_ms"], a1["transfer_ms"], a1["clock_error_ms"]) == (0.0, 1.0, 0.0)
+
+
 def test_spread_uses_nearest_ranks():
     s = spread([float(v) for v in range(1, 21)])
     assert (s["n"], s["min"], s["max"], s["median"], s["p10"], s["p90"]) == (20, 1.0, 20.0, 10.5, 3.0, 18.0)

@@ -186,8 +186,8 @@ def _median(values: Sequence[float]) -> float | None:
 
 def split_calls(step_calls: dict[int, list[dict]]) -> dict[int, list[dict]]:
     """Each rank's calls of one step with `wait_ms` and `transfer_ms`: matched across the call's group
-    by (kind, site, occurrence); wait = the group's last arrival - this rank's arrival, transfer = the
-    rest of this rank's span (clipped at 0: clock error). Calls with a barrier exit also get the
+    by (kind, site, occurrence); wait = the group's last arrival - this rank's arrival (at most the
+    span: the rest is `clock_error_ms`), transfer = the rest of this rank's span. Calls with a barrier exit also get the
     measured `barrier_wait_ms` and `after_barrier_ms`."""
     keyed: dict[int, dict[tuple, dict]] = {}
     for r, calls in step_calls.items():
@@ -203,9 +203,13 @@ def split_calls(step_calls: dict[int, list[dict]]) -> dict[int, list[dict]]:
         for key, call in calls.items():
             peers = [keyed[q][key]["arrive_ns"] for q in call["group"] if q in keyed and key in keyed[q]]
             span = (call["exit_ns"] - call["arrive_ns"]) / 1e6
-            wait = (max(peers) - call["arrive_ns"]) / 1e6 if len(peers) == len(call["group"]) else None
+            late = (max(peers) - call["arrive_ns"]) / 1e6 if len(peers) == len(call["group"]) else None
+            # a call cannot end before its last peer arrives: a later arrival is clock error, so the
+            # wait is clipped to the span (and the excess kept), and wait + transfer = span always
+            wait = None if late is None else min(late, span)
             row = {k: call[k] for k in ("kind", "site", "bytes", "sent", "received")} | {"span_ms": span}
-            row |= {"wait_ms": wait, "transfer_ms": None if wait is None else max(0.0, span - wait)}
+            row |= {"wait_ms": wait, "transfer_ms": None if wait is None else span - wait}
+            row["clock_error_ms"] = None if late is None else max(0.0, late - span)
             row["arrive_ms"] = (call["arrive_ns"] - min(peers)) / 1e6 if peers else None
             if "barrier_exit_ns" in call:
                 row["barrier_wait_ms"] = (call["barrier_exit_ns"] - call["arrive_ns"]) / 1e6
