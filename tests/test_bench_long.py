@@ -71,9 +71,8 @@ def test_attention_long_variants_are_valid_configs():
     from h3lab.triton.attention import CONFIG_KEYS
 
     assert next(iter(attention_long.VARIANTS)) == "pinned"
-    for name, (fwd, bwd) in attention_long.VARIANTS.items():
+    for name, fwd in attention_long.VARIANTS.items():
         assert fwd is None or set(fwd) <= CONFIG_KEYS["attention_fwd"], name
-        assert bwd == "split" or set(bwd) <= CONFIG_KEYS["attention_bwd_fused"], name
     assert attention_long.parse_rows("4096,65536") == [4096, 65536]
     for bad in ("4096,", "16k", "64"):
         with pytest.raises(ValueError, match="--rows entry"):
@@ -95,8 +94,8 @@ def test_block_gpu_arguments():
 def test_attention_long_bench_rows_logic_under_the_interpreter(monkeypatch, chain_dot):
     """bench_rows end to end on a small FP32 problem in the interpreter, GPU clocks and SDPA stubbed:
     every variant runs and is close to float64; those with the pinned forward's key tile keep the
-    pinned bytes (the fused and TMA kernels compute the same chains), a 64-key forward tile rescales
-    its running sums at other places, so another bit class; the summary picks a combination."""
+    pinned bytes (the TMA and pointer kernels compute the same chains), a 64-key forward tile rescales
+    its running sums at other places, so another bit class; the summary picks one that keeps them."""
     from h3lab.triton.attention import config_for
 
     pinned_keys = config_for("attention_fwd", attention_long.DH, "sm90")["BLOCK_N"]
@@ -118,7 +117,7 @@ def test_attention_long_bench_rows_logic_under_the_interpreter(monkeypatch, chai
     assert len(saved) == len(attention_long.VARIANTS)
     for name, r in rec["variants"].items():
         assert "error" not in r, (name, r)
-        fwd = attention_long.VARIANTS[name][0]
+        fwd = attention_long.VARIANTS[name]
         same_tile = fwd is None or fwd["BLOCK_N"] == pinned_keys
         assert all(r["bitwise_vs_pinned"].values()) == same_tile and r["repeat_bitwise"], name
         assert max(r["rel_l2_vs_float64"].values()) < 1e-5, (name, r["rel_l2_vs_float64"])  # FP32 chains

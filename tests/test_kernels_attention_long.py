@@ -1,6 +1,7 @@
-"""The attention variants for long sequences (h3lab.triton.attention): the TMA forward and the fused
-backward give the bytes of the pinned pointer forward and of the split backward (attention_bwd_q +
-attention_bwd_kv), whose layout invariance tests/test_kernels_attention.py checks.
+"""The attention forward's variants for long sequences (h3lab.triton.attention): the TMA forward (pinned
+for head_dim 128 on sm90) gives the bytes of the pointer forward with the same tile, which runs the
+views a descriptor cannot walk; tests/test_kernels_attention.py checks the pinned kernels' layout
+invariance.
 
 Without CUDA the kernels run under the Triton interpreter in FP32 (tl.dot as tests/conftest.py's
 chain_dot, so equal chains give equal bits on every CPU); with CUDA the `gpu` tests run the compiled
@@ -45,36 +46,18 @@ def _inputs(n_q: int, n_k: int, heads: int, dh: int, dtype: torch.dtype, device:
     return mk(n_q), mk(n_k), mk(n_k), mk(n_q)
 
 
-def _stats(q, k, v, do, scale, node):
-    _, o_ref, (lse,) = att.attention_fwd(q, k, v, scale, q.dtype, node=node)
-    return lse, att.attention_delta(do, o_ref, node=node)
-
-
-def _split(q, do, lse, delta, k, v, scale, node):
-    dq = att.attention_bwd_q(q, do, (lse,), delta, k, v, scale, node=node)
-    return (dq, *att.attention_bwd_kv(q, do, (lse,), delta, k, v, scale, node=node))
-
-
 def _check_fwd_tma(q, k, v, scale, node, cfg) -> None:
-    want = att.attention_fwd(q, k, v, scale, torch.bfloat16 if q.is_cuda else q.dtype, node=node)
-    got = att.attention_fwd(q, k, v, scale, want[0].dtype, node=node, config=cfg)
+    """The forward under `cfg` (a TMA config) equals the pointer kernel with the same tile, byte for byte."""
+    out_dtype = torch.bfloat16 if q.is_cuda else q.dtype
+    want = att.attention_fwd(q, k, v, scale, out_dtype, node=node, config=cfg | {"TMA": False})
+    got = att.attention_fwd(q, k, v, scale, out_dtype, node=node, config=cfg)
     for name, a, b in (("o", got[0], want[0]), ("o_ref", got[1], want[1]), ("lse", got[2][0], want[2][0])):
         assert_bitwise(a, b, f"TMA forward {cfg}: {name}")
-
-
-def _check_fused(q, k, v, do, scale, node, cfg) -> tuple:
-    lse, delta = _stats(q, k, v, do, scale, node)
-    want = _split(q, do, lse, delta, k, v, scale, node)
-    got = att.attention_bwd(q, do, (lse,), delta, k, v, scale, node=node, config=cfg)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
-        assert_bitwise(a, b, f"fused backward {cfg}: {name}")
-    return got, lse, delta
 
 
 # ---- interpreter: FP32, ragged shapes ------------------------------------------------------------
 
 FWD32 = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "TMA": True}
-FUSED32 = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "HEAD_GROUP": 2, "CHUNK": 2}
 
 
 @interp
@@ -87,94 +70,60 @@ def test_interp_fwd_tma_equals_pointer_kernel(n_q, n_k, heads):
 
 
 @interp
-@pytest.mark.parametrize(
-    "n_q, n_k, heads, cfg",
-    [
-        (131, 200, 3, FUSED32),  # 5 query blocks (ragged), 4 key blocks (ragged), head groups of 2 and 1
-        (96, 128, 2, FUSED32 | {"CHUNK": 3, "HEAD_GROUP": 1}),  # no ragged tail; a turn every 3 blocks
-        (37, 61, 3, FUSED32 | {"HEAD_GROUP": 8}),  # one key block, one query block (no turns to wait)
-    ],
-)
-def test_interp_fused_backward_equals_split(n_q, n_k, heads, cfg):
-    q, k, v, do = _inputs(n_q, n_k, heads, 32, torch.float32, "cpu", seed=2)
-    _check_fused(q, k, v, do, 0.17, "sm90", cfg)
-
-
-@interp
-def test_interp_fused_backward_head_dim_128_pinned_tiles():
-    q, k, v, do = _inputs(150, 203, 2, 128, torch.float32, "cpu", seed=3)
-    _check_fused(q, k, v, do, 128**-0.5, "sm90", None)  # the pinned 64 x 128 tile: 3 query, 2 key blocks
-
-
-@interp
-def test_interp_fused_backward_rows_depend_on_their_row_and_the_whole_other_set():
-    """The contract under a query or key split: the fused call's dq rows equal the split dq kernel on
-    a slice of the queries (every key), its dk/dv rows the split dk/dv kernel on a slice of the keys."""
-    q, k, v, do = _inputs(131, 200, 2, 32, torch.float32, "cpu", seed=4)
-    scale = 32**-0.5
-    (dq, dk, dv), lse, delta = _check_fused(q, k, v, do, scale, "sm90", FUSED32)
-    lo, hi = 33, 100
-    part = att.attention_bwd_q(q[lo:hi], do[lo:hi], (lse[:, lo:hi],), delta[:, lo:hi], k, v, scale, node="sm90")
-    assert_bitwise(part, dq[lo:hi], "dq of query rows 33:100")
-    dk_p, dv_p = att.attention_bwd_kv(q, do, (lse,), delta, k[lo:hi], v[lo:hi], scale, node="sm90")
-    assert_bitwise(dk_p, dk[lo:hi], "dk of key rows 33:100")
-    assert_bitwise(dv_p, dv[lo:hi], "dv of key rows 33:100")
+def test_interp_pinned_head_dim_128_forward_is_the_tma_kernel_with_the_pointer_bytes():
+    """The sm90 pin for head_dim 128 loads through descriptors and gives the pointer kernel's bytes on
+    ragged shapes (2 query blocks, 2 key blocks, both partial); a view whose heads are not side by side
+    (no descriptor: the pointer kernel runs it) gives the bytes of its contiguous copy (descriptors)."""
+    pinned = att.config_for("attention_fwd", 128, "sm90")
+    assert pinned["TMA"] is True
+    q, k, v, _ = _inputs(150, 203, 3, 128, torch.float32, "cpu", seed=2)
+    _check_fwd_tma(q, k, v, 128**-0.5, "sm90", pinned)
+    views = [t[:, ::2] for t in (q, k, v)]  # heads 0 and 2
+    strided = att.attention_fwd(*views, 128**-0.5, torch.float32, node="sm90")
+    copied = att.attention_fwd(*(t.contiguous() for t in views), 128**-0.5, torch.float32, node="sm90")
+    for name, a, b in (("o", strided[0], copied[0]), ("lse", strided[2][0], copied[2][0])):
+        assert_bitwise(a, b, f"pinned forward, strided heads against their copy: {name}")
 
 
 @interp
 def test_interp_attention_configs_refuse_unknown_keys():
-    q, k, v, do = _inputs(5, 7, 1, 32, torch.float32, "cpu", seed=5)
+    q, k, v, _ = _inputs(5, 7, 1, 32, torch.float32, "cpu", seed=5)
     with pytest.raises(ValueError, match=r"attention_fwd config keys \['WARP_SPECIALIZE'\] unknown"):
         att.attention_fwd(q, k, v, 1.0, torch.float32, node="sm90", config=FWD32 | {"WARP_SPECIALIZE": True})
-    lse, delta = _stats(q, k, v, do, 1.0, "sm90")
-    with pytest.raises(ValueError, match=r"attention_bwd_fused config keys \['TMA'\] unknown"):
-        att.attention_bwd(q, do, (lse,), delta, k, v, 1.0, node="sm90", config=FUSED32 | {"TMA": True})
+    _, o_ref, (lse,) = att.attention_fwd(q, k, v, 1.0, torch.float32, node="sm90")
+    delta = att.attention_delta(q, o_ref, node="sm90")
+    with pytest.raises(ValueError, match=r"attention_bwd_q config keys \['TMA'\] unknown"):
+        att.attention_bwd_q(q, q, (lse,), delta, k, v, 1.0, node="sm90", config=FWD32)
 
 
 # ---- GPU: bf16, head_dim 128 --------------------------------------------------------------------
 
 
-def _gpu_candidates(kind: str) -> list[dict]:
-    """The benchmark's candidates; forwards only with the pinned key tile (a 64-key tile rescales its
-    running sums at other keys: another bit class, timed but not claimed equal)."""
+def _gpu_tma_candidates() -> list[dict]:
+    """The pinned head_dim 128 forward and the benchmark's TMA forwards with its key tile (a 64-key tile
+    rescales its running sums at other keys: another bit class, timed but not claimed equal)."""
     from h3lab.bench.attention_long import VARIANTS
 
-    index = 0 if kind == "fwd" else 1
-    cands = [v[index] for v in VARIANTS.values() if isinstance(v[index], dict)]
-    if kind == "fwd":
-        keys = att.config_for("attention_fwd", 128, "sm90")["BLOCK_N"]
-        cands = [c for c in cands if c["BLOCK_N"] == keys]
-    return cands
+    pinned = att.config_for("attention_fwd", 128, "sm90")
+    cands = [pinned, *(c for c in VARIANTS.values() if c is not None and c["TMA"])]
+    return [c for c in cands if c["BLOCK_N"] == pinned["BLOCK_N"]]
 
 
 @gpu
 @pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (1031, 1031, 2), (4096, 4032, 8)])
-def test_gpu_fwd_tma_candidates_equal_pinned(n_q, n_k, heads):
+def test_gpu_fwd_tma_equals_pointer_kernel(n_q, n_k, heads):
     q, k, v, _ = _inputs(n_q, n_k, heads, 128, torch.bfloat16, "cuda", seed=6)
-    for cfg in _gpu_candidates("fwd"):
+    for cfg in _gpu_tma_candidates():
         _check_fwd_tma(q, k, v, 128**-0.5, None, cfg)
-
-
-@gpu
-@pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (1031, 1031, 2), (4096, 4032, 16)])
-def test_gpu_fused_backward_candidates_equal_split(n_q, n_k, heads):
-    """Also a race check: the turns' ordering is what makes dq the split kernel's chain, so a missing
-    acquire/release shows as bytes that differ from the split kernels' (or between two calls)."""
-    q, k, v, do = _inputs(n_q, n_k, heads, 128, torch.bfloat16, "cuda", seed=7)
-    for cfg in [None, *_gpu_candidates("bwd")]:
-        got, lse, delta = _check_fused(q, k, v, do, 128**-0.5, None, cfg)
-        again = att.attention_bwd(q, do, (lse,), delta, k, v, 128**-0.5, config=cfg)
-        for name, a, b in zip(("dq", "dk", "dv"), again, got, strict=True):
-            assert_bitwise(a, b, f"fused backward {cfg} repeated: {name}")
+        _check_fwd_tma(q[:, 1:], k[:, 1:], v[:, 1:], 128**-0.5, None, cfg)  # a TP rank's heads, a view
 
 
 def test_attention_variants_compile_for_sm90():
     """No GPU needed: every pinned Dh=128 attention config and every candidate of the long-sequence
     benchmark builds for sm90 with the installed Triton, within 255 registers and the 227 KiB of
-    shared memory, the TMA variants with bulk tensor copies. Spills are reported, not refused: the
-    fused backward keeps dk, dv (128 registers) and a dq slice live and spills 100-300 bytes
-    (python -m h3lab.bench.compile_sm90 --attention prints them). A subprocess: this module may run
-    under TRITON_INTERPRET=1, under which nothing compiles."""
+    shared memory, the TMA variants with bulk tensor copies (python -m h3lab.bench.compile_sm90
+    --attention prints them). A subprocess: this module may run under TRITON_INTERPRET=1, under which
+    nothing compiles."""
     import json
     import subprocess
     import sys
@@ -195,5 +144,4 @@ def test_attention_variants_compile_for_sm90():
     for v in variants:
         assert v["registers"] <= 255 and v["shared_bytes"] <= compile_sm90.SM90_SHARED_BYTES, v
         assert v["wgmma"] > 0, v
-        uses_tma = v["config"].get("TMA", False) or v["kernel"] == "attention_bwd_fused"
-        assert (v["tma_loads"] > 0) == uses_tma, v
+        assert (v["tma_loads"] > 0) == v["config"].get("TMA", False), v

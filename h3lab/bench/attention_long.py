@@ -10,7 +10,9 @@ peak memory the call adds over its inputs (GiB), whether its bytes equal the pin
 lse, dq, dk, dv), and the relative L2 error against float64 on 256 query rows and 256 key rows
 (every key or query behind them, in FP64 chunks). SDPA runs on the same data, each backend alone
 (cuDNN, flash; memory-efficient up to 16384 rows), forward and forward+backward; `sdpa_best` names
-the fastest and `ratio_*` divide our times by its. Variants: `VARIANTS` (the pinned set first).
+the fastest and `ratio_*` divide our times by its. Variants: `VARIANTS`, forward configurations
+(the pinned set first); every variant's backward is the pinned split kernels (attention_bwd_q,
+attention_bwd_kv) on its own forward's statistics.
 """
 
 from __future__ import annotations
@@ -32,31 +34,18 @@ from h3lab.metrics import bit_pattern
 from h3lab.triton import attention as att
 from h3lab.triton.configs import describe, node_of
 
-BENCH_FORMAT = "h3lab-bench-attention-long-v1"
+BENCH_FORMAT = "h3lab-bench-attention-long-v2"  # v2: a variant is a forward config
 DH, DTYPE = 128, torch.bfloat16
 CHECK_ROWS = 256  # query rows and key rows whose results are checked against float64
 NODE: str | None = None  # the launchers' node type: None = the device's (CPU tests name "sm90")
-# (forward config or None for the pinned one, backward: "split" = pinned attention_bwd_q +
-# attention_bwd_kv, or a config of the fused attention_bwd). Forward candidates: TMA descriptor loads
-# (the pointer kernel spends ~66 more registers on addresses: 254 against 188, Triton 3.6 for sm90)
-# with the pinned tile, and with 64-key tiles; fused backward: 64- and 32-query steps (the 32 step
-# spills less: 200 against 304 bytes of stack, `python -m h3lab.bench.compile_sm90 --attention`).
-_FWD = lambda bn, s: {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": s, "TMA": True}  # noqa: E731
-_FUSED = lambda bm, s, g, c: {  # noqa: E731
-    "BLOCK_M": bm,
-    "BLOCK_N": 128,
-    "num_warps": 8,
-    "num_stages": s,
-    "HEAD_GROUP": g,
-    "CHUNK": c,
-}
-VARIANTS: dict[str, tuple[dict[str, Any] | None, str | dict[str, Any]]] = {
-    "pinned": (None, "split"),
-    "fwd_tma_n128s3": (_FWD(128, 3), "split"),
-    "fwd_tma_n64s3": (_FWD(64, 3), "split"),
-    "fused_m64s2": (None, _FUSED(64, 2, 8, 2)),
-    "fused_m32s3": (None, _FUSED(32, 3, 8, 4)),
-    "fused_m64s2_g14": (None, _FUSED(64, 2, 14, 2)),
+# forward configs (None: the pinned one): the pointer kernel with the pinned tile (pinned before the
+# TMA forward, the same bytes; its addresses cost registers the descriptors do not), and a TMA
+# forward with 64-key tiles (another bit class: it rescales its running sums at other keys)
+_FWD = lambda bn, s, tma: {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": s, "TMA": tma}  # noqa: E731
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "pinned": None,
+    "fwd_pointer_n128s3": _FWD(128, 3, False),
+    "fwd_tma_n64s3": _FWD(64, 3, True),
 }
 
 
@@ -96,8 +85,8 @@ def make_inputs(rows: int, heads: int, seed: int) -> dict[str, Tensor]:
     return {"q": mk(rows), "k": mk(keys), "v": mk(keys), "do": mk(rows)}
 
 
-def run_variant(x: dict[str, Tensor], fwd_cfg: dict | None, bwd: str | dict, scale: float) -> dict[str, Callable]:
-    """The variant's forward and backward as calls; backward inputs from this variant's forward."""
+def run_variant(x: dict[str, Tensor], fwd_cfg: dict | None, scale: float) -> dict[str, Callable]:
+    """The variant's forward and the pinned backward as calls; backward inputs from this variant's forward."""
     q, k, v, do = x["q"], x["k"], x["v"], x["do"]
 
     def fwd() -> tuple:
@@ -107,10 +96,8 @@ def run_variant(x: dict[str, Tensor], fwd_cfg: dict | None, bwd: str | dict, sca
 
     def backward() -> tuple:
         d = att.attention_delta(do, o_ref, node=NODE)
-        if bwd == "split":
-            dq = att.attention_bwd_q(q, do, (lse,), d, k, v, scale, node=NODE)
-            return (dq, *att.attention_bwd_kv(q, do, (lse,), d, k, v, scale, node=NODE))
-        return att.attention_bwd(q, do, (lse,), d, k, v, scale, node=NODE, config=bwd)
+        dq = att.attention_bwd_q(q, do, (lse,), d, k, v, scale, node=NODE)
+        return (dq, *att.attention_bwd_kv(q, do, (lse,), d, k, v, scale, node=NODE))
 
     return {"fwd": fwd, "bwd": backward}
 
@@ -198,10 +185,10 @@ def bench_rows(
     ref = reference64(x, scale, check_rows, check_keys)
     rec: dict[str, Any] = {"rows": rows, "keys": x["k"].shape[0], "heads": heads, "variants": {}}
     pinned_bytes: dict[str, Tensor] | None = None
-    for name, (fwd_cfg, bwd) in variants.items():
-        r: dict[str, Any] = {"fwd_config": fwd_cfg or "pinned", "bwd": bwd}
+    for name, fwd_cfg in variants.items():
+        r: dict[str, Any] = {"fwd_config": fwd_cfg or "pinned"}
         try:
-            calls = run_variant(x, fwd_cfg, bwd, scale)
+            calls = run_variant(x, fwd_cfg, scale)
             (o, _, (lse,)), (dq, dk, dv) = calls["fwd"](), calls["bwd"]()
             got = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
             r["rel_l2_vs_float64"] = errors(got, ref, check_rows, check_keys)
@@ -236,13 +223,11 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
     for name, r in rec["variants"].items():
         if "fwd_ms" in r:
             out[name] = {"speed_fwd_vs_sdpa": f / r["fwd_ms"], "speed_fwd_bwd_vs_sdpa": fb / r["fwd_bwd_ms"]}
-    ok = {n: r for n, r in rec["variants"].items() if "fwd_ms" in r}
-    fwd_eq = {n: r for n, r in ok.items() if r["bitwise_vs_pinned"]["o"] and r["bitwise_vs_pinned"]["lse"]}
-    bwd_eq = {n: r for n, r in ok.items() if all(r["bitwise_vs_pinned"][t] for t in ("dq", "dk", "dv"))}
-    if fwd_eq and bwd_eq:  # the fastest forward and backward that keep the pinned bytes, combined
-        bf, bb = min(fwd_eq, key=lambda n: fwd_eq[n]["fwd_ms"]), min(bwd_eq, key=lambda n: bwd_eq[n]["bwd_ms"])
-        ms = ok[bf]["fwd_ms"] + ok[bb]["bwd_ms"]
-        out["best_same_bits"] = {"fwd": bf, "bwd": bb, "fwd_bwd_ms": ms, "speed_fwd_bwd_vs_sdpa": fb / ms}
+    same = {n: r for n, r in rec["variants"].items() if "fwd_ms" in r and all(r["bitwise_vs_pinned"].values())}
+    if same:  # the variant with the fastest forward among those that keep the pinned bytes
+        best = min(same, key=lambda n: same[n]["fwd_ms"])
+        ms = same[best]["fwd_bwd_ms"]
+        out["best_same_bits"] = {"variant": best, "fwd_bwd_ms": ms, "speed_fwd_bwd_vs_sdpa": fb / ms}
     return out
 
 
@@ -284,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             "cudnn": torch.backends.cudnn.version(),
         },
         "pinned": {k: c for k, c in describe(node)["kernels"].items() if k.startswith("attention")},
-        "variants": {n: {"fwd": f or "pinned", "bwd": b} for n, (f, b) in chosen.items()},
+        "variants": {n: f or "pinned" for n, f in chosen.items()},
         "rows": {},
     }
     for n in rows:

@@ -115,12 +115,10 @@ def _cubin_usage(kernel: Any) -> tuple[int, int]:
 def _attention_arg_type(name: str, cfg: dict[str, Any], head_dim: int) -> str:
     """The launcher's argument types at the real shapes: bf16 q/k/v/dO, FP32 outputs and statistics."""
     if name.endswith("_desc"):
-        rows = cfg["BLOCK_M"] if name in ("q_desc", "do_desc") else cfg["BLOCK_N"]
-        return f"tensordesc<bf16[{rows}, {head_dim // 2 if name == 'kh_desc' else head_dim}]>"
+        rows = cfg["BLOCK_M"] if name == "q_desc" else cfg["BLOCK_N"]
+        return f"tensordesc<bf16[{rows}, {head_dim}]>"
     if name in ("oref_ptr", "lse_ptr", "delta_ptr", "dq_ptr", "dk_ptr", "dv_ptr"):
         return "*fp32"
-    if name == "progress_ptr":
-        return "*i32"
     if name.endswith("_ptr"):
         return "*bf16"
     return "fp32" if name in ("qk_scale", "scale") else "i32"
@@ -142,7 +140,6 @@ def compile_attention_sm90(kernel: str, cfg: dict[str, Any], head_dim: int = 128
         else attention_fwd.attention_fwd_kernel,
         "attention_bwd_q": attention_bwd.attention_bwd_q_kernel,
         "attention_bwd_kv": attention_bwd.attention_bwd_kv_kernel,
-        "attention_bwd_fused": attention_bwd.attention_bwd_fused_kernel,
     }
     if kernel not in fns:
         raise ValueError(f"compile_attention_sm90: kernel {kernel!r}; allowed: {sorted(fns)}")
@@ -180,11 +177,9 @@ def attention_variants() -> list[tuple[str, dict[str, Any]]]:
     from h3lab.triton.attention import config_for
 
     out = [(k, config_for(k, 128, "sm90")) for k in ("attention_fwd", "attention_bwd_q", "attention_bwd_kv")]
-    out.append(("attention_bwd_fused", config_for("attention_bwd_fused", 128, "sm90")))
-    for fwd, bwd in VARIANTS.values():
-        for kernel, cfg in (("attention_fwd", fwd), ("attention_bwd_fused", bwd)):
-            if isinstance(cfg, dict) and (kernel, cfg) not in out:
-                out.append((kernel, cfg))
+    for fwd in VARIANTS.values():
+        if fwd is not None and ("attention_fwd", fwd) not in out:
+            out.append(("attention_fwd", fwd))
     return out
 
 

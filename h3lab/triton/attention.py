@@ -1,12 +1,11 @@
 """Attention launchers (Backend protocol): forward, delta, dq, dk/dv over keys in canonical order.
 
-Kernels: h3lab.triton.attention_fwd (forward: pointer loads, or TMA descriptor loads when the config
-says "TMA": true) and h3lab.triton.attention_bwd (delta, dq, dk/dv; and attention_bwd, dq+dk+dv in
-one pass for a call that holds every query and key). Reference arithmetic: h3lab.ops.attention.
-Pinned tiles: kernels/<node>.json, keys attention_fwd, attention_delta, attention_bwd_q,
-attention_bwd_kv, attention_bwd_fused, each {"by_head_dim": {"<Dh>": config}}. A TMA forward or the
-fused backward whose operands a descriptor cannot walk (rows not 16-byte aligned, heads not side by
-side) runs the pointer forward / the split backward instead: the same arithmetic, so the same bits
+Kernels: h3lab.triton.attention_fwd (forward: TMA descriptor loads when the config says "TMA": true,
+else pointer loads) and h3lab.triton.attention_bwd (delta, dq, dk/dv). Reference arithmetic:
+h3lab.ops.attention. Pinned tiles: kernels/<node>.json, keys attention_fwd, attention_delta,
+attention_bwd_q, attention_bwd_kv, each {"by_head_dim": {"<Dh>": config}}. A TMA forward whose
+operands a descriptor cannot walk (rows not 16-byte aligned, heads not side by side) runs the
+pointer forward with the same tile instead: the same arithmetic, so the same bits
 (tests/test_kernels_attention_long.py checks the equality, in the interpreter and on the GPU).
 
 Dimension legend: Q query rows, K key rows (active keys, canonical order), H heads, Dh head_dim.
@@ -31,25 +30,19 @@ import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from h3lab.triton.attention_bwd import (
-    attention_bwd_fused_kernel,
-    attention_bwd_kv_kernel,
-    attention_bwd_q_kernel,
-    attention_delta_kernel,
-)
+from h3lab.triton.attention_bwd import attention_bwd_kv_kernel, attention_bwd_q_kernel, attention_delta_kernel
 from h3lab.triton.attention_fwd import attention_fwd_kernel, attention_fwd_tma_kernel
 from h3lab.triton.configs import cdiv, interpreting, node_of, pinned
 
 F32 = torch.float32
 LOG2E = 1.4426950408889634  # 1 / ln 2; qk_scale = scale * LOG2E is rounded once to FP32 at launch
-KERNELS = ("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd_kv", "attention_bwd_fused")
+KERNELS = ("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd_kv")
 # the keys each kernel's configuration may carry (a candidate with another key is refused, not ignored)
 CONFIG_KEYS = {
     "attention_fwd": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
     "attention_delta": {"BLOCK_R", "num_warps", "num_stages"},
     "attention_bwd_q": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
     "attention_bwd_kv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
-    "attention_bwd_fused": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "HEAD_GROUP", "CHUNK"},
 }
 # tensor-core input dtypes on CUDA; the interpreter computes bf16 wrong (numpy has no bf16 dot), so
 # there FP32 with IEEE dots is the only honest input
@@ -78,14 +71,14 @@ def _launch_cfg(kernel: str, x: Tensor, node: str | None, config: Mapping[str, A
     return cfg
 
 
-def _row_desc(t: Tensor, block_rows: int, block_cols: int | None = None) -> TensorDescriptor | None:
-    """A TMA descriptor over [rows, H * Dh] with [block_rows, block_cols or Dh] blocks (head h at column
-    h * Dh), when t [rows, H, Dh] has its heads side by side and 16-byte aligned rows; else None."""
+def _row_desc(t: Tensor, block_rows: int) -> TensorDescriptor | None:
+    """A TMA descriptor over [rows, H * Dh] with [block_rows, Dh] blocks (head h at column h * Dh),
+    when t [rows, H, Dh] has its heads side by side and 16-byte aligned rows; else None."""
     rows, heads, dh = t.shape
     aligned = t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
     if rows == 0 or t.stride(2) != 1 or (heads > 1 and t.stride(1) != dh) or not aligned:
         return None
-    return TensorDescriptor(t, [rows, heads * dh], [t.stride(0), 1], [block_rows, block_cols or dh])
+    return TensorDescriptor(t, [rows, heads * dh], [t.stride(0), 1], [block_rows, dh])
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -357,72 +350,6 @@ def attention_bwd_kv(
         num_stages=cfg["num_stages"],
     )
     return dk, dv
-
-
-def attention_bwd(
-    q: Tensor,
-    do: Tensor,
-    stats: Sequence[Tensor],
-    delta: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    *,
-    node: str | None = None,
-    config: Mapping[str, Any] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 in one pass (attention_bwd_fused_kernel): the bits of
-    attention_bwd_q and attention_bwd_kv on the same call. It serves a call that holds every query
-    (canonical order) and every key: a layout that splits queries or keys across ranks keeps the
-    split kernels, whose results these are."""
-    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
-    (Q, H, Dh), K = q.shape, k.shape[0]
-    cfg = _launch_cfg("attention_bwd_fused", q, node, config)
-    dq = torch.empty((Q, H, Dh), dtype=F32, device=q.device)
-    dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
-    dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
-    if Q == 0:  # no queries: dk/dv are exact zeros, dq has no rows
-        return dq, dk.zero_(), dv.zero_()
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    descs = [_row_desc(q, bm), _row_desc(do, bm), _row_desc(k, bn), _row_desc(k, bn, Dh // 2), _row_desc(v, bn)]
-    if any(d is None for d in descs):  # a layout TMA cannot walk: the split kernels, whose bits these are
-        split = {"node": node, "config": None}
-        dq = attention_bwd_q(q, do, (lse,), delta, k, v, scale, **split)
-        return (dq, *attention_bwd_kv(q, do, (lse,), delta, k, v, scale, **split))
-    n_kb = cdiv(K, cfg["BLOCK_N"])
-    progress = torch.zeros((H, n_kb), dtype=torch.int32, device=q.device)  # query blocks each key block stored
-    q_desc, do_desc, k_desc, kh_desc, v_desc = descs
-    attention_bwd_fused_kernel[(n_kb * H,)](
-        q_desc,
-        do_desc,
-        lse,
-        delta,
-        k_desc,
-        kh_desc,
-        v_desc,
-        dq,
-        dk,
-        dv,
-        progress,
-        Q,
-        K,
-        H,
-        min(cfg["HEAD_GROUP"], H),
-        scale * LOG2E,
-        scale,
-        dk.stride(0),
-        dk.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        HEAD_DIM=Dh,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        CHUNK=cfg["CHUNK"],
-        DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-    return dq, dk, dv
 
 
 def flops(n_q: int, n_k: int, heads: int, head_dim: int) -> dict[str, float]:
