@@ -64,67 +64,81 @@ class Gradients(NamedTuple):
     dtemb: Tensor  # [T, E] float32
 
 
-def backward(step: Step, b: PackedBatch, rows: Rows, mod: Modulation, st: Tensor, tape: Tape) -> Gradients:
-    """B11-B1 on this rank's rows and units, from the forward's records on `tape` (all taken)."""
+def backward(step: Step, b: PackedBatch, rows: Rows, msa: Modulation, st: Tensor, tape: Tape) -> Gradients:
+    """B11-B1 on this rank's rows and units, from the forward's records on `tape` (all taken); `msa`
+    is the attention's half of the AdaLN rows (the FFN's half comes in the records)."""
     dw: dict[str, Tensor] = {}  # this rank's weight gradients (unit-major), in the order they are made
-    _ffn_backward(step, rows, mod, b.grad_out, tape, dw)
-    dx1, d_gate_msa, dnorm2, d_table_mlp = _norm2_to_out_backward(step, rows, mod, tape, dw)
+    _ffn_backward(step, rows, b.grad_out, tape, dw)
+    dx1, d_gate_msa, dnorm2, d_table_mlp = _norm2_to_out_backward(step, rows, msa, tape, dw)
     _attention_backward(step, rows, tape)
     dm1, dwq_rows, dwk_rows = _qkv_backward(step, rows, tape, dw)
-    dx, dw_norm1, d_scale_msa, d_shift_msa = _norm1_backward(step, rows, mod, b.hidden_states, dm1, dx1)
-    msa = (d_shift_msa, d_scale_msa, d_gate_msa)
-    dw_rep, d_table_msa = _cross_row_gradients(step, rows, dw_norm1, (dwq_rows, dwk_rows), msa, dnorm2)
+    dx, dw_norm1, d_scale_msa, d_shift_msa = _norm1_backward(step, rows, msa, b.hidden_states, dm1, dx1)
+    d_msa = (d_shift_msa, d_scale_msa, d_gate_msa)
+    dw_rep, d_table_msa = _cross_row_gradients(step, rows, dw_norm1, (dwq_rows, dwk_rows), d_msa, dnorm2)
     dtemb = _adaln_backward(step, st, d_table_msa + d_table_mlp, b.temb, dw)
     assert not tape, "every record of the step taken once"
     return Gradients(dx, _per_unit(step, dw), dw_rep, dtemb)
 
 
-def _ffn_backward(step: Step, rows: Rows, mod: Modulation, grad_out: Tensor, tape: Tape, dw: dict[str, Tensor]) -> None:
+def _ffn_backward(step: Step, rows: Rows, grad_out: Tensor, tape: Tape, dw: dict[str, Tensor]) -> None:
     """B11-B9 backward through ff (padding rows carry no gradient): ff.net.2's and ff.net.0's weight
-    gradients into `dw`; hands on the upstream gradient, d gate_mlp and d norm2's output."""
+    gradients into `dw`; hands on the upstream gradient, d gate_mlp and d norm2's output. The block's
+    peak memory falls in this part (SwiGLU's backward, the weight-gradient GEMMs): each tensor is
+    deleted at its last read."""
     be, tr, rs, act, w_dt, loc = step.be, step.tr, step.rs, step.act, step.w_dt, step.uw.local
-    y, m2_tp, h, g, a = tape.take(FfnSaved)
+    y, m2_tp, h, g, a, gate_mlp = tape.take(FfnSaved)
     g_out = torch.where(rows.active, grad_out.to(F32), 0.0)
     d_gate_mlp = g_out * y.to(F32)
-    dy = tr("d.ff.net.2", be.round(g_out * mod.gate_mlp.to(F32), act), "local")
+    dy = tr("d.ff.net.2", be.round(g_out * gate_mlp.to(F32), act), "local")
+    del y, gate_mlp
     dy_tp = rs.tp(dy, "sp.gather.dy")
     dy_seq, m2_seq = rs.seq(dy_tp, "cp.gather.dy"), rs.seq(m2_tp, "cp.gather.m2")
     da = tr("d.ff.swiglu", be.mm(dy_tp, loc["down"], act), "tp_units")  # [R_tp, F_local]
     dh, dg = be.swiglu_bwd(da, h, g, act)
+    F_local = h.shape[1]
+    del da, h, g
     dh, dg = tr("d.ff.hidden", dh, "tp_units"), tr("d.ff.gate", dg, "tp_units")
     root = be.unit_reduce([(dh, loc["hidden"]), (dg, loc["gate"])], step.num_units)  # hidden, then gate
     # the reduction's bytes move while the weight-gradient GEMMs below run (they do not need it); each
-    # owner rounds its sums before they are shared
+    # owner rounds its sums before they are shared; the comm holds what it still sends
     finish_dm2 = rs.comm.start_reduce_units(root, "ff.net.0.dx", scatter_rows=True, then=partial(be.round, dtype=act))
+    del root
     # hidden's and gate's weight gradients as one GEMM over [dh | dg] (a view of the Triton kernel's
     # one buffer; a copy on torch) into one [2 F_local, D] tensor, ff.net.0's own layout: as two GEMMs,
     # handing out ff.net.0 would copy it (reports/h200/README.md, session 11). Per element the same chain.
     dw_ff0 = be.row_mm(rs.seq(join([dh, dg], dim=1), "cp.gather.dhg"), m2_seq, rows.order, w_dt)  # [2 F_local, D]
+    del dh, dg, m2_tp, m2_seq
     dw["ff.net.2.weight"] = be.row_mm(dy_seq, rs.seq(a, "cp.gather.a"), rows.order, w_dt)  # [D, F_local]
-    dw["ff.hidden"], dw["ff.gate"] = dw_ff0[: h.shape[1]], dw_ff0[h.shape[1] :]  # [F_local, D] each
+    del dy, dy_tp, dy_seq, a
+    dw["ff.hidden"], dw["ff.gate"] = dw_ff0[:F_local], dw_ff0[F_local:]  # [F_local, D] each
     dm2 = tr("d.norm2", finish_dm2(), "local")
     tape.put(FfnGrads(g_out, d_gate_mlp, dm2))
 
 
 def _norm2_to_out_backward(
-    step: Step, rows: Rows, mod: Modulation, tape: Tape, dw: dict[str, Tensor]
+    step: Step, rows: Rows, msa: Modulation, tape: Tape, dw: dict[str, Tensor]
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """B8-B6 norm2, residual 1, to_out (its weight gradient into `dw`; hands on d attention output),
     then norm2's cross-row gradients, so that its four FP32 [R, D] row tensors go before the
-    attention's: (d x1, d gate_msa, d norm2.weight, the AdaLN table's mlp columns of d table)."""
+    attention's: (d x1, d gate_msa, d norm2.weight, the AdaLN table's mlp columns of d table). Each
+    tensor is deleted at its last read: the FFN's half of the AdaLN rows goes with norm2's backward."""
     be, tr, rs, act = step.be, step.tr, step.rs, step.act
     w2 = step.uw.replicated["norm2.weight"]
-    x1, o_proj, attn = tape.take(ToOutSaved)
+    x1, o_proj, attn, scale_mlp = tape.take(ToOutSaved)
     g_out, d_gate_mlp, dm2 = tape.take(FfnGrads)
-    dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = be.rms_modulate_bwd(dm2, x1, w2, mod.scale_mlp, step.config.norm_eps)
+    dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = be.rms_modulate_bwd(dm2, x1, w2, scale_mlp, step.config.norm_eps)
+    del dm2, x1, scale_mlp
     dx1 = g_out + dxn2
+    del g_out, dxn2
     d_gate_msa = dx1 * o_proj.to(F32)
-    do = tr("d.attn.to_out.0", be.round(dx1 * mod.gate_msa.to(F32), act), "local")
+    del o_proj
+    do = tr("d.attn.to_out.0", be.round(dx1 * msa.gate.to(F32), act), "local")
     do_tp = rs.tp(do, "sp.gather.do")
     dattn = tr("d.attn.sdpa", be.mm(do_tp, step.uw.local["out"], act), "tp_units")  # [R_tp, A_local]
     dw["attn.to_out.0.weight"] = be.row_mm(
         rs.seq(do_tp, "cp.gather.do"), rs.seq(attn, "cp.gather.attn"), rows.order, step.w_dt
     )  # [D, A_local]
+    del do, do_tp, attn
     tape.put(ToOutGrads(dattn))
     # the four chain sets in one call (on the GPU one launch: a set alone is latency-bound)
     mlp_sets = _table_sets(rs, (d_shift_mlp, d_scale_mlp, d_gate_mlp), first=3)
@@ -181,13 +195,13 @@ def _qk_norm_rope_backward(step: Step, tape: Tape) -> tuple[Tensor, Tensor, Tens
 
 
 def _norm1_backward(
-    step: Step, rows: Rows, mod: Modulation, x: Tensor, dm1: Tensor, dx1: Tensor
+    step: Step, rows: Rows, msa: Modulation, x: Tensor, dm1: Tensor, dx1: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """B2 norm1, dx: (dx [R_local, D], padding rows zero; norm1's weight gradient rows, d scale_msa,
     d shift_msa)."""
     be, eps = step.be, step.config.norm_eps
     dxn1, dw_norm1, d_scale_msa, d_shift_msa = be.rms_modulate_bwd(
-        dm1, x, step.uw.replicated["norm1.weight"], mod.scale_msa, eps
+        dm1, x, step.uw.replicated["norm1.weight"], msa.scale, eps
     )
     dx = step.tr("dx", zero_padding(rows.active, be.round(dx1 + dxn1, step.act)), "local")
     return dx, dw_norm1, d_scale_msa, d_shift_msa

@@ -225,6 +225,23 @@ class _Call:
     outputs: list  # StorageWeakRef of each tensor it returned
 
 
+def _logged(name: str, fn, log: list[_Call]):
+    """`fn` with every call logged as a _Call named `name`."""
+
+    def call(*args, **kwargs):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        freed = {(i, o) for i, c in enumerate(log) for o, ref in enumerate(c.outputs) if ref.expired()}
+        entry = _Call(name, freed, [])
+        log.append(entry)
+        out = fn(*args, **kwargs)
+        flat = [t for o in (out if isinstance(out, tuple) else (out,)) for t in (o if isinstance(o, tuple) else (o,))]
+        entry.outputs += [StorageWeakRef(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)]
+        return out
+
+    return call
+
+
 class _Watched:
     """A backend or comm whose every call is logged (h3lab.block takes either as an object)."""
 
@@ -235,22 +252,7 @@ class _Watched:
         value = getattr(self._inner, name)
         if not callable(value) or name.startswith("_"):
             return value
-
-        def call(*args, **kwargs):
-            from torch.multiprocessing.reductions import StorageWeakRef
-
-            log = self._log
-            freed = {(i, o) for i, c in enumerate(log) for o, ref in enumerate(c.outputs) if ref.expired()}
-            entry = _Call(name, freed, [])
-            log.append(entry)
-            out = value(*args, **kwargs)
-            flat = [
-                t for o in (out if isinstance(out, tuple) else (out,)) for t in (o if isinstance(o, tuple) else (o,))
-            ]
-            entry.outputs += [StorageWeakRef(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)]
-            return out
-
-        return call
+        return _logged(name, value, self._log)
 
 
 class _CopyingComm(LocalComm):
@@ -264,15 +266,19 @@ class _CopyingComm(LocalComm):
 
 
 @pytest.mark.parametrize("comm", [LocalComm(), _CopyingComm()], ids=["local", "gathers-copy"])
-def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_returns(tiny, comm):
-    """The block's peak memory is at the end of its backward, so each tensor goes when the part that
-    reads it last is done (h3lab.block_forward: lifetimes): which outputs of earlier backend and
-    comm calls are freed when each part of the backward starts. Calls are named by their order in
-    the step (mm 4 and 5: ff.net.0's hidden and gate; gather_seq_rows 4-7: the FFN backward's)."""
+def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_returns(tiny, comm, monkeypatch):
+    """The block's peak memory is in its backward, so each tensor goes when the part that reads it
+    last is done with it (h3lab.block_forward: lifetimes): which outputs of earlier backend and comm
+    calls, and of the AdaLN rows' gathers (table_rows 0: msa, 1: mlp), are freed when each part of the
+    backward, or a GEMM inside it, starts. Calls are named by their order in the step (mm 0: the
+    AdaLN table, 4 and 5: ff.net.0's hidden and gate, 6: d SwiGLU, 7: d attention; gather_seq_rows
+    4-7: the FFN backward's)."""
+    from h3lab import block_forward
     from h3lab.backend import TorchBackend
     from h3lab.block import block_step
 
     log: list[_Call] = []
+    monkeypatch.setattr(block_forward, "_table_rows", _logged("table_rows", block_forward._table_rows, log))
     b = packed_batch(tiny, 40, seed=21, padding=5)  # bf16: every rounding makes a new tensor
     b = b.rows(torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(22)))
     uw = unit_weights(synthetic_block(tiny, 0, seed=23))
@@ -289,6 +295,16 @@ def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_r
             alive = [o for o in (output or range(len(log[i].outputs))) if (i, o) not in at.freed]
             assert not alive, f"{name} {n}: outputs {alive} still alive when {part} starts"
 
+    # inside B11-B9, whose weight-gradient GEMMs hold the peak: SwiGLU's inputs, d SwiGLU, ff.net.2's
+    # output and the FP32 sums of ff.net.0's dX go before ff.net.0's dW; dh, dg and norm2's output before ff.net.2's
+    freed_by(("row_mm", 0), ("mm", 4), ("mm", 5), ("mm", 6), ("reduce_units", 1), ("unit_reduce", 2))
+    freed_by(("row_mm", 1), ("swiglu_bwd", 0), ("rms_modulate_fwd", 1), ("gather_seq_rows", 5), ("gather_seq_rows", 6))
+    # inside B8-B6: the FFN's half of the AdaLN rows, x1, to_out's output and d norm2's FP32 input
+    # gradient go with norm2's backward; the attention's output once to_out's dW is made
+    freed_by(("mm", 7), ("table_rows", 1), ("gated_residual", 0), ("reduce_units", 0), ("rms_modulate_bwd", 0, 0))
+    freed_by(("chain_sums", 0), ("attention_fwd", 0, 0), ("gather_seq_rows", 8), ("gather_seq_rows", 9))
+    msa = nth("table_rows", 0)  # the attention's half: read by norm1's backward, a storage of its own
+    assert not {(msa, o) for o in range(len(log[msa].outputs))} & log[nth("rms_modulate_bwd", 1)].freed
     ffn = [("mm", 4), ("mm", 5), ("swiglu_fwd", 0), ("rms_modulate_fwd", 1), ("swiglu_bwd", 0), ("mm", 6)]
     freed_by(("rms_modulate_bwd", 0), *ffn, *[("gather_seq_rows", i) for i in (4, 5, 6, 7)])
     to_out = [("rms_modulate_bwd", 0), ("gated_residual", 0), ("unit_reduce", 2), ("gather_seq_rows", 8)]
