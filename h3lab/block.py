@@ -62,6 +62,7 @@ def canonical_block(
     *,
     backend: Backend | str | None = None,
     decided_rows: RowPlan | None = None,
+    trace: Trace | None = None,
 ) -> BlockResult:
     """Forward, dX, every dW and d temb of one H3 block under the h3-parallel-v1 contract.
 
@@ -74,6 +75,7 @@ def canonical_block(
         decided_rows: the row plan of this batch's metadata decided beforehand
             (`h3lab.rowplan.decide_rows`, backend "triton"): the step then never waits for the
             host, as a CUDA graph capture needs (h3lab.graph).
+        trace: sees every op's output in execution order (`Trace`; h3lab.run.trace records them).
 
     Returns:
         `BlockResult`: out and dx in the activation dtype, dw in each parameter's dtype, keyed by
@@ -82,7 +84,9 @@ def canonical_block(
     Raises:
         ValueError: shapes that do not match the config, an unsupported device or dtype, TF32 on.
     """
-    step = block_step(unit_weights(weights), batch, LocalComm(), backend=backend, decided_rows=decided_rows)
+    step = block_step(
+        unit_weights(weights), batch, LocalComm(), backend=backend, decided_rows=decided_rows, trace=trace
+    )
     dw = assemble_unit_grads(step.dw_units, LocalComm.units) | step.dw_replicated
     names = list(weights.tensors)  # diffusers order
     return BlockResult(out=step.out, dx=step.dx, dw={k: dw[k] for k in names}, dtemb=step.dtemb)

@@ -1,10 +1,11 @@
 """The block step's forward in parts named after its sections (F1-F11), and the records it keeps for
 the backward (h3lab.block_backward).
 
-Lifetimes. The block's peak memory is in its backward, so every tensor goes as soon as the last
-part that reads it is done with it. A record held by a caller, or passed as an argument, keeps all
-its tensors until that call returns; so what goes from one part to a later one travels on the
-step's `Tape` (a mutable per-step state) instead of through the caller:
+Lifetimes. The block's peak memory is in its backward (`python -m h3lab.bench.block_memory` names
+where), so every tensor goes as soon as the last part that reads it is done with it. A record held
+by a caller, or passed as an argument, keeps all its tensors until that call returns; so what goes
+from one part to a later one travels on the step's `Tape` (a mutable per-step state) instead of
+through the caller:
 - each forward part puts, for each backward part that reads its tensors, one record on the tape: a
   frozen NamedTuple of exactly the tensors that part reads; a backward part puts what it hands the
   next part the same way;
