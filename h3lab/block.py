@@ -143,12 +143,12 @@ def _block_step(
 ) -> BlockStep:
     clock = _Clock(b.device)
     step = Step(be, tr, uw, RowSpace(comm), b.hidden_states.dtype, uw.q[comm.units[0]].dtype, b.num_timesteps)
-    out, rows, msa, st, tape = forward(step, b, decided_rows)
+    out, rows, st, tape = forward(step, b, decided_rows)
     clock.lap()
     out = zero_padding(rows.active, out)
     if not backward:
         return BlockStep(out, None, None, None, None, {"forward_s": clock.seconds()[0], "backward_s": 0.0})
-    dx, dw_units, dw_replicated, dtemb = run_backward(step, b, rows, msa, st, tape)
+    dx, dw_units, dw_replicated, dtemb = run_backward(step, b, rows, st, tape)
     clock.lap()
     forward_s, backward_s = clock.seconds()
     timings = {"forward_s": forward_s, "backward_s": backward_s}

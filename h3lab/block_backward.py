@@ -24,7 +24,7 @@ from h3lab.batch import PackedBatch
 from h3lab.block_forward import (
     AttentionSaved,
     FfnSaved,
-    Modulation,
+    Norm1Saved,
     QkSaved,
     QkvSaved,
     Rows,
@@ -64,15 +64,14 @@ class Gradients(NamedTuple):
     dtemb: Tensor  # [T, E] float32
 
 
-def backward(step: Step, b: PackedBatch, rows: Rows, msa: Modulation, st: Tensor, tape: Tape) -> Gradients:
-    """B11-B1 on this rank's rows and units, from the forward's records on `tape` (all taken); `msa`
-    is the attention's half of the AdaLN rows (the FFN's half comes in the records)."""
+def backward(step: Step, b: PackedBatch, rows: Rows, st: Tensor, tape: Tape) -> Gradients:
+    """B11-B1 on this rank's rows and units, from the forward's records on `tape` (all taken)."""
     dw: dict[str, Tensor] = {}  # this rank's weight gradients (unit-major), in the order they are made
     _ffn_backward(step, rows, b.grad_out, tape, dw)
-    dx1, d_gate_msa, dnorm2, d_table_mlp = _norm2_to_out_backward(step, rows, msa, tape, dw)
+    dx1, d_gate_msa, dnorm2, d_table_mlp = _norm2_to_out_backward(step, rows, tape, dw)
     _attention_backward(step, rows, tape)
     dm1, dwq_rows, dwk_rows = _qkv_backward(step, rows, tape, dw)
-    dx, dw_norm1, d_scale_msa, d_shift_msa = _norm1_backward(step, rows, msa, b.hidden_states, dm1, dx1)
+    dx, dw_norm1, d_scale_msa, d_shift_msa = _norm1_backward(step, rows, tape, b.hidden_states, dm1, dx1)
     d_msa = (d_shift_msa, d_scale_msa, d_gate_msa)
     dw_rep, d_table_msa = _cross_row_gradients(step, rows, dw_norm1, (dwq_rows, dwk_rows), d_msa, dnorm2)
     dtemb = _adaln_backward(step, st, d_table_msa + d_table_mlp, b.temb, dw)
@@ -116,15 +115,15 @@ def _ffn_backward(step: Step, rows: Rows, grad_out: Tensor, tape: Tape, dw: dict
 
 
 def _norm2_to_out_backward(
-    step: Step, rows: Rows, msa: Modulation, tape: Tape, dw: dict[str, Tensor]
+    step: Step, rows: Rows, tape: Tape, dw: dict[str, Tensor]
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """B8-B6 norm2, residual 1, to_out (its weight gradient into `dw`; hands on d attention output),
     then norm2's cross-row gradients, so that its four FP32 [R, D] row tensors go before the
     attention's: (d x1, d gate_msa, d norm2.weight, the AdaLN table's mlp columns of d table). Each
-    tensor is deleted at its last read: the FFN's half of the AdaLN rows goes with norm2's backward."""
+    tensor is deleted at its last read."""
     be, tr, rs, act = step.be, step.tr, step.rs, step.act
     w2 = step.uw.replicated["norm2.weight"]
-    x1, o_proj, attn, scale_mlp = tape.take(ToOutSaved)
+    x1, o_proj, attn, gate_msa, scale_mlp = tape.take(ToOutSaved)
     g_out, d_gate_mlp, dm2 = tape.take(FfnGrads)
     dxn2, dw_norm2, d_scale_mlp, d_shift_mlp = be.rms_modulate_bwd(dm2, x1, w2, scale_mlp, step.config.norm_eps)
     del dm2, x1, scale_mlp
@@ -132,7 +131,8 @@ def _norm2_to_out_backward(
     del g_out, dxn2
     d_gate_msa = dx1 * o_proj.to(F32)
     del o_proj
-    do = tr("d.attn.to_out.0", be.round(dx1 * msa.gate.to(F32), act), "local")
+    do = tr("d.attn.to_out.0", be.round(dx1 * gate_msa.to(F32), act), "local")
+    del gate_msa
     do_tp = rs.tp(do, "sp.gather.do")
     dattn = tr("d.attn.sdpa", be.mm(do_tp, step.uw.local["out"], act), "tp_units")  # [R_tp, A_local]
     dw["attn.to_out.0.weight"] = be.row_mm(
@@ -195,13 +195,14 @@ def _qk_norm_rope_backward(step: Step, tape: Tape) -> tuple[Tensor, Tensor, Tens
 
 
 def _norm1_backward(
-    step: Step, rows: Rows, msa: Modulation, x: Tensor, dm1: Tensor, dx1: Tensor
+    step: Step, rows: Rows, tape: Tape, x: Tensor, dm1: Tensor, dx1: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """B2 norm1, dx: (dx [R_local, D], padding rows zero; norm1's weight gradient rows, d scale_msa,
     d shift_msa)."""
     be, eps = step.be, step.config.norm_eps
+    (scale_msa,) = tape.take(Norm1Saved)
     dxn1, dw_norm1, d_scale_msa, d_shift_msa = be.rms_modulate_bwd(
-        dm1, x, step.uw.replicated["norm1.weight"], msa.scale, eps
+        dm1, x, step.uw.replicated["norm1.weight"], scale_msa, eps
     )
     dx = step.tr("dx", zero_padding(rows.active, be.round(dx1 + dxn1, step.act)), "local")
     return dx, dw_norm1, d_scale_msa, d_shift_msa

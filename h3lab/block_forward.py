@@ -15,9 +15,10 @@ through the caller:
   (`del` at its last read, where a part runs long after it: the weight-gradient GEMMs, the chain
   sums) or returns;
 - what several parts read and what lives to the step's end anyway is returned and passed as
-  arguments: `Rows` (active rows, segments, the canonical order), the attention's half of the AdaLN
-  rows (`Modulation` msa; the FFN's half travels in the records of the two parts that read it, so it
-  goes with norm2's backward), silu(temb), and the backward's results.
+  arguments: `Rows` (active rows, segments, the canonical order), silu(temb), and the backward's
+  results. The AdaLN rows (`Modulation`) are one gather per column, each in the records of the
+  backward parts that read it: the shifts go with the forward, gate_mlp in B11-B9, gate_msa and
+  scale_mlp in B8-B6, scale_msa in B2.
 The parts run the step's kernels in the step's order; tests/test_block.py checks where the
 backward's tensors are freed.
 
@@ -103,12 +104,15 @@ class Tape:
 
 
 class Modulation(NamedTuple):
-    """One half of the AdaLN table's rows of each local row, each [R_local, D]: views of one
-    [R_local, 3, D] gather, the attention's (msa) or the FFN's (mlp): the halves go at different times."""
+    """The AdaLN table's rows of each local row, each [R_local, D] a gather of its own (one storage
+    per column: each goes when its last reader is done)."""
 
-    shift: Tensor
-    scale: Tensor
-    gate: Tensor
+    shift_msa: Tensor
+    scale_msa: Tensor
+    gate_msa: Tensor
+    shift_mlp: Tensor
+    scale_mlp: Tensor
+    gate_mlp: Tensor
 
 
 class Rows(NamedTuple):
@@ -128,14 +132,15 @@ class FfnSaved(NamedTuple):  # B11-B9
     h: Tensor  # [R_tp, F_local] ff.net.0's hidden half
     g: Tensor  # [R_tp, F_local] its gate half
     a: Tensor  # [R_tp, F_local] SwiGLU's output
-    gate_mlp: Tensor  # [R_local, D] the AdaLN rows' mlp gate (a view of the mlp half)
+    gate_mlp: Tensor  # [R_local, D] the AdaLN rows' mlp gate
 
 
 class ToOutSaved(NamedTuple):  # B8-B6
     x1: Tensor  # [R_local, D] the first residual's output
     o_proj: Tensor  # [R_local, D] to_out's output
     attn: Tensor  # [R_tp, A_local] the attention's output, to_out's input
-    scale_mlp: Tensor  # [R_local, D] norm2's AdaLN scale (a view of the mlp half: its last reader)
+    gate_msa: Tensor  # [R_local, D] the first residual's AdaLN gate
+    scale_mlp: Tensor  # [R_local, D] norm2's AdaLN scale
 
 
 class AttentionSaved(NamedTuple):  # B5
@@ -159,10 +164,13 @@ class QkvSaved(NamedTuple):  # B3
     m1_tp: Tensor  # [R_tp, D] norm1's output
 
 
+class Norm1Saved(NamedTuple):  # B2
+    scale_msa: Tensor  # [R_local, D] norm1's AdaLN scale
+
+
 class Forward(NamedTuple):
     out: Tensor  # [R_local, D] the block's output; padding rows not yet zeroed
     rows: Rows
-    msa: Modulation  # the attention's half of the AdaLN rows
     st: Tensor  # [T, E] silu(temb) in the weights' dtype: the AdaLN projection's input
     tape: Tape  # one record per backward part
 
@@ -170,11 +178,11 @@ class Forward(NamedTuple):
 def forward(step: Step, b: PackedBatch, decided_rows: RowPlan | None) -> Forward:
     """F1-F11 on this rank's rows and units."""
     active, segments, pos_tp, order_when_ready = _row_metadata(step, b, decided_rows)
-    st, msa, mlp = _adaln_table(step, b)
+    st, mod = _adaln_table(step, b)
     tape = Tape()
-    attn, order = _attention_forward(step, b.hidden_states, msa, pos_tp, order_when_ready, tape)
-    out = _ffn_forward(step, b.hidden_states, attn, msa, mlp, tape)
-    return Forward(out, Rows(active, segments, order), msa, st, tape)
+    attn, order = _attention_forward(step, b.hidden_states, mod, pos_tp, order_when_ready, tape)
+    out = _ffn_forward(step, b.hidden_states, attn, mod, tape)
+    return Forward(out, Rows(active, segments, order), st, tape)
 
 
 def _row_metadata(
@@ -195,32 +203,30 @@ def _row_metadata(
     return active, segments, pos_tp, order_when_ready
 
 
-def _adaln_table(step: Step, b: PackedBatch) -> tuple[Tensor, Modulation, Modulation]:
+def _adaln_table(step: Step, b: PackedBatch) -> tuple[Tensor, Modulation]:
     """F1 the AdaLN table: silu(temb) in FP32, one cast to the projection's dtype (diffusers); the
-    table's rows of each local row, the msa and the mlp half gathered apart (the same bytes as one
-    gather of all six) so that each goes when its last reader is done."""
+    table's rows of each local row, one gather per column (the bytes of one gather of all six)."""
     be, loc, w_dt = step.be, step.uw.local, step.w_dt
     st = be.silu(b.temb, w_dt)
     table_local = be.round(be.mm(st, loc["adaln_w"].t()) + loc["adaln_b"].to(torch.float32), w_dt)
     table = step.rs.comm.gather_units(table_local, "adaln.table", dim=1)
     table = step.tr("adaln.table", table.view(3 * step.num_timesteps, 6, step.config.hidden_size), "replicated")
-    msa, mlp = (Modulation(*_table_rows(table, b.adaln_indices, half).unbind(1)) for half in (slice(0, 3), slice(3, 6)))
-    return st, msa, mlp
+    return st, Modulation(*(_table_rows(table, b.adaln_indices, column) for column in range(6)))
 
 
-def _table_rows(table: Tensor, segment_R: Tensor, columns: slice) -> Tensor:
-    """[R_local, len(columns), D]: the AdaLN table's rows of each local row, these columns (a copy)."""
-    return table[segment_R, columns]
+def _table_rows(table: Tensor, segment_R: Tensor, column: int) -> Tensor:
+    """[R_local, D]: the AdaLN table's rows of each local row, one of its six columns (a copy)."""
+    return table[segment_R, column]
 
 
 def _attention_forward(
-    step: Step, x: Tensor, msa: Modulation, pos_tp: Tensor, order_when_ready: Callable[[], Tensor], tape: Tape
+    step: Step, x: Tensor, mod: Modulation, pos_tp: Tensor, order_when_ready: Callable[[], Tensor], tape: Tape
 ) -> tuple[Tensor, Tensor]:
     """F2-F5 norm1, q/k/v (this rank's units in one GEMM each), q/k norm + RoPE, attention: (the
     attention's output [R_tp, A_local], the canonical order)."""
     be, tr, rs, c, act = step.be, step.tr, step.rs, step.config, step.act
     rep, loc = step.uw.replicated, step.uw.local
-    m1 = be.rms_modulate_fwd(x, rep["norm1.weight"], msa.scale, msa.shift, c.norm_eps, act)
+    m1 = be.rms_modulate_fwd(x, rep["norm1.weight"], mod.scale_msa, mod.shift_msa, c.norm_eps, act)
     m1_tp = rs.tp(tr("norm1", m1, "local"), "sp.gather.m1")
     q = tr("attn.to_q", be.mm(m1_tp, loc["q"].t(), act), "tp_units")  # [R_tp, A_local]
     k = tr("attn.to_k", be.mm(m1_tp, loc["k"].t(), act), "tp_units")
@@ -239,27 +245,28 @@ def _attention_forward(
     tape.put(AttentionSaved(qr, kr, v, k_c, v_c, o_ref, stats))
     tape.put(QkSaved(q, k, cos, sin))
     tape.put(QkvSaved(m1_tp))
+    tape.put(Norm1Saved(mod.scale_msa))
     return attn, order
 
 
-def _ffn_forward(step: Step, x: Tensor, attn: Tensor, msa: Modulation, mlp: Modulation, tape: Tape) -> Tensor:
+def _ffn_forward(step: Step, x: Tensor, attn: Tensor, mod: Modulation, tape: Tape) -> Tensor:
     """F6-F11 to_out, residual, norm2, SwiGLU, ff.net.2, residual: the block's output [R_local, D]."""
     be, tr, rs, act, U = step.be, step.tr, step.rs, step.act, step.num_units
     rep, loc = step.uw.replicated, step.uw.local
     root = be.unit_reduce([(attn, loc["out"].t())], U)
     rnd = partial(be.round, dtype=act)  # runs on each owner's sums before they are shared
     o_proj = tr("attn.to_out.0", rs.comm.reduce_units(root, "attn.to_out.0", scatter_rows=True, then=rnd), "local")
-    x1 = tr("residual1", be.gated_residual(x, msa.gate, o_proj, act), "local")
-    m2 = be.rms_modulate_fwd(x1, rep["norm2.weight"], mlp.scale, mlp.shift, step.config.norm_eps, act)
+    x1 = tr("residual1", be.gated_residual(x, mod.gate_msa, o_proj, act), "local")
+    m2 = be.rms_modulate_fwd(x1, rep["norm2.weight"], mod.scale_mlp, mod.shift_mlp, step.config.norm_eps, act)
     m2_tp = rs.tp(tr("norm2", m2, "local"), "sp.gather.m2")
     h = tr("ff.hidden", be.mm(m2_tp, loc["hidden"].t(), act), "tp_units")  # [R_tp, F_local]
     g = tr("ff.gate", be.mm(m2_tp, loc["gate"].t(), act), "tp_units")
     a = tr("ff.swiglu", be.swiglu_fwd(h, g, act), "tp_units")
     root = be.unit_reduce([(a, loc["down"].t())], U)
     y = tr("ff.net.2", rs.comm.reduce_units(root, "ff.net.2", scatter_rows=True, then=rnd), "local")
-    out = tr("out", be.gated_residual(x1, mlp.gate, y, act), "local")
-    tape.put(ToOutSaved(x1, o_proj, attn, mlp.scale))
-    tape.put(FfnSaved(y, m2_tp, h, g, a, mlp.gate))
+    out = tr("out", be.gated_residual(x1, mod.gate_mlp, y, act), "local")
+    tape.put(ToOutSaved(x1, o_proj, attn, mod.gate_msa, mod.scale_mlp))
+    tape.put(FfnSaved(y, m2_tp, h, g, a, mod.gate_mlp))
     return out
 
 

@@ -118,9 +118,9 @@ def test_sites_name_the_part_the_step_called():
     """A helper inside a part (a frame deeper in the step's files) is charged to the part; the eager
     block's parts are its lines; an allocation outside every part file is named by its own frame."""
     helper = _frames(
-        (BF, "forward", "st, msa, mlp = _adaln_table(step, b)"),
-        (BF, "_adaln_table", "_table_rows(table, b.adaln_indices, half)"),
-        (BF, "_table_rows", "return table[segment_R, columns]"),
+        (BF, "forward", "st, mod = _adaln_table(step, b)"),
+        (BF, "_adaln_table", "_table_rows(table, b.adaln_indices, column)"),
+        (BF, "_table_rows", "return table[segment_R, column]"),
     )
     assert bm.site(helper)[0] == "_adaln_table"
     entry = _frames(("h3lab/block.py", "canonical_block", "dw = assemble_unit_grads("))

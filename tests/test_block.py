@@ -269,10 +269,10 @@ class _CopyingComm(LocalComm):
 def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_returns(tiny, comm, monkeypatch):
     """The block's peak memory is in its backward, so each tensor goes when the part that reads it
     last is done with it (h3lab.block_forward: lifetimes): which outputs of earlier backend and comm
-    calls, and of the AdaLN rows' gathers (table_rows 0: msa, 1: mlp), are freed when each part of the
-    backward, or a GEMM inside it, starts. Calls are named by their order in the step (mm 0: the
-    AdaLN table, 4 and 5: ff.net.0's hidden and gate, 6: d SwiGLU, 7: d attention; gather_seq_rows
-    4-7: the FFN backward's)."""
+    calls, and of the AdaLN rows' gathers (table_rows 0-5: shift, scale, gate of msa, then of mlp),
+    are freed when each part of the backward, or a GEMM inside it, starts. Calls are named by their
+    order in the step (mm 0: the AdaLN table, 4 and 5: ff.net.0's hidden and gate, 6: d SwiGLU, 7: d
+    attention; gather_seq_rows 4-7: the FFN backward's)."""
     from h3lab import block_forward
     from h3lab.backend import TorchBackend
     from h3lab.block import block_step
@@ -297,14 +297,16 @@ def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_r
 
     # inside B11-B9, whose weight-gradient GEMMs hold the peak: SwiGLU's inputs, d SwiGLU, ff.net.2's
     # output and the FP32 sums of ff.net.0's dX go before ff.net.0's dW; dh, dg and norm2's output before ff.net.2's
+    freed_by(("mm", 6), ("table_rows", 0), ("table_rows", 3), ("table_rows", 5))  # the shifts, gate_mlp
     freed_by(("row_mm", 0), ("mm", 4), ("mm", 5), ("mm", 6), ("reduce_units", 1), ("unit_reduce", 2))
     freed_by(("row_mm", 1), ("swiglu_bwd", 0), ("rms_modulate_fwd", 1), ("gather_seq_rows", 5), ("gather_seq_rows", 6))
-    # inside B8-B6: the FFN's half of the AdaLN rows, x1, to_out's output and d norm2's FP32 input
-    # gradient go with norm2's backward; the attention's output once to_out's dW is made
-    freed_by(("mm", 7), ("table_rows", 1), ("gated_residual", 0), ("reduce_units", 0), ("rms_modulate_bwd", 0, 0))
+    # inside B8-B6: scale_mlp, x1, to_out's output and d norm2's FP32 input gradient go with norm2's
+    # backward, gate_msa once read; the attention's output once to_out's dW is made
+    at_mm7 = [("table_rows", 2), ("table_rows", 4), ("gated_residual", 0), ("reduce_units", 0)]
+    freed_by(("mm", 7), *at_mm7, ("rms_modulate_bwd", 0, 0))
     freed_by(("chain_sums", 0), ("attention_fwd", 0, 0), ("gather_seq_rows", 8), ("gather_seq_rows", 9))
-    msa = nth("table_rows", 0)  # the attention's half: read by norm1's backward, a storage of its own
-    assert not {(msa, o) for o in range(len(log[msa].outputs))} & log[nth("rms_modulate_bwd", 1)].freed
+    scale_msa = nth("table_rows", 1)  # read by norm1's backward: a storage of its own, alive until then
+    assert (scale_msa, 0) not in log[nth("rms_modulate_bwd", 1)].freed
     ffn = [("mm", 4), ("mm", 5), ("swiglu_fwd", 0), ("rms_modulate_fwd", 1), ("swiglu_bwd", 0), ("mm", 6)]
     freed_by(("rms_modulate_bwd", 0), *ffn, *[("gather_seq_rows", i) for i in (4, 5, 6, 7)])
     to_out = [("rms_modulate_bwd", 0), ("gated_residual", 0), ("unit_reduce", 2), ("gather_seq_rows", 8)]
