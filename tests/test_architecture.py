@@ -22,10 +22,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "model": {CORE, "io"},
     "reference": {CORE, "io", "model"},
     "dist": {CORE},
-    "run": {CORE, "io", "model", "reference", "dist"},
-    "bench": {CORE, "io", "model", "reference", "dist", "run"},
-    "workbench": {CORE, "io", "model", "reference", "dist", "run"},
-    "cli": {CORE, "io", "model", "reference", "dist", "run", "bench", "workbench"},
+    "train": {CORE, "io", "model"},
+    "run": {CORE, "io", "model", "reference", "dist", "train"},
+    "bench": {CORE, "io", "model", "reference", "dist", "train", "run"},
+    "workbench": {CORE, "io", "model", "reference", "dist", "train", "run"},
+    "cli": {CORE, "io", "model", "reference", "dist", "train", "run", "bench", "workbench"},
     "facade": {CORE, "io"},  # h3lab/__init__.py: the public surface
 }
 PACKAGES = {
@@ -35,6 +36,7 @@ PACKAGES = {
     "model": "model",
     "reference": "reference",
     "dist": "dist",
+    "train": "train",
     "run": "run",
     "bench": "bench",
     "workbench": "workbench",
