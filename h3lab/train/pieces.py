@@ -77,7 +77,9 @@ def rank_pieces(config: H3Config, held: Iterable[Piece], units: range) -> list[P
     blocks = {p.block for p in held if p.block is not None}
     order = canonical_pieces(config, blocks, {p.name for p in held if p.block is None})
     want = [p for p in order if p.unit is None or p.unit in units]
-    missing, extra = [p for p in want if p not in held], sorted(held - set(want), key=str)
+    position = {p: k for k, p in enumerate(order)}  # foreign units in canonical order, unknown names last
+    missing = [p for p in want if p not in held]
+    extra = sorted(held - set(want), key=lambda p: (position.get(p, len(order)), str(p)))
     if missing or extra:
         raise ValueError(
             f"pieces for units {list(units)}: missing {[piece_label(p) for p in missing[:4]]}"
