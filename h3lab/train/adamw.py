@@ -1,0 +1,218 @@
+"""AdamW on FP32 master weights, one state per piece a rank holds (h3lab.train.pieces).
+
+The algorithm is torch.optim.AdamW's (decoupled weight decay, bias corrections; no amsgrad, no
+maximize). Step t, for every piece, with g = FP32 gradient * clip coefficient (h3lab.train.clip):
+    m = m * beta1 + g * (1 - beta1)
+    v = v * beta2 + (g * g) * (1 - beta2)
+    master = master * (1 - lr * weight_decay)
+    master = master - (m / (sqrt(v) / sqrt(1 - beta2^t) + eps)) * (lr / (1 - beta1^t))
+    weight = round_to(master, weight dtype): one rounding, written into the rank's weight view.
+Every operation is a separate IEEE FP32 mul, add, sub, div or sqrt. torch's lerp_, addcmul_ and
+addcdiv_ may fuse a multiply-add on the vector path and not on the scalar tail, so their bits can
+depend on a tensor's length and an element's position; ours depend on the element's operands only,
+so a piece updated whole or in slices, on any rank, gives the same bytes. The one division by a
+scalar divides by a tensor on the piece's device (CUDA turns a division by a host scalar into a
+multiply by its reciprocal: another rounding). The scalars are computed in float64 and rounded once
+to FP32; beta^t is a running float64 product (IEEE multiplies: no C library pow, whose last bit may
+differ between machines).
+
+A step updates every piece or none: the clip's global norm needs every gradient, so one step count
+serves all pieces. A NaN or Inf in any gradient (or squares that overflow FP32) makes the norm
+non-finite; the step then raises `NonFiniteGradError` before it changes anything (catching it skips
+the step). The norm has the same bits on every rank, so every rank of a layout raises together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from h3lab.comm import BlockComm
+from h3lab.config import H3Config
+from h3lab.ops.fixed import round_to
+from h3lab.train.clip import clip_coefficient, global_grad_norm, to_f32
+from h3lab.train.pieces import Piece, piece_label, rank_pieces
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWHyper:
+    """AdamW's hyperparameters (torch.optim.AdamW's defaults) and the clip's max_grad_norm (inf: no clip)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (_number(self.lr) and 0 <= self.lr < math.inf):
+            raise ValueError(f"lr {self.lr!r} not allowed; allowed: a finite number >= 0")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise ValueError(f"betas {self.betas!r} not allowed; allowed: two numbers in [0, 1)")
+        object.__setattr__(self, "betas", tuple(self.betas))
+        for k, beta in enumerate(self.betas):
+            if not (_number(beta) and 0 <= beta < 1):
+                raise ValueError(f"betas[{k}] {beta!r} not allowed; allowed: a number in [0, 1)")
+        if not (_number(self.eps) and 0 < self.eps < math.inf):
+            raise ValueError(f"eps {self.eps!r} not allowed; allowed: a finite number > 0")
+        if not (_number(self.weight_decay) and 0 <= self.weight_decay < math.inf):
+            raise ValueError(f"weight_decay {self.weight_decay!r} not allowed; allowed: a finite number >= 0")
+        if not (_number(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm {self.max_grad_norm!r} not allowed; allowed: a number in (0, inf]")
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """Step t's scalars, each a float64 expression rounded once to FP32 (bias2_sqrt: a device tensor)."""
+
+    decay: float  # 1 - lr * weight_decay
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    bias2_sqrt: Tensor  # 0-d float32: sqrt(1 - beta2^t)
+    step_size: float  # lr / (1 - beta1^t)
+    eps: float
+
+    @classmethod
+    def make(cls, hyper: AdamWHyper, beta1_pow: float, beta2_pow: float, device: torch.device) -> StepScalars:
+        """The scalars of the step at which beta1^t = beta1_pow and beta2^t = beta2_pow."""
+        b1, b2 = hyper.betas
+        bias2_sqrt = torch.tensor(to_f32(math.sqrt(1.0 - beta2_pow)), dtype=torch.float32, device=device)
+        return cls(
+            decay=to_f32(1.0 - hyper.lr * hyper.weight_decay),
+            beta1=to_f32(b1),
+            one_minus_beta1=to_f32(1.0 - b1),
+            beta2=to_f32(b2),
+            one_minus_beta2=to_f32(1.0 - b2),
+            bias2_sqrt=bias2_sqrt,
+            step_size=to_f32(hyper.lr / (1.0 - beta1_pow)),
+            eps=to_f32(hyper.eps),
+        )
+
+
+def adamw_update(
+    master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, coef: Tensor | float, s: StepScalars
+) -> None:
+    """One AdamW step of one piece, in place on the FP32 `master`, `exp_avg`, `exp_avg_sq` (views allowed).
+
+    `grad` (bf16 or fp32) is read, never written; `coef` is the clip coefficient (a 0-d FP32 tensor).
+    Elementwise IEEE ops only (module docstring): element i's result depends on element i's operands.
+    """
+    g = grad.to(torch.float32) * coef
+    exp_avg.mul_(s.beta1).add_(g * s.one_minus_beta1)
+    exp_avg_sq.mul_(s.beta2).add_((g * g).mul_(s.one_minus_beta2))
+    master.mul_(s.decay)
+    denom = exp_avg_sq.sqrt().div_(s.bias2_sqrt).add_(s.eps)
+    master.sub_(torch.div(exp_avg, denom).mul_(s.step_size))
+
+
+@dataclass(frozen=True, eq=False)
+class PieceState:
+    """A piece's FP32 state: the master weight (initialised exactly from the weight) and the moments."""
+
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+
+    @classmethod
+    def init(cls, weight: Tensor) -> PieceState:
+        master = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        master.copy_(weight)  # bf16 -> fp32 widens exactly; fp32 is copied
+        return cls(master, torch.zeros_like(master), torch.zeros_like(master))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int  # steps taken, this one included
+    grad_norm: Tensor  # 0-d float32, before clipping; identical on every rank
+    clip_coef: Tensor  # 0-d float32
+
+
+class NonFiniteGradError(ValueError):
+    """The gradients' global norm is NaN or Inf: the step was refused and nothing changed."""
+
+
+class AdamW:
+    """AdamW with FP32 masters for the pieces one rank holds; the single process is the same code with
+    all 8 units and LocalComm.
+
+    `weights` are the rank's weight tensors by piece (`block_weight_pieces`, `non_block_pieces`): views
+    the step writes the rounded masters into, in place. After construction the masters are the truth:
+    a weight changed from outside is overwritten at the next step. `state[piece]` is the piece's
+    `PieceState`; every rank of a layout must call `step` together (it gathers the clip's sums).
+    """
+
+    def __init__(
+        self, weights: Mapping[Piece, Tensor], *, config: H3Config, comm: BlockComm, hyper: AdamWHyper
+    ) -> None:
+        if not weights:
+            raise ValueError("AdamW: no weights; allowed: a rank's pieces (h3lab.train.pieces)")
+        self.order = rank_pieces(config, weights, comm.units)
+        self.device = next(iter(weights.values())).device
+        for p, w in weights.items():
+            if w.dtype not in _FLOAT_DTYPES or w.device != self.device:
+                raise ValueError(
+                    f"weight {piece_label(p)}: {w.dtype} on {w.device}; allowed: {list(_FLOAT_DTYPES)} on {self.device}"
+                )
+        self.config, self.comm, self.hyper = config, comm, hyper
+        self.weights = {p: weights[p] for p in self.order}
+        self.state = {p: PieceState.init(w) for p, w in self.weights.items()}
+        self.step_count = 0
+        self._beta_pows = (1.0, 1.0)  # beta1^t, beta2^t after step_count steps
+
+    def step(self, grads: Mapping[Piece, Tensor]) -> StepRecord:
+        """Clip by the global norm, update every piece, write the weights (module docstring).
+
+        Raises:
+            ValueError: gradients that do not match the weights' pieces, shapes, device or float dtypes.
+            NonFiniteGradError: the global norm is NaN or Inf (nothing was changed).
+        """
+        self._check(grads)
+        gn = global_grad_norm(grads, self.comm, self.config)
+        if not bool(torch.isfinite(gn.total)):
+            bad = [piece_label(p, "dw") for p in gn.nonfinite_pieces()]
+            where = f"non-finite sums of squares in {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad else "overflow"
+            raise NonFiniteGradError(
+                f"step {self.step_count + 1}: gradient norm {float(gn.norm)} ({where}); step refused, nothing "
+                "changed; allowed: finite gradients whose sum of squares fits FP32"
+            )
+        coef = clip_coefficient(gn.norm, self.hyper.max_grad_norm)
+        b1, b2 = self.hyper.betas
+        pows = (self._beta_pows[0] * b1, self._beta_pows[1] * b2)
+        scalars = StepScalars.make(self.hyper, *pows, self.device)
+        for p, w in self.weights.items():
+            st = self.state[p]
+            adamw_update(st.master, st.exp_avg, st.exp_avg_sq, grads[p], coef, scalars)
+            w.copy_(round_to(st.master, w.dtype))
+        self.step_count, self._beta_pows = self.step_count + 1, pows
+        return StepRecord(step=self.step_count, grad_norm=gn.norm, clip_coef=coef)
+
+    def named_weights(self, kind: str = "w") -> dict[str, Tensor]:
+        """The rank's weights by runner tensor name (`block{i}.w.<grad>@u{u}`, `block{i}.w.<param>`, `w.<param>`)."""
+        return {piece_label(p, kind): w for p, w in self.weights.items()}
+
+    def _check(self, grads: Mapping[Piece, Tensor]) -> None:
+        missing = [piece_label(p) for p in self.order if p not in grads]
+        extra = [piece_label(p) for p in grads if p not in self.weights]
+        if missing or extra:
+            raise ValueError(
+                f"gradients: missing {missing[:4]}, unexpected {extra[:4]}; allowed: exactly the weights' pieces"
+            )
+        for p, w in self.weights.items():
+            g = grads[p]
+            if g.shape != w.shape or g.dtype not in _FLOAT_DTYPES or g.device != self.device:
+                raise ValueError(
+                    f"gradient {piece_label(p)}: {list(g.shape)} {g.dtype} on {g.device}; "
+                    f"allowed: {list(w.shape)}, one of {list(_FLOAT_DTYPES)}, on {self.device}"
+                )
