@@ -108,7 +108,7 @@ def test_an_h100_checks_triton_against_the_sm90_set_recorded_on_the_h200(monkeyp
     out = capsys.readouterr().out
     assert "set sm90 (" in out and "recorded on H200; observed on H200 (block, trajectory, real)" in out
     assert "block, trajectory, real: expected, not yet observed on H100" in out
-    assert "to add H100 to the set's observations: h3lab verify --device cuda --backend triton --record" in out
+    assert "to add H100 to the set's observations: h3lab verify --device cuda --backend triton --record --real" in out
     # the same decision, with one tensor of the real-shape problem differing
     play_gpu(monkeypatch, "H100", "sm90", {"triton": flipped({p: sm90[p] for p in golden.PARTS}, "real", "dx")})
     assert main(["verify", "--device", "cuda", "--backend", "triton"]) == 1

@@ -176,6 +176,7 @@ def verify(backend: str, device: str, *, real: bool = True) -> dict[str, Any]:
     match = not mismatched and got.keys() == expected.keys()
     observations = {n: list(o["parts"]) for n, o in published["observations"].items()}
     return out | {
+        "record_command": record_command(backend, device, real="real" in parts),
         "status": "match" if match else "mismatch",
         "match": match,
         "first_mismatch": mismatched[0] if mismatched else None,
