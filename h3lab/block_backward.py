@@ -104,7 +104,7 @@ def _ffn_backward(step: Step, rows: Rows, grad_out: Tensor, tape: Tape, dw: dict
     del root
     # hidden's and gate's weight gradients as one GEMM over [dh | dg] (a view of the Triton kernel's
     # one buffer; a copy on torch) into one [2 F_local, D] tensor, ff.net.0's own layout: as two GEMMs,
-    # handing out ff.net.0 would copy it (reports/h200/README.md, session 11). Per element the same chain.
+    # handing out ff.net.0 would copy them into it. Per element the same chain.
     dw_ff0 = be.row_mm(rs.seq(join([dh, dg], dim=1), "cp.gather.dhg"), m2_seq, rows.order, w_dt)  # [2 F_local, D]
     del dh, dg, m2_tp, m2_seq
     dw["ff.net.2.weight"] = be.row_mm(dy_seq, rs.seq(a, "cp.gather.a"), rows.order, w_dt)  # [D, F_local]

@@ -197,8 +197,8 @@ def _row_metadata(
     pos_tp = rs.tp(b.position_ids, "meta.pos")
     # the canonical order of every cross-row reduction, with every index check of the block (RoPE's
     # too), is read after the q/k/v GEMMs are queued: on the GPU a check is a host sync, which drains
-    # the queue, and each check syncing where it was needed left the GPU idle (reports/h200/README.md,
-    # session 9)
+    # the queue, and each check syncing where it was needed would leave the GPU idle (python -m
+    # h3lab.bench.sync_sites names every host sync of a step)
     order_when_ready = step.be.plan_rows(keys_seq, segments, 3 * step.num_timesteps, pos_tp, decided=decided_rows)
     return active, segments, pos_tp, order_when_ready
 

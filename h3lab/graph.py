@@ -1,11 +1,12 @@
 """The canonical block captured in a CUDA graph: captured once per weights, shapes and row signature,
 then each call copies a batch in and replays the whole forward+backward with one launch.
 
-Why: a block step launches ~150 kernels, and one h3lab GEMM launch costs 130-190 us of host time on
-the H200 node (Triton's binder and launcher, TMA descriptors; cuBLAS ~14 us). At 4096 rows the GPU
-waited ~3 ms of a 28.5 ms step for the host; at 264 rows the step is host-bound: 8.8 ms of wall
-for ~3 ms of kernels (reports/h200/README.md, session 10). A replay costs the host one graph
-launch and ten small copies, plus the row plan's decision (below) unless it was decided ahead.
+Why: a block step launches ~150 kernels, and an h3lab GEMM launch costs the host several times a
+cuBLAS call (Triton's binder and launcher, TMA descriptors), so the GPU waits for the host, and at
+a few hundred rows the step is host-bound (python -m h3lab.bench.block_profile measures the launch
+cost and the GPU's idle gaps; h3lab.bench.block_gpu the step with and without a graph). A replay
+costs the host one graph launch and ten small copies, plus the row plan's decision (below) unless
+it was decided ahead.
 
 The bits are the eager step's: a replay runs the same kernels with the same configurations and
 arguments, on the capture's own buffers (a GPU test compares the bytes of replays and eager

@@ -7,15 +7,15 @@ The plan. A block step needs, before its attention, the canonical row order
 (h3lab.ops.rows.key_order), the segment layout of its AdaLN-row reductions and the bounds of every
 index the row kernels will read, and RoPE needs the largest position. Computed on the GPU that is
 several host syncs and dozens of launches; each sync waits for everything queued, so the GPU idles
-while the host sorts (reports/h200/README.md, session 9). The metadata is small (R x 3 int64 and
-one float), so `plan_rows` queues one copy of it into pinned memory and returns; the block
-launches its first GEMMs; the returned function then waits for that copy alone (queued before the
-GEMMs), decides everything on the host and seeds the step's index cache, so the row kernels and
-RoPE that follow check nothing again. `decide_rows` decides the same beforehand (a CUDA graph
-capture may not wait for the host: h3lab.graph).
+while the host sorts (python -m h3lab.bench.block_profile charges such gaps to their op). The
+metadata is small (R x 3 int64 and one float), so `plan_rows` queues one copy of it into pinned
+memory and returns; the block launches its first GEMMs; the returned function then waits for that
+copy alone (queued before the GEMMs), decides everything on the host and seeds the step's index
+cache, so the row kernels and RoPE that follow check nothing again. `decide_rows` decides the same
+beforehand (a CUDA graph capture may not wait for the host: h3lab.graph).
 
 The index cache. The block passes one `order` to ~20 row reductions, and every check of it is a
-host synchronisation that drains the GPU's queue (reports/h200/README.md, sessions 5-8). Facts are
+host synchronisation that drains the GPU's queue (python -m h3lab.bench.sync_sites). Facts are
 cached only inside `index_cache()`, which `block_step` enters: there the index tensors are the
 block's own, made inside it and never written again. Outside, every call computes afresh, so a
 caller that writes an index tensor behind torch's back (`.data`, a numpy alias), which keeps its
@@ -347,8 +347,8 @@ def _decide(meta_h: Tensor, num_segments: int) -> tuple[np.ndarray, np.ndarray, 
     """(order, rows grouped by segment, segment starts), int64, from the host copy of [keys | segment].
 
     The same indices as h3lab.ops.rows.key_order and `_segments` (sorts of unique keys and stable
-    sorts have one answer), in numpy: faster than torch's CPU ops at these sizes (reports/h200/README.md,
-    session 9), time the GPU would otherwise idle waiting for the order.
+    sorts have one answer), in numpy: faster than torch's CPU ops at these sizes, and the GPU waits for
+    the order meanwhile (python -m h3lab.bench.block_profile times the host's part of a step).
     """
     m = meta_h.numpy()
     k0, k1, seg = m[:, 0], m[:, 1], m[:, 2]

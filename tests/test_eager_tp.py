@@ -1,4 +1,4 @@
-"""The eager TP reference block (timings of issue 7 compare against it) computes the unsharded block.
+"""The eager TP reference block (the layout benchmark's timings compare against it) computes the unsharded block.
 
 Its sums run in another order than the unsharded block's, in bf16, so it is compared with a
 tolerance: relative L2 below 2e-2, ~4x the bf16 eager block's own error against FP64 at these

@@ -100,7 +100,7 @@ def test_mm_few_k_is_the_torch_chain(b_dtype):
 
 
 @interp
-def test_few_rows_reject_bad_inputs():
+def test_few_rows_reject_bad_inputs(tmp_path, monkeypatch):
     a, b = _randn(3, 80, seed=5), _randn(80, 8, seed=6)
     with pytest.raises(ValueError, match=r"num_units=3; allowed: \[1, 2, 4, 8\]"):
         few_rows.unit_mm_few_rows(a, b, 3, node=NODE)
@@ -114,8 +114,10 @@ def test_few_rows_reject_bad_inputs():
         few_rows.mm_few_k(torch.ones(2, 3, dtype=torch.int64), b[:2], node=NODE)
     with pytest.raises(ValueError, match=r"out_dtype torch.float16"):
         few_rows.mm_few_k(a[:, :4].t(), b[:4], torch.float16, node=NODE)
-    with pytest.raises(ValueError, match=r"pins no configuration for kernel 'few_rows'"):
-        few_rows.mm_few_k(a[:, :4].t(), b[:4], node="sm100")
+    (tmp_path / "sm_no_few_rows.json").write_text('{"kernels": {"norm": {}}}')  # a file without the entry
+    monkeypatch.setattr(configs, "KERNELS_DIR", tmp_path)
+    with pytest.raises(ValueError, match=r"sm_no_few_rows.json pins no configuration for kernel 'few_rows'"):
+        few_rows.mm_few_k(a[:, :4].t(), b[:4], node="sm_no_few_rows")
 
 
 # ---- GPU, real H3 shapes: T = 2 timesteps, 18 D = 96768 table columns (8 units of 12096), E = 2688 -----

@@ -7,11 +7,10 @@ count; above 4096 rows its attention in query chunks of at most 2 GiB of scores,
 runs: `score_bytes`), and whether repeated canonical runs give identical bytes. `ratio_fwd_bwd` divides the two
 medians (eager's reps first, then canonical's); `ratio_fwd_bwd_interleaved` is the median of
 per-rep ratios with the two blocks called in turn, so a drift of clocks or host load within the
-run falls on both alike (the same code's ratio moved by 0.04 between calls of session 9) — but
-then each block also runs at the SM clock the other leaves behind: on the H200 the eager block is
-power-bound at ~1600 MHz, the canonical one runs at ~1800 MHz, and alternated both run at ~1680
-(reports/h200/README.md, session 11), so the sequential medians are the figure of a model that
-runs one kind of block back to back.
+run falls on both alike (the sequential ratio of unchanged code moves between runs) — but then
+each block also runs at the SM clock the other leaves behind (on the H200 the eager block is
+power-bound at a lower clock than the canonical one), so the sequential medians are the figure of
+a model that runs one kind of block back to back.
 
 Both blocks are also timed captured in CUDA graphs (h3lab.graph: the canonical block as a
 `GraphedBlock`, the eager one's autograd step captured whole), which takes the host's launch cost

@@ -6,10 +6,10 @@
 For each variant the launcher can pick (pieces 1-3, b as W.T or [K, N] rows, 4 stages with level 2
 in L2 or 3 with it in shared memory) it builds the kernel with the installed Triton for
 GPUTarget("cuda", 90, 32), reads the resource use from the cubin (cuobjdump -res-usage, bundled with
-Triton's NVIDIA backend) and counts the wgmma waits and CTA barriers in the PTX. This is how the
-kernel was tuned between GPU sessions (a register or shared-memory budget is checked in seconds on
-a laptop), and what the CPU test runs so that a Triton upgrade that breaks the Gluon code (names
-changed between 3.6 and 3.9) fails in CI, not on a GPU node. Run it without TRITON_INTERPRET=1:
+Triton's NVIDIA backend) and counts the wgmma waits and CTA barriers in the PTX. A register or
+shared-memory budget is checked this way in seconds without a GPU, and it is what the CPU test
+runs so that a Triton upgrade that breaks the Gluon code (names changed between 3.6 and 3.9) fails
+in CI, not on a GPU node. Run it without TRITON_INTERPRET=1:
 under the interpreter @triton.jit helpers the kernel calls are interpreted functions, which Gluon
 cannot compile (the CPU test runs it in a subprocess with a clean environment).
 """

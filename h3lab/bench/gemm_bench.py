@@ -91,10 +91,11 @@ UNIT_CANDIDATES = {
     "m128n128w8s4p": _unit(128, 128, 8, 4, pending=True),
     "m128n128w8s4": _unit(128, 128, 8, 4, pending=False),  # every level in scratch: fewer registers
     "m128n128w8s3p_tmastore": _unit(128, 128, 8, 3, pending=True, tma_store=True),
-    # the entries above run unit_gemm.unit_mm_kernel (Triton; m128n128w8s4p was pinned before session
-    # 10); IMPL gluon: h3lab.triton.unit_gemm_sm90, one pipeline across unit and tile boundaries (sm90
-    # compile, Triton 3.6: 208 registers, no spill, 192 KiB; 3 stages + level 2 in shared memory: 224
-    # KiB); the calls the Gluon kernel cannot take run the Triton kernel of the same config
+    # the entries above run unit_gemm.unit_mm_kernel (Triton; m128n128w8s4p is the tile it runs for
+    # the calls the Gluon kernel cannot take, kernels/sm90.json); IMPL gluon: h3lab.triton.unit_gemm_sm90,
+    # one pipeline across unit and tile boundaries (registers and shared memory: python -m
+    # h3lab.bench.compile_sm90); the calls the Gluon kernel cannot take run the Triton kernel of the
+    # same config
     "gluon_s4": _unit(128, 128, 8, 4, pending=True, IMPL="gluon", LVL2_SMEM=False),
     "gluon_s3_smem": _unit(128, 128, 8, 3, pending=True, IMPL="gluon", LVL2_SMEM=True),
 }

@@ -1,9 +1,9 @@
 """GPU-only time of a call: `inner` calls captured in one CUDA graph, replayed between CUDA events.
 
 `triton.testing.do_bench` flushes L2 before each call and its events include the part of the host's
-launch cost that outlasts the flush (~130-190 us per h3lab GEMM on the H200 node); a graph replays
-the calls back to back with no host in between, so this is the kernels' own time (warm L2).
-Used by the session scripts under reports/h200/ that sweep kernel candidates.
+launch cost that outlasts the flush; a graph replays the calls back to back with no host in
+between, so this is the kernels' own time (warm L2). Used by the scripts under reports/ that sweep
+kernel candidates on a GPU.
 """
 
 from __future__ import annotations

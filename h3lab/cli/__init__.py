@@ -37,7 +37,8 @@ COMMANDS: dict[str, Subcommand] = {
     "run": Subcommand("h3lab.cli.run", "run layouts on N processes and compare every byte with the canonical block"),
     "verify": Subcommand(
         "h3lab.cli.verify",
-        "recompute the golden digests of the reference problem and compare with the published ones",
+        "recompute the golden digests of the reference problems and compare with the set published for this "
+        "backend and GPU architecture",
     ),
     "workbench": Subcommand(
         "h3lab.cli.workbench", "execute a notebook (reproduce, explore) through papermill into a run directory"

@@ -1,17 +1,45 @@
-"""`h3lab verify`: does this machine reproduce the published bits of its node type?"""
+"""`h3lab verify`: does this machine reproduce the published bits of its backend and architecture?
+
+The torch backend is checked against the device-independent set (`kernels/golden/torch.json`), the
+triton backend against its GPU architecture's (`kernels/golden/sm90.json` on an H100 or H200).
+Each check says which node type recorded the set and, where this node type has not reproduced a
+part before, that its match is expected, not yet observed here.
+
+Exit status: 0 reproduces the published bits; 1 differs (the first differing tensor is named);
+2 a request that cannot run (one line: a backend the device cannot run, a GPU without pinned
+kernels); 3 nothing is published for this backend and architecture: this machine's digests are
+printed with the command that publishes them.
+"""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 from h3lab.backend import CONTRACT_BACKENDS
 
+UNPUBLISHED = 3  # exit status: nothing published for this backend and architecture
+
 
 def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    p.epilog = (
+        "exit status: 0 reproduces the published bits, 1 differs, 2 cannot run here, "
+        f"{UNPUBLISHED} nothing published for this backend and architecture (this machine's digests printed)"
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=CONTRACT_BACKENDS, default="torch")
-    p.add_argument("--record", action="store_true", help="write this machine's digests into kernels/golden/")
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="write this machine's digests into its set in kernels/golden/ (a published set: adds this node type "
+        "as observed where the digests are equal, refuses where they differ)",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="with --record: rewrite the set with this machine's digests (only when the arithmetic is meant to change)",
+    )
     p.add_argument(
         "--real",
         action="store_true",
@@ -21,17 +49,51 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     def handle(a: argparse.Namespace) -> int:
         from h3lab.run import golden
 
+        if a.replace and not a.record:
+            raise ValueError("--replace without --record; allowed: --record --replace")
         if a.record:
-            print(f"recorded {golden.record(a.backend, a.device, real=a.real)}")
+            print(f"recorded {golden.record(a.backend, a.device, real=a.real, replace_set=a.replace)}")
             return 0
         res = golden.verify(a.backend, a.device)
+        if res["status"] == "unpublished":
+            return _print_unpublished(res)
+        print(_provenance(res))
         for name, t in res["tensors"].items():
-            print(f"{'ok  ' if t['expected'] == t['got'] else 'DIFF'} {name:32s} {t['got'][:16]}")
-        if res["match"]:
-            print(f"{res['node_type']} / {res['backend']}: reproduces the published bits")
-            return 0
+            print(f"{'ok  ' if t['expected'] == t['got'] else 'DIFF'} {name:32s} {(t['got'] or '-')[:16]}")
         where = f"{res['node_type']} / {res['backend']}"
-        print(f"{where}: DOES NOT reproduce; first differing tensor: {res['first_mismatch']}")
-        return 1
+        if not res["match"]:
+            print(f"{where}: DOES NOT reproduce set {res['set']}; first differing tensor: {res['first_mismatch']}")
+            return 1
+        print(f"{where}: reproduces the published bits of set {res['set']}")
+        if res["not_observed"]:
+            print(f"to add {res['node_type']} to the set's observations: {res['record_command']}")
+        return 0
 
     return handle
+
+
+def _provenance(res: dict[str, Any]) -> str:
+    """Which set is checked, who recorded it, who reproduced what, and what this node type has not yet."""
+    observed = ", ".join(f"{n} ({', '.join(parts)})" for n, parts in res["observations"].items())
+    lines = [
+        f"set {res['set']} ({res['path']}): backend {res['backend']} on {res['scope']}",
+        f"  recorded on {res['recorded_on']}; observed on {observed}",
+    ]
+    if res["expected_not_observed"]:
+        lines.append(f"  expected, not yet observed on: {', '.join(res['expected_not_observed'])}")
+    if res["not_observed"]:
+        parts = ", ".join(res["not_observed"])
+        lines.append(f"  {parts}: expected, not yet observed on {res['node_type']} (this machine checks it now)")
+    return "\n".join(lines)
+
+
+def _print_unpublished(res: dict[str, Any]) -> int:
+    print(
+        f"no golden digests published for backend {res['backend']} on {res['set']} ({res['path']} does not exist); "
+        f"this machine's digests ({res['node_type']}):"
+    )
+    for name, t in res["tensors"].items():
+        print(f"     {name:32s} {t['got']}")
+    real = " (add --real for the real-shape problem)" if res["backend"] != "torch" else ""
+    print(f"to publish them: {res['record_command']}{real}; it writes {res['path']}, then commit that file")
+    return UNPUBLISHED

@@ -1,8 +1,9 @@
 """What a run ran on: versions, devices, the node type, the git state and the determinism settings.
 
-Every run records `env.json` from `capture()`; reports and golden digests are grouped by
-`node_type()`: CPU, H100, H200, B200 or `unknown-<gpu name>`. H100 and H200 share compute
-capability 9.0, so the type is read from the GPU's name, not its capability.
+Every run records `env.json` from `capture()`; reports are grouped by `node_type()`, and golden
+digest sets name the node types that recorded and observed them: CPU, H100, H200, B200 or
+`unknown-<gpu name>`. H100 and H200 share compute capability 9.0, so the type is read from the
+GPU's name, not its capability.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
   runner    `h3lab run`: the canonical result, each layout on N processes, every byte compared
   diagnose  which rank (or agent) a failed launch is blamed on, from the files it left
   summary   a run's summary as text (verdict lines, failure lines)
-  golden    the published digests of a reference problem per node type (`h3lab verify`)
+  golden    the published digests of reference problems, one set per backend and GPU architecture
+            (`h3lab verify`)
   eager_layouts    the eager baseline at a layout: groups, shards, rows
   layout_diagnose  the layout benchmark's suspects of rank arrival skew, run on a rank's steps
   workers/  the modules launched (one rank of a layout, the canonical process, the agent, collective

@@ -1,9 +1,19 @@
-"""Golden digests: the published bits of a reference problem, per node type and backend.
+"""Golden digests: the published bits of reference problems, one set per thing that determines them.
 
-`kernels/golden/<node type>.json` pins the sha256 of the canonical block's out, dx, dtemb and every
-dW for one reference problem (tiny config, synthetic weights of seed 0, block 0, 264 packed rows
-of seed 0). `verify` recomputes them on the machine at hand and names the first tensor that
-differs. The digests are recorded outputs, re-recorded only when the arithmetic is meant to change.
+A set is `kernels/golden/<set>.json`, named by what fixes its bits:
+- `torch`: the torch backend. It is built from correctly rounded IEEE operations (h3lab.backend),
+  so its bits do not depend on the device: one set for a CPU and every GPU.
+- `<arch>` (`sm90`, `sm100`): the triton backend on GPUs of one architecture, whose bits the pinned
+  configurations `kernels/<arch>.json` fix: an H100 and an H200 are both sm90.
+
+A set holds the sha256 of the canonical block's out, dx, dtemb and every dW for the reference
+problem (tiny config, synthetic weights of seed 0, block 0, 264 packed rows of seed 0), of the
+reference trajectory's latents, and for GPU backends of the real-shape problem; and where it came
+from: `recorded_on` (the node type that wrote it), `observations` (per node type, which parts it
+reproduced, when, on what software) and `expected_not_observed` (node types the set covers that
+have reproduced nothing yet). Digests are recorded outputs, re-recorded only when the arithmetic
+is meant to change (`record(..., replace=True)`); recording on another node type of the same set
+adds its observation and refuses digests that differ.
 
 On a GPU the tiny config (head_dim 32) does not reach the kernels' real tiles, so a backend may
 also pin the real-shape problem `REAL` (real config, 520 rows of which 8 are padding: a GEMM row
@@ -20,9 +30,10 @@ from typing import Any
 
 import torch
 
+from h3lab.backend import CONTRACT_BACKENDS
 from h3lab.block import canonical_block
 from h3lab.contract import CONTRACT_ID
-from h3lab.io.env import capture, node_type
+from h3lab.io.env import KNOWN_GPUS, capture, node_type
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import sha256_tensor
 from h3lab.run.problem import Problem
@@ -34,6 +45,11 @@ REFERENCE = Problem(synthetic="tiny", weights_seed=0, block=0, rows=264, padding
 TRAJECTORY = Problem(synthetic="tiny", task="trajectory", block=0, last_block=3, steps=2, seed=0)
 # the kernels at the real H3 shapes (GPU backends)
 REAL = Problem(synthetic="real", weights_seed=0, block=0, rows=520, padding=8, seed=0)
+# the parts of a set, in the order verify names tensors: the reference block, the trajectory, the real shapes
+PARTS = ("block", "trajectory", "real")
+PROBLEM_KEYS = {"block": "block_problem", "trajectory": "trajectory_problem", "real": "real_problem"}
+TORCH_SET = "torch"
+RECORD_FIELDS = ("torch", "triton", "cuda", "driver", "platform")
 
 
 def reference_digests(backend: str, device: str) -> dict[str, str]:
@@ -64,67 +80,176 @@ def real_digests(backend: str, device: str) -> dict[str, str]:
     return {k: sha256_tensor(v) for k, v in tensors.items()}
 
 
-def golden_path(node: str) -> Path:
-    return GOLDEN_DIR / f"{node}.json"
+def compute(backend: str, device: str, parts: list[str]) -> dict[str, dict[str, str]]:
+    """The digests of each named part (`PARTS`) computed here with `backend` on `device`."""
+    by_part = {"block": reference_digests, "trajectory": trajectory_digests, "real": real_digests}
+    return {part: by_part[part](backend, device) for part in parts}
 
 
-def record(backend: str, device: str, *, real: bool = False) -> Path:
-    """Compute and write the digests of this node type and backend (keeps the file's other backends);
-    `real` adds the real-shape problem's digests."""
-    node = node_type(device)
-    path = golden_path(node)
-    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"node_type": node, "backends": {}}
-    env = capture(device)
-    data["contract"] = CONTRACT_ID
-    data["problem"] = REFERENCE.to_dict() | {"device": None, "backend": None}
-    data["trajectory_problem"] = TRAJECTORY.to_dict() | {"device": None, "backend": None}
-    data["backends"][backend] = {
-        "digests": reference_digests(backend, device),
-        "trajectory": trajectory_digests(backend, device),
-        "recorded": time.strftime("%Y-%m-%d"),
-        "environment": {k: env[k] for k in ("torch", "triton", "cuda", "driver", "platform")} | {"gpus": env["gpus"]},
-    }
-    if real:
-        data["real_problem"] = REAL.to_dict() | {"device": None, "backend": None}
-        data["backends"][backend]["real"] = real_digests(backend, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, data)
-    return path
+def arch_of(device: torch.device | str) -> str:
+    """The GPU architecture of a CUDA device as a set name: `sm<major><minor>` (sm90, sm100)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"backend 'triton' needs a CUDA device, got {device}; allowed on {device.type}: torch")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def set_name(backend: str, device: torch.device | str) -> str:
+    """The set whose digests `backend` on `device` must give: `torch` on any device, the GPU's arch for triton."""
+    if backend not in CONTRACT_BACKENDS:
+        raise ValueError(f"no golden digest sets for backend {backend!r}; allowed: {list(CONTRACT_BACKENDS)}")
+    return TORCH_SET if backend == "torch" else arch_of(device)
+
+
+def scope(name: str) -> tuple[str, list[str]]:
+    """(what a set covers, the known node types it covers): every device for `torch`; for an arch,
+    the node types its pinned configuration file names (kernels/<arch>.json)."""
+    if name == TORCH_SET:
+        return "every device", ["CPU", *KNOWN_GPUS]
+    pinned = KERNELS_DIR / f"{name}.json"
+    nodes = json.loads(pinned.read_text()).get("node_types", []) if pinned.is_file() else []
+    return f"{name} GPUs (kernels/{name}.json)", list(nodes)
+
+
+def set_path(name: str) -> Path:
+    return GOLDEN_DIR / f"{name}.json"
+
+
+def load_set(name: str) -> dict[str, Any] | None:
+    """The published set `name`, or None when nothing is published for it."""
+    path = set_path(name)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def flatten(digests: dict[str, dict[str, str]]) -> dict[str, str]:
+    """{part: {tensor: sha}} as verify names them: the block's tensors by name, the others `<part>.<tensor>`."""
+    out: dict[str, str] = {}
+    for part in PARTS:
+        for k, v in digests.get(part, {}).items():
+            out[k if part == "block" else f"{part}.{k}"] = v
+    return out
+
+
+def record_command(backend: str, device: str, *, real: bool = False) -> str:
+    """The command that publishes this machine's digests for `backend` on `device`."""
+    flags = ("" if device == "cpu" else f" --device {device}") + ("" if backend == "torch" else f" --backend {backend}")
+    return f"h3lab verify{flags} --record" + (" --real" if real else "")
 
 
 def verify(backend: str, device: str, *, real: bool = True) -> dict[str, Any]:
-    """Recompute the reference digests here and compare with the published ones of this node type
-    (and the real-shape problem's, where they are published and `real`).
+    """Recompute here the digests of the set that `backend` on `device` must give, and compare.
 
-    Returns {"node_type", "backend", "match", "first_mismatch", "tensors": {name: {"expected", "got"}}}.
+    Checks every part the set publishes (the real-shape problem only with `real`). Where nothing is
+    published for this backend and architecture, computes the reference block and trajectory and
+    returns them unchecked (status "unpublished"), with the command that publishes them.
+
+    Returns {"set", "path", "backend", "device", "node_type", "status": "match" | "mismatch" |
+    "unpublished", "match", "first_mismatch", "tensors": {name: {"expected", "got"}}, "record_command"},
+    and for a published set "scope", "recorded_on", "observations" ({node type: parts}),
+    "not_observed" (the parts checked that this node type has not reproduced before) and
+    "expected_not_observed".
 
     Raises:
-        ValueError: no golden digests are published for this node type and backend.
+        ValueError: a backend outside the contract, triton on a CPU, or a GPU it cannot run on.
     """
+    name = set_name(backend, device)
     node = node_type(device)
-    path = golden_path(node)
-    published = json.loads(path.read_text())["backends"].get(backend) if path.exists() else None
-    if published is None:
-        have = sorted(p.stem for p in GOLDEN_DIR.glob("*.json"))
-        raise ValueError(
-            f"no golden digests for node type {node!r} and backend {backend!r} in {GOLDEN_DIR}; "
-            f"published node types: {have}"
-        )
-    got = reference_digests(backend, device)
-    expected = dict(published["digests"])
-    if "trajectory" in published:  # the generation gate, when this node type has it recorded
-        got |= {f"trajectory.{k}": v for k, v in trajectory_digests(backend, device).items()}
-        expected |= {f"trajectory.{k}": v for k, v in published["trajectory"].items()}
-    if real and "real" in published:
-        got |= {f"real.{k}": v for k, v in real_digests(backend, device).items()}
-        expected |= {f"real.{k}": v for k, v in published["real"].items()}
-    names = list(expected)  # the recorded order: out, dx, dtemb, dw.<parameter>...
-    mismatched = [n for n in names if got.get(n) != expected[n]]
-    return {
-        "node_type": node,
+    published = load_set(name)
+    out: dict[str, Any] = {
+        "set": name,
+        "path": str(set_path(name)),
         "backend": backend,
-        "match": not mismatched and got.keys() == expected.keys(),
+        "device": str(torch.device(device)),
+        "node_type": node,
+        "record_command": record_command(backend, device),
+    }
+    if published is None:
+        got = flatten(compute(backend, device, ["block", "trajectory"]))
+        tensors = {n: {"expected": None, "got": d} for n, d in got.items()}
+        return out | {"status": "unpublished", "match": False, "first_mismatch": None, "tensors": tensors}
+    parts = [p for p in PARTS if p in published and (real or p != "real")]
+    expected = flatten({p: published[p] for p in parts})
+    got = flatten(compute(backend, device, parts))
+    names = list(expected)  # the recorded order: out, dx, dtemb, dw.<parameter>..., trajectory.*, real.*
+    mismatched = [n for n in names if got.get(n) != expected[n]]
+    match = not mismatched and got.keys() == expected.keys()
+    observations = {n: list(o["parts"]) for n, o in published["observations"].items()}
+    return out | {
+        "record_command": record_command(backend, device, real="real" in parts),
+        "status": "match" if match else "mismatch",
+        "match": match,
         "first_mismatch": mismatched[0] if mismatched else None,
         "tensors": {n: {"expected": expected[n], "got": got.get(n)} for n in names},
-        "device": str(torch.device(device)),
+        "scope": published["scope"],
+        "recorded_on": published["recorded_on"],
+        "observations": observations,
+        "not_observed": [p for p in parts if p not in observations.get(node, [])],
+        "expected_not_observed": list(published["expected_not_observed"]),
     }
+
+
+def _problems(parts: list[str]) -> dict[str, dict[str, Any]]:
+    problem = {"block": REFERENCE, "trajectory": TRAJECTORY, "real": REAL}
+    return {PROBLEM_KEYS[p]: problem[p].to_dict() | {"device": None, "backend": None} for p in parts}
+
+
+def _check_same(old: dict[str, Any], new: dict[str, Any], parts: list[str], command: str) -> None:
+    """Refuse to record into a published set what differs from it: another contract, another
+    problem, or other digests (named at the first differing tensor)."""
+    where = f"golden set {old['set']!r}"
+    fix = f"a set is re-recorded only when the arithmetic is meant to change: {command} --replace"
+    if old["contract"] != new["contract"]:
+        raise ValueError(f"{where} is for contract {old['contract']!r}, this code is {new['contract']!r}; {fix}")
+    for part in parts:
+        if part not in old:
+            continue
+        key = PROBLEM_KEYS[part]
+        if old[key] != new[key]:
+            raise ValueError(f"{where}: {key} {old[key]} differs from this code's {new[key]}; {fix}")
+        differing = [t for t, d in old[part].items() if new[part].get(t) != d]
+        if differing or old[part].keys() != new[part].keys():
+            first = differing[0] if differing else "the tensor names"
+            raise ValueError(f"{where}: this machine's {part} differ, first at {first}; {fix}")
+
+
+def record(backend: str, device: str, *, real: bool = False, replace_set: bool = False) -> Path:
+    """Compute this machine's digests and write them into the set `backend` on `device` must give.
+
+    A new set is recorded on this node type. Into a published set, digests equal to it add this node
+    type's observation (its parts, date and software); other digests raise unless `replace_set`,
+    which rewrites the set with this node type as its only observation. `real` adds the real-shape
+    problem. Returns the set's path.
+
+    Raises:
+        ValueError: what `set_name` refuses; digests, problems or contract that differ from the
+            published set without `replace_set`.
+    """
+    name = set_name(backend, device)
+    node = node_type(device)
+    parts = ["block", "trajectory"] + (["real"] if real else [])
+    new = {"contract": CONTRACT_ID, **_problems(parts), **compute(backend, device, parts)}
+    old = None if replace_set else load_set(name)
+    if old is not None:
+        _check_same(old, new, parts, record_command(backend, device, real=real))
+    old = old or {"recorded_on": node, "observations": {}}
+    merged = {k: v for k, v in old.items() if k in PARTS or k in PROBLEM_KEYS.values()} | new
+    env = capture(device)
+    observations = dict(old["observations"])
+    seen = set(parts) | set(observations.get(node, {}).get("parts", []))
+    observations[node] = {
+        "parts": [p for p in PARTS if p in seen],
+        "date": time.strftime("%Y-%m-%d"),
+        "environment": {k: env[k] for k in RECORD_FIELDS} | {"gpus": env["gpus"]},
+    }
+    what, nodes = scope(name)
+    data = {"set": name, "backend": backend, "contract": CONTRACT_ID, "scope": what}
+    data |= {"recorded_on": old["recorded_on"], "observations": observations}
+    data["expected_not_observed"] = [n for n in nodes if n not in observations]
+    for part in PARTS:
+        if part in merged:
+            data[PROBLEM_KEYS[part]] = merged[PROBLEM_KEYS[part]]
+            data[part] = merged[part]
+    path = set_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_json(path, data)

@@ -15,6 +15,7 @@ Constructed for a CUDA device (`get_backend("triton", device)`); interpreter run
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,13 @@ class TritonBackend:
                 f"TRITON_INTERPRET=1 and an explicit node (one of {configs.available()})"
             )
         configs.pinned("norm", self.node)  # fail at construction when the node type has no pinned file
+        if not configs.verified(self.node):
+            warnings.warn(
+                f"kernels/{self.node}.json is not verified: its configurations compile for {self.node} "
+                f"(python -m h3lab.bench.compile_pinned --node {self.node}), but no bits, timings or layouts "
+                "have been checked on such a GPU (kernels/README.md)",
+                stacklevel=2,
+            )
 
     def describe(self) -> dict[str, Any]:
         """The pinned configurations this backend runs, plus the Triton version (for run records)."""

@@ -5,7 +5,9 @@ offline and committed, never autotuned at run time. A device with no pinned file
 shape a file does not cover, raises: nothing falls back to another configuration.
 
 Node types: `sm90` (H100, H200: compute capability 9.0), `sm100` (B200: 10.0). Interpreter runs
-(TRITON_INTERPRET=1, CPU) name the node type explicitly.
+(TRITON_INTERPRET=1, CPU) name the node type explicitly. A file says `"verified": true` once a GPU
+of its architecture has run the GPU tests and layouts with it; `sm100.json` is not verified: its
+configurations only compile for sm100 (kernels/README.md).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def pinned(kernel: str, node: str) -> dict[str, Any]:
     if kernel not in kernels:
         raise ValueError(f"{node}.json pins no configuration for kernel {kernel!r}; pinned: {sorted(kernels)}")
     return dict(kernels[kernel])
+
+
+def verified(node: str) -> bool:
+    """Whether `node`'s pinned file has been run on a GPU of its architecture (`"verified": true`)."""
+    return _load(node).get("verified") is True
 
 
 def describe(node: str) -> dict[str, Any]:

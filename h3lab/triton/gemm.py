@@ -157,10 +157,9 @@ def tail_chain(acc_t, a_tail_desc, w_tail_desc, m_tail, n_t, k0, IEEE: tl.conste
 
     Swapped (c^T = W a^T) so that the few tail rows are the tensor cores' N side (wgmma's M side is
     64, its N side may be 16) and the product stays an async wgmma beside the main one. The same
-    products of the same chunk summed in the same order as the row tile's: the same bits (H200,
-    session 12: swapped wgmma tiles and 16- and 32-row mma.sync tiles all matched the 64x256 tile's
-    bytes). Per tile, against the plain 64x256 tile (to_out, ff.net.2 at 264 rows, one round each),
-    this tail costs 11-14% more, an unswapped 16-row mma.sync one 35-54% more (it is synchronous).
+    products of the same chunk summed in the same order as the row tile's: the same bits (the tail's
+    GPU test in tests/test_kernels_gemm.py compares them with rows of a 4111-row call). An unswapped
+    16-row mma.sync tail would be synchronous, so slower.
     """
     a_sub = a_tail_desc.load([m_tail, k0])
     w_sub = w_tail_desc.load([n_t, k0])
@@ -205,7 +204,7 @@ def mm_kernel(
     # TAIL: the last M % BLOCK_M (<= TAIL_M) rows get no row tile of their own; for each column tile,
     # the row tiles pid_m < BLOCK_N // TAIL_N each compute the tail rows of one TAIL_N-wide slice
     # of it (the host checks there are that many row tiles). At M = 264 on 64x256 tiles: 112 tiles
-    # in one round instead of 140 in two, each 1/16 more products (reports/h200/session12).
+    # in one round instead of 140 in two, each 1/16 more products (python -m h3lab.bench.gemm_bench).
     if TAIL:
         num_pid_m = M // BLOCK_M
     else:

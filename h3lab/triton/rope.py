@@ -4,7 +4,7 @@ Reference: h3lab.ops.norm.rope_tables with h3lab.ops.fixed.cos_sin, bit for bit:
 same float32 product position x inv_freq, then the same float64 steps in the same order (three-part
 pi/2 range reduction, degree-19/18 Taylor polynomials by Horner, quadrant select), one rounding to
 float32. In torch ops the tables cost dozens of launches and a host sync per block, idle GPU time
-(reports/h200/README.md, session 9); here one launch. Launched with `enable_fp_fusion=False`: the
+(python -m h3lab.bench.block_profile); here one launch. Launched with `enable_fp_fusion=False`: the
 reference's separate torch ops never fuse a multiply-add.
 
 The reference raises for angles of 1e6 rad or more (the range reduction is exact for |n| < 2^20).

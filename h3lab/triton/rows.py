@@ -98,7 +98,7 @@ def _row_chain_kernel(
 ):
     # NUM independent chain sets (x, rows, starts, out, N, row stride, G) in one launch, program_id(2)
     # picking the set: a chain is serial over rows, so one set keeps few loads in flight (latency-bound:
-    # reports/h200/README.md, session 12); sets side by side add theirs up
+    # python -m h3lab.bench.rows_bench); sets side by side add theirs up
     w = tl.program_id(2)
     if w == 0:
         _chain(x0, r0, s0, o0, n0, sx0, g0, BLOCK_N, UNROLL)
@@ -193,7 +193,7 @@ def chain_sums(
     """`row_sum` of each of row_xs and `segment_sum` of each of segment_xs (one segment_R for all), up to
     MAX_CHAINS sets per launch: each chain the same adds in the same order as alone, so the same bits;
     side by side the sets keep more loads in flight than one alone, which is latency-bound
-    (reports/h200/README.md, session 12)."""
+    (python -m h3lab.bench.rows_bench)."""
     for x in (*row_xs, *segment_xs):
         _check(x, order, segment_R)
         rowplan.check_bounds("order", order, x.shape[0])

@@ -490,10 +490,10 @@ def unit_mm_sm90_kernel(
 def check_config(cfg: dict[str, Any], capability: tuple[int, int]) -> None:
     """Raises ValueError when an explicit "IMPL": "gluon" cannot be honoured: it never falls back.
 
-    Allowed: what has run on the H200 (session 10): a Hopper device (capability 9.0: wgmma, TMA),
-    BLOCK_K 64, 128x128 tiles on 8 warps (two warpgroups stacked along M; the FP32 accumulator and
-    the level-0 sibling fill 128 of 255 registers per thread), 3 or 4 stages (3 with LVL2_SMEM:
-    3 x 32 KiB + 2 x 64 KiB = 224 KiB of the 227 KiB of shared memory).
+    Allowed: what has run on the H200 (the GPU tests of tests/test_kernels_gemm.py): a Hopper device
+    (capability 9.0: wgmma, TMA), BLOCK_K 64, 128x128 tiles on 8 warps (two warpgroups stacked along
+    M; the FP32 accumulator and the level-0 sibling fill 128 of 255 registers per thread), 3 or 4
+    stages (3 with LVL2_SMEM: 3 x 32 KiB + 2 x 64 KiB = 224 KiB of the 227 KiB of shared memory).
     """
     if tuple(capability) != (9, 0):
         raise ValueError(f"unit_mm IMPL gluon: device capability {capability}; allowed: (9, 0) (sm90)")
