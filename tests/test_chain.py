@@ -9,11 +9,12 @@ import torch
 from h3lab import canonical_block, metrics
 from h3lab.comm import LocalComm
 from h3lab.dist.layout import parse_layouts
-from h3lab.model.chain import canonical_chain
+from h3lab.model.chain import canonical_chain, chain_backward, chain_forward
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.run.tasks import compute
 from h3lab.run.trace import TraceRecorder, first_divergence, load_trace, timeline
+from h3lab.units import assemble_unit_grads
 from tests.conftest import assert_bitwise
 
 LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
@@ -28,6 +29,28 @@ def test_a_one_block_chain_is_the_canonical_block():
     assert_bitwise(tensors["block0.dw.norm1.weight"], ref.dw["norm1.weight"], "dw")
     chain = canonical_chain(p.model_weights(), p.batch(), [0])  # the public entry point, same bits
     assert_bitwise(chain.out, ref.out, "out"), assert_bitwise(chain.blocks[0].dtemb, ref.dtemb, "dtemb")
+
+
+def test_the_split_chain_is_canonical_blocks_by_hand_from_a_separate_gradient():
+    """chain_forward then chain_backward, given an upstream gradient that is not the batch's (a model's
+    stack gets it from the head): block 1 forward, then block 1 and block 0 backward, as two canonical
+    blocks fed by hand (chain_step is these two calls on a batch carrying the gradient)."""
+    p = dataclasses.replace(CHAIN, last_block=1)
+    weights, batch = p.model_weights(), p.batch()
+    g = torch.randn(batch.hidden_states.shape, generator=torch.Generator().manual_seed(4)).to(batch.grad_out.dtype)
+    fwd = chain_forward(weights, batch, LocalComm(), [0, 1])
+    assert set(fwd.inputs) == {0, 1} and fwd.blocks == (0, 1)
+    split = chain_backward(weights, batch, LocalComm(), fwd, g)
+    assert not fwd.inputs  # each block's input rows are taken off as its backward runs
+    b0 = canonical_block(weights.block(0), dataclasses.replace(batch, grad_out=torch.zeros_like(g)))
+    b1 = canonical_block(weights.block(1), dataclasses.replace(batch, hidden_states=b0.out, grad_out=g))
+    b0 = canonical_block(weights.block(0), dataclasses.replace(batch, grad_out=b1.dx))
+    assert_bitwise(split.out, b1.out, "out"), assert_bitwise(split.dx, b0.dx, "dx")
+    for i, ref in ((0, b0), (1, b1)):
+        assert_bitwise(split.blocks[i].dtemb, ref.dtemb, f"block{i} dtemb")
+        dw = assemble_unit_grads(split.blocks[i].dw_units, LocalComm.units) | split.blocks[i].dw_replicated
+        for k, t in ref.dw.items():
+            assert_bitwise(dw[k], t, f"block{i} dw {k}")
 
 
 def test_a_four_block_chain_is_bitwise_under_layouts_with_every_op_traced(tmp_path):

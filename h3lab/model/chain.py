@@ -3,6 +3,11 @@
 Memory stays at one block's weights and activations plus each block's input rows ([R, D] each):
 the backward of block i reruns its forward from the stored input (as activation checkpointing
 does) with the gradient that block i+1 returned as its upstream gradient.
+
+The two passes are separate functions because a model's stack gets its upstream gradient only after
+the head and the loss: `chain_forward` keeps each block's input rows, `chain_backward` takes them and
+the gradient at the last output. `chain_step` is the two in a row (a chain whose batch carries that
+gradient).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from h3lab.batch import PackedBatch
 from h3lab.block import BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.model.weights import ModelWeights
-from h3lab.units import unit_weights
+from h3lab.units import UnitWeights, unit_weights
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,6 +31,73 @@ class ChainStep:
     dx: Tensor  # [R_local, D]: the gradient at the chain's input
     blocks: dict[int, BlockStep]  # per block: its weight gradients and d temb (out/dx dropped)
     timings: dict[str, float]
+
+
+@dataclass(frozen=True, eq=False)
+class ChainForward:
+    """The forward pass of a chain: its output and what its backward reads."""
+
+    out: Tensor  # [R_local, D]: the last block's output, padding rows +0
+    inputs: dict[int, Tensor]  # per block, its input rows [R_local, D]; `chain_backward` takes them off
+    blocks: tuple[int, ...]  # the blocks, in forward order
+    forward_s: float
+
+
+def chain_forward(
+    weights: ModelWeights,
+    batch: PackedBatch,
+    comm: BlockComm,
+    blocks: Sequence[int],
+    *,
+    backend: str | None = None,
+    trace: Trace | None = None,
+) -> ChainForward:
+    """Blocks `blocks` (in order) forward on this rank's rows, keeping each block's input rows.
+
+    `trace` sees the forward ops as `block{i}.{op}`. `batch.grad_out` is not read.
+
+    Raises:
+        ValueError: no blocks; anything `block_step` refuses.
+    """
+    if not blocks:
+        raise ValueError("a chain needs at least one block")
+    inputs, b, fwd_s = {}, batch, 0.0
+    for i in blocks:
+        inputs[i] = b.hidden_states
+        tr = _traced(trace, i, forward=True)
+        step = block_step(_unit_weights(weights, i, batch, comm), b, comm, backend=backend, backward=False, trace=tr)
+        b, fwd_s = dataclasses.replace(b, hidden_states=step.out), fwd_s + step.timings["forward_s"]
+    return ChainForward(out=b.hidden_states, inputs=inputs, blocks=tuple(blocks), forward_s=fwd_s)
+
+
+def chain_backward(
+    weights: ModelWeights,
+    batch: PackedBatch,
+    comm: BlockComm,
+    forward: ChainForward,
+    grad_out: Tensor,
+    *,
+    backend: str | None = None,
+    trace: Trace | None = None,
+    keep: Callable[[int, BlockStep], BlockStep] | None = None,
+) -> ChainStep:
+    """The chain's backward from `grad_out` (this rank's rows of the gradient at the last output).
+
+    Block i's forward reruns from its stored input (taken off `forward.inputs`, so each goes once
+    its block is done) on `batch`'s row metadata, then its backward. `trace` sees the backward ops
+    (`d.*`, `dx`) as `block{i}.{op}`; the recomputed forward is not traced twice. `keep(i, step)`
+    reduces what is kept of block i (e.g. digests instead of 1.3 GB of real weight gradients).
+    """
+    g, per_block, bwd_s = grad_out, {}, 0.0
+    for i in reversed(forward.blocks):
+        b_i = dataclasses.replace(batch, hidden_states=forward.inputs.pop(i), grad_out=g)
+        uw = _unit_weights(weights, i, batch, comm)
+        step = block_step(uw, b_i, comm, backend=backend, trace=_traced(trace, i, forward=False))
+        g, bwd_s = step.dx, bwd_s + step.timings["forward_s"] + step.timings["backward_s"]
+        step = dataclasses.replace(step, out=step.out[:0], dx=None)
+        per_block[i] = keep(i, step) if keep is not None else step
+    timings = {"forward_s": forward.forward_s, "backward_s": bwd_s}
+    return ChainStep(out=forward.out, dx=g, blocks=per_block, timings=timings)
 
 
 def chain_step(
@@ -44,26 +116,13 @@ def chain_step(
     `dx`) during the backward pass; the recomputed forward is not traced twice. `keep(i, step)`
     reduces what is kept of block i (e.g. digests instead of 1.3 GB of real weight gradients).
     """
-    if not blocks:
-        raise ValueError("a chain needs at least one block")
+    fwd = chain_forward(weights, batch, comm, blocks, backend=backend, trace=trace)
+    return chain_backward(weights, batch, comm, fwd, batch.grad_out, backend=backend, trace=trace, keep=keep)
 
-    def uw(i: int):
-        w = weights.block(i)
-        return unit_weights(w if w["norm1.weight"].device == batch.device else w.to(batch.device), comm.units)
 
-    inputs, b, fwd_s = {}, batch, 0.0
-    for i in blocks:
-        inputs[i] = b.hidden_states
-        step = block_step(uw(i), b, comm, backend=backend, backward=False, trace=_traced(trace, i, forward=True))
-        b, fwd_s = dataclasses.replace(b, hidden_states=step.out), fwd_s + step.timings["forward_s"]
-    out, g, per_block, bwd_s = b.hidden_states, batch.grad_out, {}, 0.0
-    for i in reversed(blocks):
-        b_i = dataclasses.replace(batch, hidden_states=inputs.pop(i), grad_out=g)
-        step = block_step(uw(i), b_i, comm, backend=backend, trace=_traced(trace, i, forward=False))
-        g, bwd_s = step.dx, bwd_s + step.timings["forward_s"] + step.timings["backward_s"]
-        step = dataclasses.replace(step, out=step.out[:0], dx=None)
-        per_block[i] = keep(i, step) if keep is not None else step
-    return ChainStep(out=out, dx=g, blocks=per_block, timings={"forward_s": fwd_s, "backward_s": bwd_s})
+def _unit_weights(weights: ModelWeights, i: int, batch: PackedBatch, comm: BlockComm) -> UnitWeights:
+    w = weights.block(i)
+    return unit_weights(w if w["norm1.weight"].device == batch.device else w.to(batch.device), comm.units)
 
 
 def _traced(trace: Trace | None, block: int, *, forward: bool) -> Trace | None:

@@ -75,17 +75,26 @@ def project_rows(weights: ModelWeights, module: str, rows: Tensor, act: torch.dt
     return round_to(linear_f32(rows, w, b), act)
 
 
-def text_stream(weights: ModelWeights, text_rows: Tensor, keys_R2: Tensor, be: Backend) -> Tensor:
-    """`context_embedder` (its dtype sets the sequence's), then the token refiner and its final norm."""
-    c, dev = weights.config, text_rows.device
-    w, b = (weights.tensor(f"context_embedder.{n}").to(dev) for n in ("weight", "bias"))
+def context_rows(weights: ModelWeights, text_rows: Tensor, be: Backend) -> Tensor:
+    """`context_embedder` on the text rows, in its dtype (which sets the sequence's): the refiner's input."""
+    w, b = (weights.tensor(f"context_embedder.{n}").to(text_rows.device) for n in ("weight", "bias"))
     act = w.dtype
     if act not in ACTIVATION_DTYPES:
         raise ValueError(f"context_embedder dtype {act} sets the sequence dtype; allowed: {list(ACTIVATION_DTYPES)}")
-    x = round_to(be.mm(text_rows.to(act), w.t()) + b.to(F32), act)
-    blocks = [{k: t.to(dev) for k, t in refiner_tensors(weights, j).items()} for j in range(c.num_refiner_layers)]
-    final = weights.tensor("token_refiner.final_norm.weight").to(dev)
-    return token_refiner(blocks, final, x, keys_R2, c, be)
+    return round_to(be.mm(text_rows.to(act), w.t()) + b.to(F32), act)
+
+
+def refiner_weights(weights: ModelWeights, device: torch.device) -> tuple[list[dict[str, Tensor]], Tensor]:
+    """(each refiner block's tensors, keyed without `token_refiner.refiner_blocks.{j}.`; the final norm's weight)."""
+    n = weights.config.num_refiner_layers
+    blocks = [{k: t.to(device) for k, t in refiner_tensors(weights, j).items()} for j in range(n)]
+    return blocks, weights.tensor("token_refiner.final_norm.weight").to(device)
+
+
+def text_stream(weights: ModelWeights, text_rows: Tensor, keys_R2: Tensor, be: Backend) -> Tensor:
+    """`context_embedder` (its dtype sets the sequence's), then the token refiner and its final norm."""
+    blocks, final = refiner_weights(weights, text_rows.device)
+    return token_refiner(blocks, final, context_rows(weights, text_rows, be), keys_R2, weights.config, be)
 
 
 def embed(weights: ModelWeights, inputs: ModelInputs, *, backend: str | None = None) -> Embedded:

@@ -66,15 +66,18 @@ def _prefixed(trace: Trace, prefix: str) -> Trace:
     return lambda name, t, space: trace(prefix + name, t, space)
 
 
-def gather_sequence(local: PackedBatch, comm: BlockComm, full: PackedBatch) -> Tensor:
+def gather_sequence(local: PackedBatch, comm: BlockComm, full: PackedBatch, *, site: str = "model") -> Tensor:
     """This rank's stack output -> all S sequence rows in packed order (padding dropped), checked by key.
+
+    `local.hidden_states` is what is gathered (the stack's output, or the gradient at its input);
+    `site` names the two gathers (`{site}.out`, `{site}.keys`) in the collective records.
 
     Raises:
         ValueError: the gathered rows are not `full`'s rows in order followed only by padding
             (a `rows_shard` that reorders rows or drops one).
     """
-    rows = lambda t, site: comm.gather_seq_rows(comm.gather_tp_rows(t, site), site)  # noqa: E731
-    x_SD, keys = rows(local.hidden_states, "model.out"), rows(local.logical_keys, "model.keys")
+    rows = lambda t, at: comm.gather_seq_rows(comm.gather_tp_rows(t, at), at)  # noqa: E731
+    x_SD, keys = rows(local.hidden_states, f"{site}.out"), rows(local.logical_keys, f"{site}.keys")
     S = full.num_rows
     if keys.shape[0] < S or not torch.equal(keys[:S], full.logical_keys) or bool((keys[S:, 0] >= 0).any()):
         raise ValueError(

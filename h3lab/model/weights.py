@@ -5,17 +5,20 @@ them: `block(i)` loads (or synthesises) one block when the stack reaches it and 
 it after. The non-block tensors (input projections, time MLP, token refiner, norm_out, heads;
 about 2 refiner blocks' worth, 1.7 GB real) are read through `tensor(name)`, all at once on first
 use (each shard opened and hashed once), and kept, since every forward of a trajectory needs them.
+`InMemoryWeights` holds the non-block tensors and the trained blocks in memory instead: a trainer's
+optimizer updates them in place between steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from h3lab.config import H3Config, model_param_shapes
+from h3lab.config import H3Config, block_param_shapes, model_param_shapes
 from h3lab.io.manifest import find_layout
 from h3lab.weights import BlockWeights, synthetic_block, synthetic_tensor
 
@@ -128,3 +131,60 @@ def refiner_tensors(weights: ModelWeights, index: int) -> dict[str, Tensor]:
     prefix = f"token_refiner.refiner_blocks.{index}."
     names = [k for k in model_param_shapes(weights.config, 0) if k.startswith(prefix)]
     return {k.removeprefix(prefix): weights.tensor(k) for k in names}
+
+
+class InMemoryWeights:
+    """Parameters held in memory under their diffusers names: every non-block tensor and some whole
+    blocks. The provider a trainer updates in place: `block(i)` and `tensor(name)` hand out the held
+    tensors themselves (never copies), so what an optimizer writes into `tensors` is what the next
+    step reads. `InMemoryWeights.copy_of(provider, blocks)` materialises another provider's."""
+
+    def __init__(self, config: H3Config, tensors: dict[str, Tensor]) -> None:
+        """Raises ValueError naming a tensor that is not a parameter of `config`, is missing (every
+        non-block parameter, and each held block whole), has another shape, a dtype other than
+        bfloat16 or float32, or holds an inf or NaN (the contract's rule 6, as a checkpoint's)."""
+        shapes = model_param_shapes(config)
+        unknown = sorted(set(tensors) - set(shapes))
+        if unknown:
+            raise ValueError(f"not parameters of this config: {unknown[:5]}; allowed: model_param_shapes(config)")
+        blocks = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("transformer_blocks.")})
+        want = set(model_param_shapes(config, 0))
+        want |= {f"transformer_blocks.{i}.{k}" for i in blocks for k in block_param_shapes(config)}
+        missing = sorted(want - set(tensors))
+        if missing:
+            raise ValueError(
+                f"missing {missing[:5]} ({len(missing)} in all); allowed: every non-block parameter and whole blocks"
+            )
+        for name, t in tensors.items():
+            if tuple(t.shape) != shapes[name] or t.dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(
+                    f"{name}: {t.dtype} {list(t.shape)}; allowed: bfloat16 or float32 {list(shapes[name])}"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: holds inf or NaN; allowed: finite weights")
+        self.config, self.tensors, self.blocks = config, tensors, tuple(blocks)
+
+    @classmethod
+    def copy_of(cls, weights: ModelWeights, blocks: Iterable[int]) -> InMemoryWeights:
+        """A copy (clones) of `weights`' non-block tensors and of blocks `blocks`."""
+        tensors = {k: weights.tensor(k).clone() for k in model_param_shapes(weights.config, 0)}
+        for i in blocks:
+            tensors |= {f"transformer_blocks.{i}.{k}": t.clone() for k, t in weights.block(i).items()}
+        return cls(weights.config, tensors)
+
+    def block(self, index: int) -> BlockWeights:
+        """Block `index`'s twelve held tensors."""
+        if index not in self.blocks:
+            raise ValueError(f"block {index!r} is not held; allowed: {list(self.blocks)}")
+        prefix = f"transformer_blocks.{index}."
+        return BlockWeights(
+            self.config, {k: self.tensors[prefix + k] for k in block_param_shapes(self.config)}, f"memory#block{index}"
+        )
+
+    def tensor(self, name: str) -> Tensor:
+        """A held non-block parameter by its diffusers name."""
+        if name.startswith("transformer_blocks.") or name not in self.tensors:
+            raise ValueError(
+                f"{name!r} is not a non-block parameter; allowed: {sorted(model_param_shapes(self.config, 0))}"
+            )
+        return self.tensors[name]

@@ -1,0 +1,168 @@
+"""The whole transformer's backward under h3-parallel-v1: forward keeping what the backward reads,
+then the gradient of every parameter the trained depth touches, by diffusers name.
+
+Dimension legend: S packed rows, D hidden, T timesteps, E time_embed_dim.
+
+The trained depth is a contiguous block range A..B with everything around it: the embedders, the
+token refiner, the time MLP, norm_out and both heads. As in the forward (h3lab.model.transformer),
+only the block stack is distributed:
+- forward: `embed` (replicated) -> this rank's rows (`rows_shard`) -> `chain_forward` over A..B,
+  keeping each block's input rows -> the output gathered to all S rows -> `head` (replicated);
+- backward, given the gradient at the head's output (the loss's, float32): `head_backward`
+  (replicated, all S rows) -> this rank's rows of that gradient, taken with the same `rows_shard`
+  (`SeqShard.coshard` of the sequence whose `grad_out` it is) -> `chain_backward` (blocks B..A,
+  each forward recomputed from its input) -> the gradient at the stack's input gathered to all S
+  rows in packed order, padding dropped -> `embed_backward` (replicated).
+So everything outside the stack is layout-invariant by construction, the stack by the chain's
+guarantees. d temb: every block returns its share ([T, E] FP32, replicated) and norm_out's AdaLN
+one more; their sum is one left-to-right FP32 chain from +0 in forward order, blocks A..B
+ascending, then norm_out: (((+0 + d_A) + d_A+1) + ... + d_B) + d_norm_out, then the time MLP's
+backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from h3lab.batch import PackedBatch
+from h3lab.block import Trace
+from h3lab.comm import BlockComm, LocalComm
+from h3lab.model.chain import ChainForward, chain_backward, chain_forward
+from h3lab.model.embed import Embedded, embed
+from h3lab.model.embed_grad import embed_backward
+from h3lab.model.head import ModelOutput, head
+from h3lab.model.head_grad import head_backward
+from h3lab.model.inputs import ModelInputs
+from h3lab.model.transformer import RowsShard, gather_sequence
+from h3lab.model.weights import ModelWeights
+from h3lab.ops.fixed import chain_sum
+
+
+@dataclass(frozen=True, eq=False)
+class ModelForward:
+    """One forward of the trained depth and everything its backward reads (`model_backward` consumes it)."""
+
+    output: ModelOutput  # float32, the same on every rank
+    emb: Embedded  # the stack's input, all S rows (replicated)
+    stack_out: Tensor  # [S, D] the stack's output gathered, packed order (replicated)
+    local: PackedBatch  # this rank's rows of the stack's input
+    chain: ChainForward  # each block's input rows (this rank's)
+    weights: ModelWeights
+    blocks: tuple[int, ...]
+    backend: str | None
+    comm: BlockComm
+    rows_shard: RowsShard | None
+    trace: Trace | None
+    forward_s: float
+
+
+@dataclass(frozen=True, eq=False)
+class ModelGradients:
+    """This rank's gradients of the trained depth: replicated ones in full, the blocks' unit-sharded ones
+    per unit (`BlockStep.dw_units`; `h3lab.units.assemble_unit_grads` makes all 8 diffusers-shaped)."""
+
+    replicated: dict[str, Tensor]  # diffusers name -> gradient: every non-block parameter, each block's 4 norms
+    units: dict[int, dict[str, dict[int, Tensor]]]  # block -> unit-gradient name -> unit -> slice
+    dtemb: Tensor  # [T, E] float32, the summed d temb (replicated)
+    timings: dict[str, float]
+
+
+def check_blocks(blocks: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """`blocks` as a tuple, if they are a contiguous ascending range A..B inside the model.
+
+    Raises:
+        ValueError: empty, not ints, not contiguous and ascending, or past the model's blocks.
+    """
+    b = tuple(blocks)
+    ints = all(isinstance(i, int) and not isinstance(i, bool) for i in b)
+    if not b or not ints or b != tuple(range(b[0], b[0] + len(b))) or b[0] < 0 or b[-1] >= num_layers:
+        raise ValueError(
+            f"blocks {list(b)!r}; allowed: a non-empty contiguous ascending range A..B within 0..{num_layers - 1}"
+        )
+    return b
+
+
+def _no_trace(name: str, t: Tensor, space: str) -> Tensor:
+    return t
+
+
+def model_forward(
+    weights: ModelWeights,
+    inputs: ModelInputs,
+    *,
+    blocks: Sequence[int],
+    backend: str | None = None,
+    comm: BlockComm | None = None,
+    rows_shard: RowsShard | None = None,
+    trace: Trace | None = None,
+) -> ModelForward:
+    """The model's forward through blocks `blocks` (the bits of `transformer_forward` with those blocks).
+
+    Args:
+        weights, inputs, backend, comm, rows_shard: as `h3lab.model.transformer_forward`.
+        blocks: the trained depth, a contiguous ascending range A..B.
+        trace: receives every op of every block's forward (`block{i}.{op}`) and the replicated stages
+            (`embed.temb`, `embed.hidden`, `stack.out`, `head.video`, `head.audio`); `model_backward`
+            passes it on.
+
+    Raises:
+        ValueError: a bad block range, or anything `transformer_forward` refuses.
+    """
+    blocks = check_blocks(blocks, weights.config.num_layers)
+    comm = LocalComm() if comm is None else comm
+    tr, start = trace or _no_trace, time.perf_counter()
+    emb = embed(weights, inputs, backend=backend)
+    tr("embed.temb", emb.batch.temb, "replicated"), tr("embed.hidden", emb.batch.hidden_states, "replicated")
+    local = emb.batch if rows_shard is None else rows_shard(emb.batch)
+    chain = chain_forward(weights, local, comm, blocks, backend=backend, trace=trace)
+    out = gather_sequence(dataclasses.replace(local, hidden_states=chain.out), comm, emb.batch)
+    tr("stack.out", out, "replicated")
+    result = head(weights, out, emb, backend=backend)
+    tr("head.video", result.video, "replicated"), tr("head.audio", result.audio, "replicated")
+    return ModelForward(
+        result, emb, out, local, chain, weights, blocks, backend, comm, rows_shard, trace, _seconds(start, out)
+    )
+
+
+def model_backward(forward: ModelForward, d_output: ModelOutput) -> ModelGradients:
+    """Every gradient of the trained depth given d output (float32, shaped as `forward.output`).
+
+    `trace` (the forward's) sees the backward ops of every block and `d.stack.out` (the stack's
+    upstream gradient, all rows), `d.stack.in` (the gradient at its input, gathered), `d.temb`.
+
+    Raises:
+        ValueError: `d_output` of another shape or dtype than the output.
+    """
+    f, tr, start = forward, forward.trace or _no_trace, time.perf_counter()
+    emb = f.emb
+    hg = head_backward(f.weights, f.stack_out, emb, d_output, backend=f.backend)
+    tr("d.stack.out", hg.d_hidden, "replicated")
+    full = dataclasses.replace(emb.batch, grad_out=hg.d_hidden)
+    grad_local = full.grad_out if f.rows_shard is None else f.rows_shard(full).grad_out
+    chain = chain_backward(f.weights, f.local, f.comm, f.chain, grad_local, backend=f.backend, trace=f.trace)
+    d_in = gather_sequence(dataclasses.replace(f.local, hidden_states=chain.dx), f.comm, emb.batch, site="model.dx")
+    tr("d.stack.in", d_in, "replicated")
+    dtemb = chain_sum(torch.stack([chain.blocks[i].dtemb for i in f.blocks] + [hg.dtemb]))  # forward order
+    tr("d.temb", dtemb, "replicated")
+    replicated = embed_backward(f.weights, emb.inputs, d_in, dtemb, backend=f.backend) | hg.grads
+    for i in f.blocks:
+        replicated |= {f"transformer_blocks.{i}.{k}": v for k, v in chain.blocks[i].dw_replicated.items()}
+    timings = {
+        "forward_s": f.forward_s,
+        "backward_s": _seconds(start, dtemb),
+        "stack_forward_s": f.chain.forward_s,
+        "stack_backward_s": chain.timings["backward_s"],
+    }
+    return ModelGradients(replicated, {i: chain.blocks[i].dw_units for i in f.blocks}, dtemb, timings)
+
+
+def _seconds(start: float, last: Tensor) -> float:
+    if last.device.type == "cuda":  # the host ran ahead: wait for the last result
+        torch.cuda.synchronize(last.device)
+    return time.perf_counter() - start
