@@ -34,7 +34,7 @@ from h3lab.io.jsonfile import write_json
 from h3lab.metrics import compare
 from h3lab.run.lifeline import watch
 from h3lab.run.problem import Problem
-from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, prepare
+from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare
 from h3lab.run.trace import TraceRecorder
 from h3lab.run.workers import faults
 
@@ -159,8 +159,8 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         "digests": result.digests,
         "all_equal": all(v["bitwise_equal"] for v in verdicts.values()),
     }
-    if problem.task != "trajectory":
-        rows = SeqShard(layout, problem.batch().num_rows).local_rows(rank)
+    if (S := num_rows(problem)) is not None:
+        rows = SeqShard(layout, S).local_rows(rank)
         record["local_rows"] = [rows.start, rows.stop]
     write_json(out_dir / f"rank{rank}.json", record)
     comm.close()
@@ -173,8 +173,7 @@ def _compare_with_canonical(tensors: dict, canonical_path: Path, problem: Proble
     canon = load_file(str(canonical_path))
     config = problem.config()
     real = slice(0)
-    if problem.task != "trajectory":
-        S = problem.batch().num_rows
+    if (S := num_rows(problem)) is not None:
         rows = SeqShard(layout, S).local_rows(rank)
         real = slice(rows.start, min(rows.stop, S))  # rows past S are SeqShard padding
     verdicts = {}
