@@ -18,6 +18,8 @@ from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run, slug
 from h3lab.run.steps import KINDS, step_kind
 from h3lab.run.tasks import assemble_units, expected_shard
+from h3lab.run.trace import load_trace, timeline
+from h3lab.run.workers import faults
 from h3lab.units import REPLICATED, UNIT_GRAD_FIELDS, unit_slice, unit_weights
 from h3lab.weights import synthetic_block
 from tests.test_bad_values import RUN, _one_line_error
@@ -48,7 +50,8 @@ def test_two_training_steps_are_bitwise_under_layouts_with_padding_and_rows_out_
     assert inputs.num_rows == 91 and not bool((keys[1:] > keys[:-1]).all())
     assert SeqShard(Layout.parse("tp4xcp2+sp"), 91).padded_rows == 96
     out = tmp_path / "run"
-    summary = run(RunRequest(layouts=tuple(parse_layouts(LAYOUTS)), problem=TRAIN, out=out, timeout_s=600))
+    req = RunRequest(layouts=tuple(parse_layouts(LAYOUTS)), problem=TRAIN, out=out, timeout_s=600, trace=True)
+    summary = run(req)
     assert summary["status"] == "passed", {k: v.get("failure") for k, v in summary["layouts"].items()}
     canon = load_file(str(out / "canonical.safetensors"))
     assert set(canon) == _names(TRAIN, 1) | _names(TRAIN, 2)  # every parameter's gradient and weight, per step
@@ -64,8 +67,41 @@ def test_two_training_steps_are_bitwise_under_layouts_with_padding_and_rows_out_
         for k in ("1", "2"):
             assert rec["steps"][k]["bitwise_equal"] and list(rec["steps"][k]) == ["bitwise_equal", *KINDS]
         assert all(r["timings"]["update_s"] > 0 and r["timings"]["backward_s"] > 0 for r in rec["ranks"])
+        assert rec["first_divergence"] is None  # every op of both steps, every gradient, reassembled: equal
     padded = [r["local_rows"] for r in summary["layouts"]["tp4xcp2+sp"]["ranks"]]
     assert padded[-1] == [84, 96]  # the last rank holds rows 84-90 and 5 padding rows
+    _, order = load_trace(out / "layouts" / "tp4xcp2_sp.trace")
+    names = [name for name, _ in order]
+    first2 = names.index("step2.embed.temb")  # step 2 starts once step 1 has handed every gradient over
+    assert names[0] == "step1.embed.temb" and all(n.startswith("step1.") for n in names[:first2])
+    assert names[first2 - 1] == "step1.dw.audio_proj_out.bias" and names[-1] == "step2.dw.audio_proj_out.bias"
+    assert ("step1.block3.dw.ff.gate", "units") in order and ("step2.block0.dw.norm1.weight", "replicated") in order
+
+
+def test_a_bit_flipped_in_one_gradient_of_step_1_on_one_rank_is_named_by_op_and_step(tmp_path, monkeypatch):
+    """Rank 1 of tp2 (units 4-7) flips one bit of block 1's ff.net.2 weight gradient in step 1, and the
+    optimizer goes on with it. A digests run: the digests name that unit's gradient as the only one of
+    step 1 that differs; the finder names the op and the step, everything traced before it equal."""
+    config = Problem().config()
+    per_unit = config.hidden_size * (config.ffn_dim // 8)  # ff.net.2's unit slice: [D, F/8]
+    index = per_unit + 1000  # the rank's second unit (unit 5), element 1000
+    op = "step1.block1.dw.ff.net.2.weight"
+    monkeypatch.setenv("H3LAB_FAULT", f"flip:1:{op}:{index}")
+    p = Problem(task="train", block=0, last_block=1, steps=2, seed=24, digests=True)
+    req = RunRequest(layouts=tuple(parse_layouts("tp2")), problem=p, out=tmp_path / "run", timeout_s=300, trace=True)
+    rec = run(req)["layouts"]["tp2"]
+    assert rec["status"] == "mismatch" and not rec["ranks_all_equal"]
+    differ = [k for k, v in rec["tensors"].items() if step_kind(k) == (1, "gradients") and not v["bitwise_equal"]]
+    assert differ == ["step1.block1.dw.ff.net.2.weight@u5"]
+    assert rec["steps"]["1"]["loss"]["bitwise_equal"] and not rec["steps"]["1"]["gradients"]["bitwise_equal"]
+    hit = rec["first_divergence"]
+    assert (hit["name"], hit["step"], hit["block"], hit["op"]) == (op, 1, 1, "dw.ff.net.2.weight")
+    assert hit["num_differing"] == 1 and hit["max_ulp"] == 1  # the lowest mantissa bit of one element
+    F8 = config.ffn_dim // 8
+    assert hit["first_diff_index"] == [5, 1000 // F8, 1000 % F8]  # the units stacked: [8, D, F/8]
+    canon, order = load_trace(tmp_path / "run" / "canonical.trace")
+    rows = timeline(canon, order, load_trace(tmp_path / "run" / "layouts" / "tp2.trace")[0])
+    assert all(r["bitwise_equal"] for r in rows[: hit["index"]]) and rows[hit["index"]]["name"] == op
 
 
 def test_unit_names_of_steps_and_weights_assemble_and_slice_without_taking_non_block_names(tiny):
@@ -131,3 +167,15 @@ def test_a_shuffled_request_is_for_training_only():
     with pytest.raises(ValueError, match=r"unknown row_order 'sorted'; allowed: \['packed', 'shuffled'\]"):
         Problem(task="train", row_order="sorted")
     assert Problem.from_dict(json.loads(json.dumps(TRAIN.to_dict()))) == TRAIN  # betas: a JSON list, then a tuple
+
+
+def test_a_flip_fault_names_its_rank_op_and_index(monkeypatch):
+    monkeypatch.setenv("H3LAB_FAULT", "flip:1:step1.block1.dw.ff.gate:17")
+    assert faults.planted_flip("1") == ("step1.block1.dw.ff.gate", 17) and faults.planted_flip("0") is None
+    assert faults.inject("1") is None  # the trace plants it, not inject
+    for bad in ("flip:1:op", "flip:1::3", "flip:1:op:-3", "flip:1:op:3:4"):
+        monkeypatch.setenv("H3LAB_FAULT", bad)
+        with pytest.raises(ValueError, match=r"allowed: flip:<rank>:<traced op>:<flat index>"):
+            faults.planted_flip("1")
+    monkeypatch.setenv("H3LAB_FAULT", "raise:1")
+    assert faults.planted_flip("1") is None

@@ -78,6 +78,8 @@ def main(argv: list[str]) -> int:
     write_json(status, {"state": "running", "pid": os.getpid(), "time": time.time()})
     try:
         faults.inject("canonical")
+        if faults.planted_flip("canonical") is not None:  # the reference stays clean: flips go to ranks
+            raise ValueError(f"{faults.FAULT_VAR} flips a bit of the canonical process; allowed: flip:<rank>:...")
         record = compute_canonical(Problem.from_dict(spec["problem"]), out, bool(spec.get("trace")))
         write_json(out / "canonical.json", record)
     except BaseException as err:
