@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,12 +17,13 @@ from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import bitwise_equal
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run, slug
-from h3lab.run.steps import KINDS, step_kind
+from h3lab.run.steps import KINDS, step_kind, step_verdicts
 from h3lab.run.tasks import assemble_units, expected_shard
 from h3lab.run.trace import load_trace, timeline
 from h3lab.run.workers import faults
 from h3lab.units import REPLICATED, UNIT_GRAD_FIELDS, unit_slice, unit_weights
 from h3lab.weights import synthetic_block
+from h3lab.workbench.tables import train_step_table
 from tests.test_bad_values import RUN, _one_line_error
 
 LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
@@ -68,6 +70,8 @@ def test_two_training_steps_are_bitwise_under_layouts_with_padding_and_rows_out_
             assert rec["steps"][k]["bitwise_equal"] and list(rec["steps"][k]) == ["bitwise_equal", *KINDS]
         assert all(r["timings"]["update_s"] > 0 and r["timings"]["backward_s"] > 0 for r in rec["ranks"])
         assert rec["first_divergence"] is None  # every op of both steps, every gradient, reassembled: equal
+    table = train_step_table(summary)  # the workbench's per-step view of the same summary
+    assert list(table["step"]) == [1, 2] * 3 and set(table["verdict"]) == {"passed"}
     padded = [r["local_rows"] for r in summary["layouts"]["tp4xcp2+sp"]["ranks"]]
     assert padded[-1] == [84, 96]  # the last rank holds rows 84-90 and 5 padding rows
     _, order = load_trace(out / "layouts" / "tp4xcp2_sp.trace")
@@ -179,3 +183,29 @@ def test_a_flip_fault_names_its_rank_op_and_index(monkeypatch):
             faults.planted_flip("1")
     monkeypatch.setenv("H3LAB_FAULT", "raise:1")
     assert faults.planted_flip("1") is None
+
+
+def test_the_workbench_table_shows_each_steps_verdict_per_kind():
+    """A mismatch in one gradient of step 1 (and everything of step 2 after it), and a layout that failed."""
+    verdicts = {f"step{k}.{n}": {"bitwise_equal": True} for k in (1, 2) for n in ("loss", "grad_norm", "w.x", "dw.x")}
+    verdicts |= {"step1.block0.dw.ff.gate@u3": {"bitwise_equal": False}, "step2.w.x": {"bitwise_equal": False}}
+    summary = {
+        "layouts": {
+            "tp2": {"status": "mismatch", "steps": step_verdicts(verdicts)},
+            "tp8": {"status": "failed", "failure": {"rank": 3}},
+        }
+    }
+    table = train_step_table(summary)
+    assert list(table.columns) == ["layout", "step", "verdict", "loss", "clip", "gradients", "weights"]
+    rows = table.to_dict("records")
+    assert rows[0] == {
+        "layout": "tp2",
+        "step": 1,
+        "verdict": "mismatch",
+        "loss": "passed 1/1",
+        "clip": "passed 1/1",
+        "gradients": "mismatch 1/2",
+        "weights": "passed 1/1",
+    }
+    assert (rows[1]["step"], rows[1]["verdict"], rows[1]["weights"]) == (2, "mismatch", "mismatch 0/1")
+    assert rows[2]["layout"] == "tp8" and rows[2]["verdict"] == "failed" and pd.isna(rows[2]["step"])
