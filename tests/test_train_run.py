@@ -21,6 +21,7 @@ from h3lab.run.steps import KINDS, step_kind, step_verdicts
 from h3lab.run.tasks import assemble_units, expected_shard
 from h3lab.run.trace import load_trace, timeline
 from h3lab.run.workers import faults
+from h3lab.triton.configs import interpreting
 from h3lab.units import REPLICATED, UNIT_GRAD_FIELDS, unit_slice, unit_weights
 from h3lab.weights import synthetic_block
 from h3lab.workbench.tables import train_step_table
@@ -209,3 +210,22 @@ def test_the_workbench_table_shows_each_steps_verdict_per_kind():
     }
     assert (rows[1]["step"], rows[1]["verdict"], rows[1]["weights"]) == (2, "mismatch", "mismatch 0/1")
     assert rows[2]["layout"] == "tp8" and rows[2]["verdict"] == "failed" and pd.isna(rows[2]["step"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or interpreting(),
+    reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET unset): pytest -m gpu tests/test_train_run.py",
+)
+def test_gpu_the_training_command_with_triton_and_digests_at_tiny_shapes(tmp_path):
+    """The H200 command (`h3lab run --synthetic real --blocks 0-3 --train-steps 2 --device cuda --backend
+    triton --layout tp1 tp2 --digests`) at the tiny config with rows out of key order: every step's loss,
+    gradient digests and weight digests equal the canonical process's."""
+    p = Problem(
+        task="train", block=0, last_block=1, device="cuda", backend="triton", digests=True, row_order="shuffled"
+    )
+    summary = run(RunRequest(layouts=tuple(parse_layouts("tp1 tp2")), problem=p, out=tmp_path / "run", timeout_s=600))
+    assert summary["status"] == "passed", {k: v.get("failure") for k, v in summary["layouts"].items()}
+    for rec in summary["layouts"].values():
+        assert [k for k, v in rec["steps"].items() if v["bitwise_equal"]] == ["1", "2"]
+        assert any(name.startswith("step2.block1.w.") for name in rec["tensors"])  # weights compared by digest
