@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     p.add_argument(
         "--digests",
         action="store_true",
-        help="compare weight gradients by sha256 per unit slice (for runs too big to store them)",
+        help="compare weight gradients (and a training run's weights) by digest per unit slice, keeping only rows "
+        "and scalars as tensors (for runs too big to store them)",
     )
     p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
     p.add_argument("--rows", type=int, default=264)
@@ -141,7 +142,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"), help="default 0.9 0.999")
     g.add_argument("--eps", type=float, default=None, help="default 1e-8")
     g.add_argument("--weight-decay", type=float, default=None, help="decoupled weight decay (default 1e-2)")
-    g.add_argument("--max-grad-norm", type=float, default=None, help="clip the global norm to this (inf: no clip)")
+    g.add_argument(
+        "--max-grad-norm", type=float, default=None, help="clip the global norm to this (default 1.0; inf: no clip)"
+    )
     g.add_argument(
         "--row-order",
         choices=["packed", "shuffled"],

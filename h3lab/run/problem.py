@@ -54,7 +54,8 @@ class Problem:
     backend: str = "torch"  # kernels of the deterministic mode
     mode: str = "deterministic"
     repeats: int = 1
-    digests: bool = False  # compare weight gradients by sha256 per unit slice (runs too big to store them)
+    # compare weight gradients (a training run's weights too) by digest per unit slice (runs too big to store them)
+    digests: bool = False
 
     def __post_init__(self) -> None:
         if (self.synthetic is None) == (self.checkpoint is None):
