@@ -23,7 +23,7 @@ from torch import Tensor
 
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
-from h3lab.metrics import bit_pattern, compare
+from h3lab.metrics import bit_pattern, bitwise_equal, compare
 
 # how a rank's traced tensor sits in the canonical one: its local rows; TP rows x its unit-major columns;
 # a stack [U_local, ...] of its canonical units; the same on every rank
@@ -101,36 +101,30 @@ _NAME = re.compile(r"^(?:step(?P<step>\d+)\.)?(?:block(?P<block>\d+)\.)?(?P<op>.
 def timeline(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> list[dict]:
     """Per op of `a` (execution order): whether `b` has the same bits, and the ULP statistics; `step`
     and `block` are None for an op of no training step or no block."""
-    rows = []
-    for i, (name, space) in enumerate(order):
-        m = _NAME.match(name)
-        row = {
-            "index": i,
-            "name": name,
-            "space": space,
-            "step": int(m["step"]) if m["step"] else None,
-            "block": int(m["block"]) if m["block"] else None,
-            "op": m["op"],
-        }
-        if name not in b:
-            rows.append(row | {"present": False, "bitwise_equal": False})
-            continue
-        c = compare(a[name], b[name], name=name).to_dict()
-        rows.append(
-            row
-            | {
-                "present": True,
-                **{
-                    k: c[k] for k in ("bitwise_equal", "num_differing", "frac_differing", "max_ulp", "first_diff_index")
-                },
-            }
-        )
-    return rows
+    return [_row(i, name, space, a, b) for i, (name, space) in enumerate(order)]
 
 
 def first_divergence(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> dict | None:
-    """The first op (execution order of `a`) whose bits differ in `b`, or None when every op matches."""
-    for row in timeline(a, order, b):
-        if not row["bitwise_equal"]:
-            return row
+    """The first op (execution order of `a`) whose bits differ in `b` (its `timeline` row), or None when
+    every op matches. Equal ops are checked by their bits alone; only the first differing one is measured."""
+    for i, (name, space) in enumerate(order):
+        if name not in b or not bitwise_equal(a[name], b[name]):
+            return _row(i, name, space, a, b)
     return None
+
+
+def _row(i: int, name: str, space: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> dict:
+    m = _NAME.match(name)
+    row = {
+        "index": i,
+        "name": name,
+        "space": space,
+        "step": int(m["step"]) if m["step"] else None,
+        "block": int(m["block"]) if m["block"] else None,
+        "op": m["op"],
+    }
+    if name not in b:
+        return row | {"present": False, "bitwise_equal": False}
+    c = compare(a[name], b[name], name=name).to_dict()
+    keys = ("bitwise_equal", "num_differing", "frac_differing", "max_ulp", "first_diff_index")
+    return row | {"present": True} | {k: c[k] for k in keys}
