@@ -50,7 +50,8 @@ class Trace(Protocol):
     tensor the block goes on with (the same one, or a planted fault in tests).
 
     `space` says how layouts shard it: "local" (this rank's rows), "tp_units" (TP rows x this
-    rank's unit-major columns or heads), "replicated" (the same on every rank).
+    rank's unit-major columns or heads), "units" (a stack of this rank's canonical units: a training
+    step's gradients), "replicated" (the same on every rank).
     """
 
     def __call__(self, name: str, t: Tensor, space: str) -> Tensor: ...

@@ -1,6 +1,6 @@
 """AdamW on FP32 masters per piece: torch.optim.AdamW's algorithm, the same bytes for every split of the
 8 units over TP ranks and for a piece updated whole or in slices, a refused step on a non-finite
-gradient, one clear error per bad hyperparameter."""
+gradient, one clear error per bad hyperparameter. Over gloo, in the ranks of a layout: tests/test_train_run.py."""
 
 from __future__ import annotations
 
@@ -220,62 +220,3 @@ class _Fixed(LocalComm):
 
     def __init__(self, units: range) -> None:
         self.units = units
-
-
-def _gloo_rank(rank: int, layout_name: str, init_file: str, out_dir: str) -> None:
-    """One rank of `layout_name` over gloo: the optimizer through DistComm, its weights and norms saved."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from h3lab.dist.distcomm import Progress, build_comm
-    from h3lab.dist.layout import Layout
-
-    layout = Layout.parse(layout_name)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=layout.world, timeout=timedelta(seconds=60)
-    )
-    try:
-        comm = build_comm(
-            layout,
-            rank,
-            mode="deterministic",
-            algorithm="auto",
-            device=torch.device("cpu"),
-            act_dtype=torch.bfloat16,
-            progress=Progress(None),
-        )
-        opt = AdamW(_weights(comm.units), config=CONFIG, comm=comm, hyper=_GLOO_HYPER)
-        norms = [opt.step(for_units(g, comm.units)).grad_norm for g in _gloo_grads()]
-        torch.save({"weights": opt.named_weights(), "norms": norms}, f"{out_dir}/rank{rank}.pt")
-        comm.close()
-    finally:
-        dist.destroy_process_group()
-
-
-_GLOO_HYPER = AdamWHyper(lr=2e-3, weight_decay=0.1, max_grad_norm=0.05)
-
-
-def _gloo_grads() -> list[dict[Piece, torch.Tensor]]:
-    return [random_grads(_weights(), CONFIG, seed=500 + t, scale=1e-2) for t in range(2)]
-
-
-@pytest.mark.parametrize("layout", ["tp2"])
-def test_step_over_gloo_is_bitwise(tmp_path, layout):
-    """Ranks in processes over gloo: the clip's gather through DistComm (a deterministic all_gather); every
-    rank's weights and norms equal the single process's, and the ranks together hold every piece."""
-    from h3lab.dist.layout import Layout
-
-    world = Layout.parse(layout).world
-    torch.multiprocessing.spawn(_gloo_rank, args=(layout, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
-    opt = AdamW(_weights(), config=CONFIG, comm=LocalComm(), hyper=_GLOO_HYPER)
-    norms = [opt.step(g).grad_norm for g in _gloo_grads()]
-    canon, seen = opt.named_weights(), set()
-    for r in range(world):
-        got = torch.load(tmp_path / f"rank{r}.pt")
-        for t, (a, b) in enumerate(zip(got["norms"], norms, strict=True)):
-            assert_bitwise(a, b, f"{layout} rank {r} step {t + 1} norm")
-        for name, w in got["weights"].items():
-            assert_bitwise(w, canon[name], f"{layout} rank {r} {name}")
-        seen |= set(got["weights"])
-    assert seen == set(canon)

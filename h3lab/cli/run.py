@@ -29,11 +29,21 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         metavar="STEPS",
         help="a denoising trajectory of STEPS sampler steps through the whole model (blocks 0..B of --blocks)",
     )
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N training steps through blocks A..B of --blocks with the embedders and heads: the loss, every "
+        "gradient and every updated weight compared after each step",
+    )
+    _add_train_arguments(p)
     p.add_argument("--trace", action="store_true", help="record every op and name each layout's first divergence")
     p.add_argument(
         "--digests",
         action="store_true",
-        help="compare weight gradients by sha256 per unit slice (for runs too big to store them)",
+        help="compare weight gradients (and a training run's weights) by digest per unit slice, keeping only rows "
+        "and scalars as tensors (for runs too big to store them)",
     )
     p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
     p.add_argument("--rows", type=int, default=264)
@@ -64,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
             block=first,
             last_block=last,
             task=_task(a),
-            steps=a.trajectory or 2,
+            steps=a.trajectory or a.train_steps or 2,
+            **_train_fields(a),
             digests=a.digests,
             weights_seed=a.weights_seed,
             rows=a.rows,
@@ -102,10 +113,61 @@ def default_out() -> Path:
 
 
 def _task(a: argparse.Namespace) -> str:
-    """The task the arguments ask for: a trajectory, a chain of blocks, or one block."""
+    """The task the arguments ask for: a trajectory, training steps, a chain of blocks, or one block."""
     if a.trajectory is not None and a.trajectory < 1:
         raise ValueError(f"--trajectory {a.trajectory}; allowed: a number of sampler steps >= 1")
+    if a.train_steps is not None and a.train_steps < 1:
+        raise ValueError(f"--train-steps {a.train_steps}; allowed: a number of training steps >= 1")
+    if a.trajectory is not None and a.train_steps is not None:
+        raise ValueError("--trajectory and --train-steps together; allowed: one of them")
+    if a.train_steps is not None:
+        return "train"
     return "trajectory" if a.trajectory is not None else ("chain" if a.blocks else "block")
+
+
+# flag -> Problem field of a training run's options; given without --train-steps they are refused
+_TRAIN_FLAGS = {
+    "--lr": "lr",
+    "--betas": "betas",
+    "--eps": "eps",
+    "--weight-decay": "weight_decay",
+    "--max-grad-norm": "max_grad_norm",
+    "--row-order": "row_order",
+}
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training (--train-steps)", "AdamW (h3lab.train.adamw) and the request's rows")
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
+    g.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"), help="default 0.9 0.999")
+    g.add_argument("--eps", type=float, default=None, help="default 1e-8")
+    g.add_argument("--weight-decay", type=float, default=None, help="decoupled weight decay (default 1e-2)")
+    g.add_argument(
+        "--max-grad-norm", type=float, default=None, help="clip the global norm to this (default 1.0; inf: no clip)"
+    )
+    g.add_argument(
+        "--row-order",
+        choices=["packed", "shuffled"],
+        default=None,
+        help="the request's rows as the pipeline packs them (default) or out of key order",
+    )
+    p.add_argument(
+        "--text-rows",
+        type=int,
+        default=None,
+        help="text rows of the request of --trajectory or --train-steps (default 12: 96 packed rows)",
+    )
+
+
+def _train_fields(a: argparse.Namespace) -> dict:
+    """The Problem fields of the training options given; a training option without --train-steps is refused."""
+    given = {flag: getattr(a, field) for flag, field in _TRAIN_FLAGS.items() if getattr(a, field) is not None}
+    if given and a.train_steps is None:
+        raise ValueError(f"{', '.join(given)} without --train-steps; allowed: training options with --train-steps N")
+    if a.text_rows is not None and a.trajectory is None and a.train_steps is None:
+        raise ValueError(f"--text-rows {a.text_rows} without --trajectory or --train-steps; allowed: one of them")
+    fields = {_TRAIN_FLAGS[flag]: v for flag, v in given.items()}
+    return fields | ({"text_rows": a.text_rows} if a.text_rows is not None else {})
 
 
 def _block_range(blocks: str | None, block: int) -> tuple[int, int | None]:

@@ -1,8 +1,9 @@
 """Runs: a problem, computed once in a single process and on every rank of each layout, compared.
 
-  problem   `Problem`: weights, batch and task (block, chain, trajectory) of a run, as data
+  problem   `Problem`: weights, batch and task (block, chain, trajectory, train) of a run, as data
   tasks     what a rank computes for a problem (one code path for the canonical process and ranks)
   trace     op-level traces and the first-divergence finder
+  steps     a training run's verdicts and values per step and kind of tensor (summary.json)
   launch    the one launch path: torchrun as a subprocess, process groups killed on every exit
   lifeline  launched processes exit when their launcher is gone (parent-death signal, watchdog)
   runner    `h3lab run`: the canonical result, each layout on N processes, every byte compared
@@ -15,5 +16,5 @@
   workers/  the modules launched (one rank of a layout, the canonical process, the agent, collective
             checks, eager layouts, benchmark)
 
-May import: the core, io, model, reference, dist.
+May import: the core, io, model, reference, dist, train.
 """

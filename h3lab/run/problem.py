@@ -1,8 +1,8 @@
 """`Problem`: the block, the batch and the arithmetic a run compares across layouts, as data.
 
 The runner and every worker rebuild the same weights and batch from this record (weights from a
-checkpoint or the deterministic synthetic generator, the batch from `packed_batch`), so nothing
-but a small JSON travels to the ranks.
+checkpoint or the deterministic synthetic generator, the batch from `packed_batch`, a trajectory's
+or a training run's request from `model_inputs`), so nothing but a small JSON travels to the ranks.
 """
 
 from __future__ import annotations
@@ -17,21 +17,35 @@ from h3lab.backend import CONTRACT_BACKENDS
 from h3lab.batch import PackedBatch, check_seed, packed_batch
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.dist.layout import Layout
+from h3lab.model.inputs import ModelInputs
+from h3lab.train.adamw import AdamWHyper
 from h3lab.weights import BlockWeights, synthetic_block
 
 MODES = ("deterministic", "baseline")
-TASKS = ("block", "chain", "trajectory")
+TASKS = ("block", "chain", "trajectory", "train")
 DEVICES = ("cpu", "cuda")
+# a training request's rows: as the pipeline packs them (ascending keys), or permuted out of key order
+# (h3lab.model.packing.shuffle_rows, drawn from derived_seed(seed, "rows")); both give the same bytes
+ROW_ORDERS = ("packed", "shuffled")
+_HYPER = AdamWHyper()  # the defaults of the training run's optimizer fields
 
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:
     synthetic: str | None = "tiny"  # a named config with synthetic weights, or None with `checkpoint`
     checkpoint: str | None = None  # a diffusers checkpoint folder
-    task: str = "block"  # one block, a chain of blocks, or a denoising trajectory through the model
-    block: int = 0  # the block of task "block"; the first block of a chain
-    last_block: int | None = None  # the last block of a chain (inclusive)
-    steps: int = 2  # sampler steps of a trajectory
+    task: str = "block"  # one block, a chain of blocks, a denoising trajectory or training steps through the model
+    block: int = 0  # the block of task "block"; the first block of a chain or of a training run's depth
+    last_block: int | None = None  # the last block of a chain or of a training run's depth (inclusive)
+    steps: int = 2  # sampler steps of a trajectory; optimizer steps of a training run
+    text_rows: int = 12  # text rows of a trajectory's or a training run's request (12: 96 packed rows)
+    row_order: str = "packed"  # ROW_ORDERS: a training request's rows
+    # a training run's AdamW (h3lab.train.adamw.AdamWHyper: torch.optim.AdamW's defaults, max_grad_norm 1)
+    lr: float = _HYPER.lr
+    betas: tuple[float, float] = _HYPER.betas
+    eps: float = _HYPER.eps
+    weight_decay: float = _HYPER.weight_decay
+    max_grad_norm: float = _HYPER.max_grad_norm
     weights_seed: int = 0
     rows: int = 264
     padding: int = 0
@@ -40,7 +54,8 @@ class Problem:
     backend: str = "torch"  # kernels of the deterministic mode
     mode: str = "deterministic"
     repeats: int = 1
-    digests: bool = False  # compare weight gradients by sha256 per unit slice (runs too big to store them)
+    # compare weight gradients (a training run's weights too) by digest per unit slice (runs too big to store them)
+    digests: bool = False
 
     def __post_init__(self) -> None:
         if (self.synthetic is None) == (self.checkpoint is None):
@@ -51,6 +66,15 @@ class Problem:
             raise ValueError(f"unknown task {self.task!r}; allowed: {list(TASKS)}")
         if self.task == "chain" and (self.last_block is None or self.last_block < self.block):
             raise ValueError(f"a chain needs last_block >= block, got blocks {self.block}-{self.last_block}")
+        if self.last_block is not None and self.last_block < self.block:
+            raise ValueError(f"blocks {self.block}-{self.last_block}; allowed: A-B with A <= B")
+        if self.row_order not in ROW_ORDERS:
+            raise ValueError(f"unknown row_order {self.row_order!r}; allowed: {list(ROW_ORDERS)}")
+        if self.row_order != "packed" and self.task != "train":
+            raise ValueError(f"row_order {self.row_order!r} is for task 'train'; allowed for {self.task!r}: ['packed']")
+        if isinstance(self.betas, list):  # JSON gives a list
+            object.__setattr__(self, "betas", tuple(self.betas))
+        self.hyper()  # one ValueError per bad optimizer value
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; allowed: {list(MODES)}")
         if self.device not in DEVICES:
@@ -61,7 +85,7 @@ class Problem:
             raise ValueError("device 'cuda' requested but torch sees no CUDA device; allowed here: ['cpu']")
         if self.block_backend == "triton" and self.device != "cuda":
             raise ValueError(f"backend 'triton' runs on CUDA only, device is {self.device!r}; allowed here: ['torch']")
-        for name in ("rows", "repeats", "steps"):
+        for name in ("rows", "repeats", "steps", "text_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.padding < 0 or self.block < 0:
@@ -112,6 +136,26 @@ class Problem:
 
     def batch(self, device: torch.device | str = "cpu") -> PackedBatch:
         return packed_batch(self.config(), self.rows, seed=self.seed, padding=self.padding).to(device)
+
+    def model_inputs(self, device: torch.device | str = "cpu") -> ModelInputs:
+        """The request of a trajectory or a training run: `model_inputs` from `seed`, rows in `row_order`."""
+        from h3lab.model.packing import model_inputs, shuffle_rows
+        from h3lab.train.step import derived_seed
+
+        inputs = model_inputs(self.config(), seed=self.seed, num_text=self.text_rows)
+        if self.row_order == "shuffled":
+            inputs = shuffle_rows(inputs, derived_seed(self.seed, "rows"))
+        return inputs.to(device)
+
+    def hyper(self) -> AdamWHyper:
+        """A training run's optimizer hyperparameters (`ValueError` naming a bad one)."""
+        return AdamWHyper(
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+        )
 
     def rank_device(self, local_rank: int) -> torch.device:
         if self.device == "cpu":

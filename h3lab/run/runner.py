@@ -11,7 +11,8 @@ leaves "running" with a dead owner: readers call that "stale"):
   canonical.safetensors             out, dx, dtemb, dw.<parameter> of the single-process block
   layouts/<slug>/                   spec.json, per-rank logs, status, json and safetensors
   layouts/<slug>.safetensors        the layout's reassembled out, dx, dtemb and dw.<parameter>
-  summary.json                      verdicts per layout and tensor, decisions, timings, failures
+  summary.json                      verdicts per layout and tensor (and per training step), decisions,
+                                    timings, failures
   nodes/node<R>/                    node R > 0 of a multi-node run: its own owner, request, env, summary
 
 The canonical result runs in a process of its own (h3lab.run.workers.canonical) under the same
@@ -42,7 +43,7 @@ from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import FINAL_STATES, claim, describe_end, read_record, reserve_space, write_final
 from h3lab.io.tensorfile import write_tensors
-from h3lab.metrics import compare
+from h3lab.metrics import bitwise_equal, compare
 from h3lab.run import tasks
 from h3lab.run.diagnose import diagnose
 from h3lab.run.launch import (
@@ -54,6 +55,7 @@ from h3lab.run.launch import (
     split_endpoint,
 )
 from h3lab.run.problem import Problem
+from h3lab.run.steps import step_verdicts
 from h3lab.run.summary import failure_line
 from h3lab.run.trace import assemble_trace, first_divergence, load_trace, save_trace
 
@@ -318,7 +320,7 @@ def _await_ranks(d: Path, world: int, res: LaunchResult, deadline: float) -> Lau
 def _compare_layout(req: RunRequest, layout: Layout, d: Path) -> dict:
     """Node 0: the layout's shards assembled, compared with the canonical result byte for byte."""
     ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(layout.world)]
-    num_rows = None if req.problem.task == "trajectory" else req.problem.batch().num_rows
+    num_rows = tasks.num_rows(req.problem)
     full, consistent = _assemble(d, layout, req.problem.config(), num_rows)
     canon = load_file(str(req.out / "canonical.safetensors"))
     write_tensors(req.out / "layouts" / f"{slug(layout)}.safetensors", full)
@@ -345,6 +347,8 @@ def _compare_layout(req: RunRequest, layout: Layout, d: Path) -> dict:
         ],
         "decisions": ranks[0]["decisions"],
     }
+    if req.problem.task == "train":
+        record["steps"] = step_verdicts(tensors)
     if req.trace:
         trace, order = assemble_trace(d, layout, num_rows or 0)
         save_trace(req.out / "layouts" / f"{slug(layout)}.trace", trace, order)
@@ -365,7 +369,7 @@ def _assemble(d: Path, layout: Layout, config, num_rows: int | None) -> tuple[di
                 ref = parts[owner][k]
             else:  # unit slices: the same TP index in CP group 0; replicated: rank 0
                 ref = parts[layout.coords(r)[1]][k] if "@u" in k else parts[0][k]
-            consistent &= compare(v, ref).bitwise_equal
+            consistent &= bitwise_equal(v, ref)
     full = {k: v for k, v in parts[0].items() if k not in tasks.ROW_TENSORS and "@u" not in k}
     for t in range(layout.tp):  # the TP ranks of CP group 0 hold every unit once
         full |= {k: v for k, v in parts[t].items() if "@u" in k}

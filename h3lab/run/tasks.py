@@ -1,12 +1,14 @@
-"""What a run computes — one block, a chain of blocks, or a denoising trajectory — with one code path
-for the canonical single process and for every rank of a layout.
+"""What a run computes — one block, a chain of blocks, a denoising trajectory or training steps — with
+one code path for the canonical single process and for every rank of a layout.
 
 A rank reports flat tensor names whose form says how the parent reassembles them:
 - `out`, `dx`: this rank's local rows (concatenated over row shards);
-- `[block{i}.]dw.<unit-grad>@u{u}`: canonical unit u of a weight gradient (collected over TP ranks);
-- anything else (`dtemb`, replicated dW, `step{k}.video`...): identical on every rank.
-Canonical tensors use the assembled names: `out`, `dx`, `[block{i}.]dtemb`, `[block{i}.]dw.<parameter>`,
-`step{k}.video`, `step{k}.audio`.
+- `[step{k}.][block{i}.]dw.<unit-grad>@u{u}`: canonical unit u of a weight gradient, and
+  `step{k}.block{i}.w.<unit-grad>@u{u}` of a weight after step k's update (collected over TP ranks);
+- anything else (`dtemb`, replicated dW, `step{k}.video`, `step{k}.loss`, `step{k}.dw.<non-block
+  parameter>`...): identical on every rank.
+Canonical tensors use the assembled names: `out`, `dx`, `[block{i}.]dtemb`, `[step{k}.][block{i}.]dw.<parameter>`,
+`step{k}.[block{i}.]w.<parameter>`, `step{k}.video`, `step{k}.audio`, `step{k}.loss`... (h3lab.train.step).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import digest
 from h3lab.model.chain import chain_step
 from h3lab.run.problem import Problem
+from h3lab.train.step import PHASES, Trainer
 from h3lab.units import UNIT_GRAD_FIELDS, assemble_unit_grads, unit_slice, unit_weights
 from h3lab.weights import BlockWeights
 
 ROW_TENSORS = ("out", "dx")
-_UNIT = re.compile(r"^(?P<prefix>(?:block\d+\.)?)dw\.(?P<grad>[^@]+)@u(?P<unit>\d)$")
+# a unit slice: an optional step, the block (non-block parameters are never unit-sharded), dw or w
+_UNIT = re.compile(r"^(?P<prefix>(?:step\d+\.)?(?:block\d+\.)?)(?P<kind>dw|w)\.(?P<grad>[^@]+)@u(?P<unit>\d)$")
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,8 +52,8 @@ class Inputs:
 
 
 def prepare(problem: Problem, device: torch.device) -> Inputs | None:
-    """The inputs `compute` reuses across repeats; None for a trajectory (it builds its own)."""
-    if problem.task == "trajectory":
+    """The inputs `compute` reuses across repeats; None for a trajectory or training (they build their own)."""
+    if problem.task in ("trajectory", "train"):
         return None
     return Inputs(problem.weights(device) if problem.task == "block" else None, problem.batch(device))
 
@@ -73,14 +77,17 @@ def compute(
 ) -> Computed:
     """This rank's tensors (all of them for the canonical process, `layout=None`) and its timings.
 
-    With `problem.digests` only the row tensors (out, dx) stay tensors; every other tensor becomes
-    its sha256 as soon as it exists — a 50-block real chain's weight gradients are 65 GB.
+    With `problem.digests` only the row tensors (out, dx) and scalars (a training step's loss, norm and
+    clip coefficient) stay tensors; every other tensor becomes its digest as soon as it exists — a
+    50-block real chain's weight gradients are 65 GB.
     `inputs` (`prepare(problem, device)`): the weights and batch to use instead of building them.
     """
     shard = None if layout is None else _shard_fn(layout, rank)
     if problem.task == "trajectory":
         tensors, timings = _trajectory(problem, comm, device, shard)
         return _split(tensors, problem.digests, timings)
+    if problem.task == "train":
+        return _train(problem, comm, device, shard, trace)
     batch = inputs.batch if inputs is not None else problem.batch(device)
     local = batch if shard is None else shard(batch)
     if problem.task == "block":
@@ -114,8 +121,31 @@ def compute(
 def _split(tensors: dict[str, Tensor], digests: bool, timings: dict[str, float]) -> Computed:
     if not digests:
         return Computed(tensors, {}, timings)
-    rows = {k: v for k, v in tensors.items() if k in ROW_TENSORS}
-    return Computed(rows, {k: digest(v) for k, v in tensors.items() if k not in ROW_TENSORS}, timings)
+    kept = {k: v for k, v in tensors.items() if k in ROW_TENSORS or v.dim() == 0}
+    return Computed(kept, {k: digest(v) for k, v in tensors.items() if k not in kept}, timings)
+
+
+def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace: Trace | None) -> Computed:
+    """`problem.steps` training steps (h3lab.train.step.Trainer); each step's tensors kept (copied to the
+    CPU: the next step overwrites the weights) or digested as the step ends. Timings: each phase summed."""
+    trainer = Trainer(
+        problem.model_weights(device),
+        problem.model_inputs(device),
+        blocks=problem.block_range,
+        hyper=problem.hyper(),
+        seed=problem.seed,
+        backend=problem.block_backend,
+        comm=comm,
+        rows_shard=shard,
+    )
+    tensors, digests, timings = {}, {}, dict.fromkeys(PHASES, 0.0)
+    for k in range(1, problem.steps + 1):
+        step = trainer.step(k, trace=trace)
+        kept = _split(step.tensors(), problem.digests, step.timings)
+        tensors |= {name: t.to("cpu", copy=True) for name, t in kept.tensors.items()}
+        digests |= kept.digests
+        timings = {phase: timings[phase] + step.timings[phase] for phase in PHASES}
+    return Computed(tensors, digests, timings)
 
 
 def canonical(problem: Problem, device: torch.device) -> Computed:
@@ -136,10 +166,9 @@ def _step_tensors(step: BlockStep, prefix: str) -> dict[str, Tensor]:
 
 
 def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) -> tuple[dict, dict]:
-    from h3lab.model.packing import model_inputs
     from h3lab.model.trajectory import trajectory
 
-    inputs = model_inputs(problem.config(), seed=problem.seed).to(device)
+    inputs = problem.model_inputs(device)
     start = time.perf_counter()
     traj = trajectory(
         problem.model_weights(device),
@@ -158,17 +187,18 @@ def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) 
 
 
 def assemble_units(tensors: dict[str, Tensor], config: H3Config, units: range) -> dict[str, Tensor]:
-    """Replace `...dw.<grad>@u{u}` entries by diffusers-shaped `...dw.<parameter>` covering `units`."""
+    """Replace `...dw.<grad>@u{u}` (and `...w.<grad>@u{u}`) entries by diffusers-shaped `...dw.<parameter>`
+    (`...w.<parameter>`) covering `units`."""
     out, per_prefix = {}, {}
     for k, v in tensors.items():
         m = _UNIT.match(k)
         if m is None:
             out[k] = v
         else:
-            per_prefix.setdefault(m["prefix"], {}).setdefault(m["grad"], {})[int(m["unit"])] = v
+            per_prefix.setdefault(f"{m['prefix']}{m['kind']}.", {}).setdefault(m["grad"], {})[int(m["unit"])] = v
     for prefix, grads in per_prefix.items():
-        assert set(grads) == set(UNIT_GRAD_FIELDS), sorted(grads)
-        out |= {f"{prefix}dw.{k}": v for k, v in assemble_unit_grads(grads, units).items()}
+        assert set(grads) == set(UNIT_GRAD_FIELDS), (prefix, sorted(grads))
+        out |= {f"{prefix}{k}": v for k, v in assemble_unit_grads(grads, units).items()}
     return out
 
 
@@ -179,6 +209,14 @@ def expected_shard(name: str, canon: dict[str, Tensor], config: H3Config, rows: 
     m = _UNIT.match(name)
     if m is None:
         return canon[name]
-    prefix, params = m["prefix"] + "dw.", set(block_param_shapes(config))
+    prefix, params = f"{m['prefix']}{m['kind']}.", set(block_param_shapes(config))
     block = {k[len(prefix) :]: v for k, v in canon.items() if k.startswith(prefix) and k[len(prefix) :] in params}
     return unit_slice(unit_weights(BlockWeights(config, block, "canonical")), m["grad"], int(m["unit"]))
+
+
+def num_rows(problem: Problem) -> int | None:
+    """The packed rows a rank's row shards are cut from: the batch's (block, chain), the request's
+    (train: its traced ops); None for a trajectory (nothing is compared or traced per row)."""
+    if problem.task == "trajectory":
+        return None
+    return problem.model_inputs().num_rows if problem.task == "train" else problem.batch().num_rows

@@ -5,6 +5,10 @@ block_step's trace hook), reassembles the ranks' shards into the canonical view 
 (`assemble_trace`), and `first_divergence` walks two traces in execution order to name the first
 op, block and tensor whose bits differ, with its ULP statistics. Traces are safetensors plus a
 JSON list of (name, space) in execution order; nothing else is needed to compare two machines.
+
+Names: `[step{k}.][block{i}.]<op>`. A training run's trace holds its steps in order, each the
+model's forward and backward ops, then every gradient the optimizer reads (h3lab.train.step), so a
+divergence is named by its step, block and op.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from torch import Tensor
 
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
-from h3lab.metrics import bit_pattern, compare
+from h3lab.metrics import bit_pattern, bitwise_equal, compare
 
-SPACES = ("local", "tp_units", "replicated")
+# how a rank's traced tensor sits in the canonical one: its local rows; TP rows x its unit-major columns;
+# a stack [U_local, ...] of its canonical units; the same on every rank
+SPACES = ("local", "tp_units", "units", "replicated")
 
 
 class TraceRecorder:
@@ -29,12 +35,14 @@ class TraceRecorder:
 
     `flip=(name, flat_index)` plants a single-bit fault where `name` is produced (tests of the
     finder); the block then goes on with the faulty tensor, as a real silent corruption would.
+    `flipped` says whether it was planted (a name never traced plants nothing).
     """
 
     def __init__(self, flip: tuple[str, int] | None = None) -> None:
         self.tensors: dict[str, Tensor] = {}
         self.order: list[tuple[str, str]] = []
         self.flip = flip
+        self.flipped = False
 
     def __call__(self, name: str, t: Tensor, space: str) -> Tensor:
         if space not in SPACES:
@@ -43,6 +51,7 @@ class TraceRecorder:
             t = t.clone()
             bits = bit_pattern(t).view(-1)
             bits[self.flip[1]] ^= 1  # the lowest mantissa bit: one ULP
+            self.flipped = True
         if name in self.tensors:
             raise ValueError(f"op {name!r} traced twice; trace names must be unique in a run")
         self.tensors[name] = t.detach().contiguous().cpu().clone()
@@ -73,6 +82,8 @@ def assemble_trace(layout_dir: Path, layout: Layout, num_rows: int) -> tuple[dic
             full[name] = ranks[0]
         elif space == "local":
             full[name] = torch.cat([ranks[o] for o in shard.owner_ranks()])[:num_rows]
+        elif space == "units":  # the TP ranks of CP group 0 hold every unit once, in unit order
+            full[name] = torch.cat([ranks[r] for r in layout.tp_group(0)])
         else:  # TP rows x unit-major columns: columns over a CP group's TP ranks, then rows over CP groups
             groups = [torch.cat([ranks[r] for r in layout.tp_group(c)], dim=1) for c in range(layout.cp)]
             full[name] = torch.cat(groups)[:num_rows]
@@ -84,40 +95,36 @@ def save_trace(prefix: Path, tensors: dict[str, Tensor], order: list) -> None:
     Path(str(prefix) + ".json").write_text(json.dumps(order))
 
 
-_BLOCK = re.compile(r"^block(?P<block>\d+)\.(?P<op>.+)$")
+_NAME = re.compile(r"^(?:step(?P<step>\d+)\.)?(?:block(?P<block>\d+)\.)?(?P<op>.+)$")
 
 
 def timeline(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> list[dict]:
-    """Per op of `a` (execution order): whether `b` has the same bits, and the ULP statistics."""
-    rows = []
-    for i, (name, space) in enumerate(order):
-        m = _BLOCK.match(name)
-        row = {
-            "index": i,
-            "name": name,
-            "space": space,
-            "block": int(m["block"]) if m else None,
-            "op": m["op"] if m else name,
-        }
-        if name not in b:
-            rows.append(row | {"present": False, "bitwise_equal": False})
-            continue
-        c = compare(a[name], b[name], name=name).to_dict()
-        rows.append(
-            row
-            | {
-                "present": True,
-                **{
-                    k: c[k] for k in ("bitwise_equal", "num_differing", "frac_differing", "max_ulp", "first_diff_index")
-                },
-            }
-        )
-    return rows
+    """Per op of `a` (execution order): whether `b` has the same bits, and the ULP statistics; `step`
+    and `block` are None for an op of no training step or no block."""
+    return [_row(i, name, space, a, b) for i, (name, space) in enumerate(order)]
 
 
 def first_divergence(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> dict | None:
-    """The first op (execution order of `a`) whose bits differ in `b`, or None when every op matches."""
-    for row in timeline(a, order, b):
-        if not row["bitwise_equal"]:
-            return row
+    """The first op (execution order of `a`) whose bits differ in `b` (its `timeline` row), or None when
+    every op matches. Equal ops are checked by their bits alone; only the first differing one is measured."""
+    for i, (name, space) in enumerate(order):
+        if name not in b or not bitwise_equal(a[name], b[name]):
+            return _row(i, name, space, a, b)
     return None
+
+
+def _row(i: int, name: str, space: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> dict:
+    m = _NAME.match(name)
+    row = {
+        "index": i,
+        "name": name,
+        "space": space,
+        "step": int(m["step"]) if m["step"] else None,
+        "block": int(m["block"]) if m["block"] else None,
+        "op": m["op"],
+    }
+    if name not in b:
+        return row | {"present": False, "bitwise_equal": False}
+    c = compare(a[name], b[name], name=name).to_dict()
+    keys = ("bitwise_equal", "num_differing", "frac_differing", "max_ulp", "first_diff_index")
+    return row | {"present": True} | {k: c[k] for k in keys}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from h3lab.run.steps import KINDS as STEP_KINDS
 from h3lab.workbench.rundata import RunnerRun, Sweep
 
 KEYS = ["node_type", "run_id", "mode", "seed", "layout"]
@@ -245,3 +246,22 @@ def terminal_summary(sweep: Sweep) -> str:
             cells.append(f"{row[m]!s:<{width}}{t:>10.3f}  ")
         lines.append(f"{layout:<12}" + "".join(cells))
     return "\n".join(lines)
+
+
+def train_step_table(summary: dict) -> pd.DataFrame:
+    """A training run's verdicts (`h3lab run --train-steps N`), one row per layout and step: the step's
+    verdict and, per kind of tensor (loss, clip, gradients, weights), 'passed 3/3' or 'mismatch 61/62'
+    against the single process. Read from summary.json (h3lab.run.steps); a layout without per-step
+    verdicts (it failed to run) is one row with its status and no step."""
+    rows = []
+    for layout, rec in summary["layouts"].items():
+        if not rec.get("steps"):
+            rows.append({"layout": layout, "step": None, "verdict": rec["status"]})
+        for step, v in rec.get("steps", {}).items():
+            row = {"layout": layout, "step": int(step), "verdict": "passed" if v["bitwise_equal"] else "mismatch"}
+            for kind in STEP_KINDS:
+                if kind in v:
+                    c = v[kind]
+                    row[kind] = f"{'passed' if c['bitwise_equal'] else 'mismatch'} {c['equal']}/{c['total']}"
+            rows.append(row)
+    return pd.DataFrame(rows, columns=["layout", "step", "verdict", *STEP_KINDS]).astype({"step": "Int64"})

@@ -3,8 +3,9 @@
 Launched only by h3lab.run.runner through h3lab.run.launch.launch_process, so that `--timeout`
 bounds it, Ctrl-C or SIGTERM stop it, and a crash or a full disk ends it with a status instead of
 taking the runner down: `python -m h3lab.run.workers.canonical SPEC.json`. Under the run folder
-it writes canonical.safetensors (out, dx, dtemb, dw.<parameter>), canonical.digests.json (digests
-runs), canonical.trace (traced runs), then canonical.json (the record the runner keeps) and
+it writes canonical.safetensors (out, dx, dtemb, dw.<parameter>; a training run's step{k}. tensors),
+canonical.digests.json (digests runs), canonical.trace (traced runs), then canonical.json (the
+record the runner keeps; a training run's loss, norm and clip coefficient per step) and
 canonical.status.json (running / done / error / terminated), the last one last.
 
 H3LAB_FAULT=<raise|hang|kill>:canonical injects a fault (h3lab.run.workers.faults).
@@ -30,6 +31,7 @@ from h3lab.metrics import count_nonfinite, sha256_tensor
 from h3lab.run import tasks
 from h3lab.run.lifeline import exit_now, watch
 from h3lab.run.problem import Problem
+from h3lab.run.steps import step_values
 from h3lab.run.trace import TraceRecorder
 from h3lab.run.workers import faults
 
@@ -48,7 +50,7 @@ def compute_canonical(problem: Problem, out: Path, trace: bool) -> dict:
         recorder = TraceRecorder()
         tasks.compute(problem, LocalComm(), device, trace=recorder)
         recorder.save(out / "canonical.trace")
-    return {
+    record = {
         "status": "done",
         "time_s": elapsed,
         "timings": result.timings,
@@ -57,6 +59,9 @@ def compute_canonical(problem: Problem, out: Path, trace: bool) -> dict:
         # a non-finite value compares equal to itself bit for bit: the summary shows where they are
         "nonfinite": {k: n for k, v in tensors.items() if (n := count_nonfinite(v))},
     }
+    if problem.task == "train":  # each step's loss, norm and clip coefficient, as numbers
+        record["steps"] = step_values(tensors)
+    return record
 
 
 def main(argv: list[str]) -> int:
@@ -73,6 +78,8 @@ def main(argv: list[str]) -> int:
     write_json(status, {"state": "running", "pid": os.getpid(), "time": time.time()})
     try:
         faults.inject("canonical")
+        if faults.planted_flip("canonical") is not None:  # the reference stays clean: flips go to ranks
+            raise ValueError(f"{faults.FAULT_VAR} flips a bit of the canonical process; allowed: flip:<rank>:...")
         record = compute_canonical(Problem.from_dict(spec["problem"]), out, bool(spec.get("trace")))
         write_json(out / "canonical.json", record)
     except BaseException as err:

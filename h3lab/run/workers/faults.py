@@ -6,6 +6,9 @@
   kill   SIGKILL itself (dies without a word)
   stop   SIGSTOP itself inside its next collective, after announcing it (the whole process stops,
          heartbeat included: what a GPU hang or a stopped process looks like from outside)
+  flip   `flip:<rank>:<op>:<flat index>`: one bit of a traced op's output on one rank (the lowest
+         mantissa bit, one ULP), which the rank goes on with: a silent corruption for the
+         first-divergence finder to name (`planted_flip`; a traced run only)
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import time
 from collections.abc import Callable
 
 FAULT_VAR = "H3LAB_FAULT"
-KINDS = ("raise", "hang", "kill", "stop")
+KINDS = ("raise", "hang", "kill", "stop", "flip")
 
 
 def inject(who: str, tick: Callable[[str], None] | None = None) -> Callable[[str], None] | None:
     """Inject the fault aimed at `who`, if any. For `stop`, returns the progress tick to use from
     here on (it stops the process right after announcing the next site); otherwise `tick`."""
     kind, _, target = os.environ.get(FAULT_VAR, "").partition(":")
-    if not kind or target != who:
+    if not kind or kind == "flip" or target != who:  # a flip is planted by the trace (planted_flip)
         return tick
     if kind not in KINDS:
         raise ValueError(f"{FAULT_VAR} kind {kind!r}; allowed: {list(KINDS)}")
@@ -42,3 +45,19 @@ def inject(who: str, tick: Callable[[str], None] | None = None) -> Callable[[str
         os.kill(os.getpid(), signal.SIGSTOP)
 
     return tick_then_stop
+
+
+def planted_flip(who: str) -> tuple[str, int] | None:
+    """(traced op name, flat index) of a `flip:<who>:<op>:<index>` fault aimed at `who`, else None.
+
+    Raises:
+        ValueError: a flip fault that does not have that form.
+    """
+    kind, _, rest = os.environ.get(FAULT_VAR, "").partition(":")
+    if kind != "flip":
+        return None
+    parts = rest.split(":")
+    if len(parts) != 3 or not parts[1] or not parts[2].isdigit():
+        raise ValueError(f"{FAULT_VAR}=flip:{rest}; allowed: flip:<rank>:<traced op>:<flat index>")
+    target, op, index = parts
+    return (op, int(index)) if target == who else None

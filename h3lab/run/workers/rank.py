@@ -6,8 +6,9 @@ The rank writes, under the layout directory: rank{r}.log (stdout and stderr), ra
 to the straggler), rank{r}.safetensors (its out/dx rows, its dW unit slices, replicated grads)
 and rank{r}.json (verdicts against the canonical block, timings, collective decisions).
 
-H3LAB_FAULT=<raise|hang|kill|stop>:<rank> injects a fault on one rank after the process group is up
-(fault-handling tests, h3lab.run.workers.faults; never set by the runner itself). A rank exits when
+H3LAB_FAULT=<raise|hang|kill|stop>:<rank> injects a fault on one rank after the process group is up,
+H3LAB_FAULT=flip:<rank>:<op>:<index> one flipped bit in a traced op's output (fault-handling and
+finder tests, h3lab.run.workers.faults; never set by the runner itself). A rank exits when
 its agent or its runner is gone (h3lab.run.lifeline), saying so in its status.
 """
 
@@ -34,7 +35,7 @@ from h3lab.io.jsonfile import write_json
 from h3lab.metrics import compare
 from h3lab.run.lifeline import watch
 from h3lab.run.problem import Problem
-from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, prepare
+from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare
 from h3lab.run.trace import TraceRecorder
 from h3lab.run.workers import faults
 
@@ -126,9 +127,16 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         act_dtype=torch.bfloat16,
         progress=progress,
     )
-    recorder = TraceRecorder() if spec.get("trace") else None
+    flip = faults.planted_flip(str(rank))
+    if flip is not None and not spec.get("trace"):
+        raise ValueError(
+            f"{faults.FAULT_VAR} flips {flip[0]!r}, a traced op, in a run without --trace; allowed: --trace"
+        )
+    recorder = TraceRecorder(flip=flip) if spec.get("trace") else None
     inputs = prepare(problem, device)  # once: a repeat that rebuilt them would start its step late
     result = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder, inputs=inputs)
+    if flip is not None and not recorder.flipped:  # type: ignore[union-attr]
+        raise ValueError(f"{faults.FAULT_VAR} flips {flip[0]!r}, which this rank never traced; allowed: a traced op")
     for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
         dist.barrier()  # every rank starts the step together: its forward_s then excludes the others' digests
         result = compute(problem, comm, device, layout=layout, rank=rank, inputs=inputs)
@@ -159,8 +167,8 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         "digests": result.digests,
         "all_equal": all(v["bitwise_equal"] for v in verdicts.values()),
     }
-    if problem.task != "trajectory":
-        rows = SeqShard(layout, problem.batch().num_rows).local_rows(rank)
+    if (S := num_rows(problem)) is not None:
+        rows = SeqShard(layout, S).local_rows(rank)
         record["local_rows"] = [rows.start, rows.stop]
     write_json(out_dir / f"rank{rank}.json", record)
     comm.close()
@@ -173,8 +181,7 @@ def _compare_with_canonical(tensors: dict, canonical_path: Path, problem: Proble
     canon = load_file(str(canonical_path))
     config = problem.config()
     real = slice(0)
-    if problem.task != "trajectory":
-        S = problem.batch().num_rows
+    if (S := num_rows(problem)) is not None:
         rows = SeqShard(layout, S).local_rows(rank)
         real = slice(rows.start, min(rows.stop, S))  # rows past S are SeqShard padding
     verdicts = {}
