@@ -22,7 +22,7 @@ from h3lab.comm import LocalComm
 from h3lab.config import H3Config, model_param_shapes, param_dtype
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
-from h3lab.model import InMemoryWeights, ModelInputs, SyntheticWeights, model_inputs, transformer_forward
+from h3lab.model import InMemoryWeights, SyntheticWeights, model_inputs, shuffle_rows, transformer_forward
 from h3lab.model.backward import check_blocks, model_backward, model_forward
 from h3lab.model.head import ModelOutput
 from h3lab.run.trace import TraceRecorder
@@ -98,31 +98,9 @@ def _assert_same_grads(a, b) -> None:
         assert_bitwise(ta[k], tb[k], k)
 
 
-def _shuffled(inputs: ModelInputs, seed: int) -> ModelInputs:
-    """The packed sequence permuted (every per-row field and the indices follow), and the rows of each
-    stream permuted; conditioning rows stay first among the video rows, as the pipeline packs them."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(inputs.num_rows, generator=g)  # new row j = old row perm[j]
-    new_pos = torch.argsort(perm)
-    nc, nv = inputs.num_condition_video_rows, inputs.video_rows.shape[0]
-    qv = torch.cat([torch.randperm(nc, generator=g), nc + torch.randperm(nv - nc, generator=g)])
-    qa = torch.randperm(inputs.audio_rows.shape[0], generator=g)
-    qt = torch.randperm(inputs.text_rows.shape[0], generator=g)
-    per_row = ("timestep_indices", "token_tags", "position_ids", "logical_keys")
-    return inputs.replace(
-        **{k: getattr(inputs, k)[perm] for k in per_row},
-        video_rows=inputs.video_rows[qv],
-        video_indices=new_pos[inputs.video_indices[qv]],
-        audio_rows=inputs.audio_rows[qa],
-        audio_indices=new_pos[inputs.audio_indices[qa]],
-        text_rows=inputs.text_rows[qt],
-        text_indices=new_pos[inputs.text_indices[qt]],
-    )
-
-
 def test_rows_out_of_key_order_change_no_bit_of_the_loss_or_any_gradient(reference):
     weights, inputs, ref, _ = reference
-    _assert_same_grads(model_grads(weights, _shuffled(inputs, 8), OBJECTIVE, seed=7, blocks=BLOCKS), ref)
+    _assert_same_grads(model_grads(weights, shuffle_rows(inputs, 8), OBJECTIVE, seed=7, blocks=BLOCKS), ref)
 
 
 def test_padding_rows_change_no_bit_of_the_loss_or_any_gradient(reference):

@@ -17,7 +17,7 @@ May import: the core and io (checkpoints).
 from h3lab.model.embed import Embedded, embed, project_rows, text_stream, time_embedding, timestep_sinusoid
 from h3lab.model.head import ModelOutput, head, norm_out_table, output_rows
 from h3lab.model.inputs import ModelInputs
-from h3lab.model.packing import model_inputs, row_timesteps
+from h3lab.model.packing import model_inputs, row_timesteps, shuffle_rows
 from h3lab.model.transformer import RowsShard, gather_sequence, run_blocks, transformer_forward
 from h3lab.model.weights import CheckpointWeights, InMemoryWeights, ModelWeights, SyntheticWeights
 
@@ -39,6 +39,7 @@ __all__ = [
     "project_rows",
     "row_timesteps",
     "run_blocks",
+    "shuffle_rows",
     "text_stream",
     "time_embedding",
     "timestep_sinusoid",

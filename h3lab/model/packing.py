@@ -150,3 +150,33 @@ def model_inputs(
     )
     timestep, indices = row_timesteps(base, vt, at)
     return base.replace(timestep=timestep, timestep_indices=indices)
+
+
+def shuffle_rows(inputs: ModelInputs, seed: int) -> ModelInputs:
+    """The same request with its rows out of key order: the packed sequence permuted (every per-row field
+    and the stream indices follow their rows, keys included) and the rows of each stream permuted inside
+    the stream; conditioning rows stay first among the video rows, as the pipeline packs them.
+
+    A row keeps its key, so the model's output per key, every loss and every gradient keep their bytes
+    (tests/test_model_grads.py). One CPU generator from `seed` draws, in order: the packed permutation,
+    the conditioning and the generated video rows' permutations, then the audio's and the text's.
+    """
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(inputs.num_rows, generator=g)  # new row j = old row perm[j]
+    new_pos = torch.argsort(perm).to(inputs.device)
+    nc, nv = inputs.num_condition_video_rows, inputs.video_rows.shape[0]
+    qv = torch.cat([torch.randperm(nc, generator=g), nc + torch.randperm(nv - nc, generator=g)])
+    na = inputs.num_condition_audio_rows
+    qa = torch.cat([torch.randperm(na, generator=g), na + torch.randperm(inputs.audio_rows.shape[0] - na, generator=g)])
+    qt = torch.randperm(inputs.text_rows.shape[0], generator=g)
+    qv, qa, qt, perm = (q.to(inputs.device) for q in (qv, qa, qt, perm))
+    per_row = ("timestep_indices", "token_tags", "position_ids", "logical_keys")
+    return inputs.replace(
+        **{k: getattr(inputs, k)[perm] for k in per_row},
+        video_rows=inputs.video_rows[qv],
+        video_indices=new_pos[inputs.video_indices[qv]],
+        audio_rows=inputs.audio_rows[qa],
+        audio_indices=new_pos[inputs.audio_indices[qa]],
+        text_rows=inputs.text_rows[qt],
+        text_indices=new_pos[inputs.text_indices[qt]],
+    )

@@ -25,8 +25,9 @@ the step). The norm has the same bits on every rank, so every rank of a layout r
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -137,6 +138,10 @@ class StepRecord:
     step: int  # steps taken, this one included
     grad_norm: Tensor  # 0-d float32, before clipping; identical on every rank
     clip_coef: Tensor  # 0-d float32
+    # clip_s: checks, the global norm (its gather included) and the coefficient, up to the host's
+    # finiteness check, which waits for them; update_s: every piece's update and write-back (on CUDA
+    # waited for). Wall clock of this rank.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class NonFiniteGradError(ValueError):
@@ -178,9 +183,10 @@ class AdamW:
             ValueError: gradients that do not match the weights' pieces, shapes, device or float dtypes.
             NonFiniteGradError: the global norm is NaN or Inf (nothing was changed).
         """
+        start = time.perf_counter()
         self._check(grads)
         gn = global_grad_norm(grads, self.comm, self.config)
-        if not bool(torch.isfinite(gn.total)):
+        if not bool(torch.isfinite(gn.total)):  # a host sync: the norm is done when clip_s is read
             bad = [piece_label(p, "dw") for p in gn.nonfinite_pieces()]
             where = f"non-finite sums of squares in {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad else "overflow"
             raise NonFiniteGradError(
@@ -188,6 +194,7 @@ class AdamW:
                 "changed; allowed: finite gradients whose sum of squares fits FP32"
             )
         coef = clip_coefficient(gn.norm, self.hyper.max_grad_norm)
+        clipped = time.perf_counter()
         b1, b2 = self.hyper.betas
         pows = (self._beta_pows[0] * b1, self._beta_pows[1] * b2)
         scalars = StepScalars.make(self.hyper, *pows, self.device)
@@ -195,8 +202,11 @@ class AdamW:
             st = self.state[p]
             adamw_update(st.master, st.exp_avg, st.exp_avg_sq, grads[p], coef, scalars)
             w.copy_(round_to(st.master, w.dtype))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timings = {"clip_s": clipped - start, "update_s": time.perf_counter() - clipped}
         self.step_count, self._beta_pows = self.step_count + 1, pows
-        return StepRecord(step=self.step_count, grad_norm=gn.norm, clip_coef=coef)
+        return StepRecord(step=self.step_count, grad_norm=gn.norm, clip_coef=coef, timings=timings)
 
     def named_weights(self, kind: str = "w") -> dict[str, Tensor]:
         """The rank's weights by runner tensor name (`block{i}.w.<grad>@u{u}`, `block{i}.w.<param>`, `w.<param>`)."""

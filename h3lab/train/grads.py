@@ -28,6 +28,7 @@ from h3lab.model.inputs import ModelInputs
 from h3lab.model.transformer import RowsShard
 from h3lab.model.weights import ModelWeights
 from h3lab.train.objective import FlowObjective
+from h3lab.train.pieces import Piece, block_grad_pieces
 from h3lab.units import assemble_unit_grads
 
 BLOCK_PREFIX = "transformer_blocks."
@@ -54,6 +55,19 @@ class ModelGrads:
                 out[f"{prefix}dw.{name}"] = t
         for i, grads in self.units.items():
             out |= {f"{prefix}block{i}.dw.{g}@u{u}": t for g, per in grads.items() for u, t in per.items()}
+        return out
+
+    def pieces(self) -> dict[Piece, Tensor]:
+        """Every gradient this rank holds by piece (h3lab.train.pieces): what `AdamW.step` reads."""
+        out = {}
+        for name, t in self.replicated.items():
+            if name.startswith(BLOCK_PREFIX):
+                i, param = name.removeprefix(BLOCK_PREFIX).split(".", 1)
+                out[Piece(int(i), param, None)] = t
+            else:
+                out[Piece(None, name, None)] = t
+        for i, grads in self.units.items():
+            out |= block_grad_pieces(i, grads, {})
         return out
 
     def assembled(self) -> dict[str, Tensor]:
