@@ -5,8 +5,8 @@ in one run, written as one JSON record.
         [--steps S] [--warmup W] [--lr X] [--device cuda|cpu] [--backend triton|torch] [--seed N]
 
 On an H200 (real shapes, blocks 0-3 with the embedders, token refiner and heads; the eager side needs
-diffusers 0.42.1, the `parity` extra; `reports/h200/train-step.sh` installs it from a carried wheel
-and runs this in one device call):
+diffusers 0.42.1, the `parity` extra, which a GPU node without it takes from a carried wheel; `h3lab
+publish --node h200` runs this through its benchmark registry):
 
     python -m h3lab.bench.train_step --out reports/h200/train-step.json --config real --blocks 0-3 \\
         --rows 4096 --steps 5 --warmup 2 --device cuda --backend triton
