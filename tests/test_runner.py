@@ -58,18 +58,13 @@ def _assert_all_bitwise(summary: dict, out: Path, layouts) -> None:
         assert len(rec["ranks"]) == layout.world and all(r["timings"]["backward_s"] > 0 for r in rec["ranks"])
 
 
-def test_the_seven_layouts_are_bitwise_equal_to_the_canonical_block(tmp_path):
-    summary = _run(tmp_path, ["all"], rows=264, seed=3)
+def test_the_seven_layouts_are_bitwise_equal_to_the_canonical_block_with_padding(tmp_path):
+    # 263 active + 4 padding rows = 267: not divisible by the 2 CP or 8 SP shards, so SeqShard pads too
+    summary = _run(tmp_path, ["all"], rows=263, padding=4, seed=4)
     _assert_all_bitwise(summary, tmp_path / "run", ALL_LAYOUTS)
     decisions = summary["layouts"]["tp8:2x4"]["decisions"]
     assert any(d["algorithm"] == "hierarchical" and d["group"]["local_size"] == 4 for d in decisions)
     assert all(d["bytes_received_total"] >= 0 for d in decisions)
-
-
-def test_an_odd_row_count_is_padded_and_still_bitwise(tmp_path):
-    # 263 active + 4 padding rows = 267: not divisible by the 2 CP or 8 SP shards, so SeqShard pads too
-    summary = _run(tmp_path, ["all"], rows=263, padding=4, seed=4)
-    _assert_all_bitwise(summary, tmp_path / "run", ALL_LAYOUTS)
 
 
 def test_tp8_2x4_runs_as_two_torchrun_agents(tmp_path):
@@ -113,7 +108,9 @@ def test_a_failing_rank_is_named_and_nothing_is_left_behind(tmp_path, monkeypatc
     assert rec["failure"]["log"].endswith("layouts/tp4/rank3.log")
     assert rec["launch"]["timed_out"] == (kind == "hang")
     assert not leftovers(rec["launch"]["token"])
-    monkeypatch.delenv("H3LAB_FAULT")  # the next run is unaffected
+    if kind != "hang":
+        return
+    monkeypatch.delenv("H3LAB_FAULT")  # the next run is unaffected, after the fault that outlives its phase longest
     again = run(
         RunRequest(
             layouts=tuple(parse_layouts("tp2")), problem=Problem(rows=64, seed=7), out=tmp_path / "again", timeout_s=240
