@@ -178,7 +178,8 @@ class Problem:
         return {"path": str(folder.resolve()), "manifest_verified": verified}
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The record as JSON holds it (betas a list), so a summary returned equals the summary read back."""
+        return dataclasses.asdict(self) | {"betas": list(self.betas)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Problem:
