@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,6 +65,23 @@ def _start_heartbeat(path: Path) -> None:
     threading.Thread(target=beat, daemon=True, name="h3lab-heartbeat").start()
 
 
+def _take_sigterm_in_a_thread(on_term: Callable[[int, object], None]) -> None:
+    """SIGTERM (torchrun stopping its ranks after one failed, or the runner's sweep) runs `on_term` at
+    once, also while the main thread is blocked in a collective. Python runs a signal handler in the
+    main thread between bytecodes only, so a rank waiting in gloo's C++ would take it when the
+    collective returned, or never: torchrun would wait its grace period and SIGKILL it. So SIGTERM is
+    blocked in this thread (threads started later inherit the mask: torch's among them) and one
+    thread takes it with sigwait. A thread started before this call may still receive it: the Python
+    handler, also `on_term`, covers that case as before."""
+    signal.signal(signal.SIGTERM, on_term)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait() -> None:
+        on_term(signal.sigwait({signal.SIGTERM}), None)
+
+    threading.Thread(target=wait, daemon=True, name="h3lab-sigterm").start()
+
+
 def run_rank(spec: dict) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out_dir = Path(spec["layout_dir"])
@@ -82,7 +100,7 @@ def run_rank(spec: dict) -> int:
         write_json(status, record | {"calls": progress.calls, "site": progress.site})
         os._exit(1)
 
-    signal.signal(signal.SIGTERM, on_term)
+    _take_sigterm_in_a_thread(on_term)
     watch(on_launcher_gone, parent_signal=signal.SIGKILL)  # SIGKILL: also ends a rank stuck in C++
     progress.tick("start")
     _start_heartbeat(out_dir / f"rank{rank}.heartbeat")
