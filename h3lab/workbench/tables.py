@@ -1,7 +1,8 @@
 """Run directories as pandas frames, saved as parquet, and the per-node-type timing table.
 
 Frames (one row per ...):
-  verdicts     node type, run, mode, seed, layout, tensor: byte equality, differing elements, max ULP
+  verdicts     node type, run, mode, seed, layout, tensor: byte equality, differing elements, sign flips,
+               ULP percentiles, the error in ULPs at the tensor's RMS, max ULP (h3lab.metrics.compare)
   layouts      node type, run, mode, seed, layout: status, tensors equal, failure (rank, reason, log)
   ranks        node type, run, mode, seed, layout, rank: forward/backward/collective seconds, bytes moved
   collectives  node type, run, mode, seed, layout, rank, collective site: op, algorithm, bytes, seconds
@@ -38,6 +39,12 @@ VERDICT_FIELDS = (
     "frac_differing",
     "max_ulp",
     "nan_mismatches",
+    "sign_flips",
+    "ulp_p50",
+    "ulp_p99",
+    "max_abs_diff",
+    "ref_rms",
+    "max_ulp_at_rms",
 )
 
 
@@ -52,21 +59,31 @@ def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
         for name in run.tensor_names or list(tensors):
             t = tensors.get(name)
             # a digest-only verdict (`h3lab run --digests`) has bitwise_equal alone: the rest stays missing
-            rows.append(
-                keys | {"layout_status": rec["status"], "tensor": name} | {c: (t or {}).get(c) for c in VERDICT_FIELDS}
-            )
+            fields = {c: (t or {}).get(c) for c in VERDICT_FIELDS}
+            for c in ("ulp_p50", "ulp_p99"):  # recorded as None: no element left besides sign flips
+                fields[c] = 0 if t and c in t and t[c] is None else fields[c]
+            rows.append(keys | {"layout_status": rec["status"], "tensor": name} | fields)
     df = pd.DataFrame(rows)
-    for col, dtype in (("bitwise_equal", "boolean"), ("max_ulp", "Int64"), ("num_differing", "Int64")):
+    for col in ("max_abs_diff", "ref_rms", "max_ulp_at_rms"):
+        if col in df:
+            df[col] = df[col].astype("Float64")
+    for col, dtype in (("bitwise_equal", "boolean"), *((c, "Int64") for c in INT_FIELDS)):
         if col in df:
             df[col] = df[col].astype(dtype)
     return df
 
 
-def _worst_ulp(tensors: dict[str, dict]) -> int | None:
-    """The largest ULP distance over the tensors; unknown (None) when a differing one is a digest only."""
-    if any(not t["bitwise_equal"] and t.get("max_ulp") is None for t in tensors.values()):
+INT_FIELDS = ("max_ulp", "num_differing", "sign_flips", "ulp_p50", "ulp_p99")
+
+
+def _worst_ulp(tensors: dict[str, dict], key: str = "max_ulp") -> int | float | None:
+    """The largest `key` over the tensors whose bits differ (0 when none differ); unknown (None) when a
+    differing one does not record it (a digest-only verdict, or a record older than the field). A
+    recorded None (no element left to take a percentile of, no scale) counts as 0."""
+    differing = [t for t in tensors.values() if not t["bitwise_equal"]]
+    if any(key not in t for t in differing):
         return None
-    return max((t["max_ulp"] for t in tensors.values() if t.get("max_ulp") is not None), default=None)
+    return max((t[key] or 0 for t in differing), default=0 if tensors else None)
 
 
 def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
@@ -83,6 +100,9 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
                 "tensors_equal": sum(t["bitwise_equal"] for t in tensors.values()) if tensors else None,
                 "tensors": len(tensors) if tensors else None,
                 "max_ulp": _worst_ulp(tensors),
+                "ulp_p99": _worst_ulp(tensors, "ulp_p99"),
+                "max_ulp_at_rms": _worst_ulp(tensors, "max_ulp_at_rms"),
+                "sign_flips": sum(t.get("sign_flips") or 0 for t in tensors.values()) if tensors else None,
                 "launch_s": rec.get("launch", {}).get("elapsed_s"),
                 "failed_rank": failure.get("rank"),
                 "failure": failure.get("reason"),
@@ -90,9 +110,11 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
             }
         )
     df = pd.DataFrame(rows)
-    for col in ("tensors_equal", "tensors", "max_ulp", "failed_rank"):
+    for col in ("tensors_equal", "tensors", "max_ulp", "ulp_p99", "sign_flips", "failed_rank"):
         if col in df:
             df[col] = df[col].astype("Int64")
+    if "max_ulp_at_rms" in df:
+        df["max_ulp_at_rms"] = df["max_ulp_at_rms"].astype("Float64")
     return df
 
 
@@ -187,7 +209,17 @@ def timing_table(ranks: pd.DataFrame) -> pd.DataFrame:
 
 
 def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
-    """Layout x mode: 'passed 15/15', 'mismatch 0/15 (max 30232 ULP)' or 'failed rank 3', over seeds."""
+    """Layout x mode: 'passed 15/15', 'mismatch 0/15: p99 2 ULP, 9 ULP at RMS, 3 sign flips' or
+    'failed (rank 3)', over seeds. The maximum ULP distance is in `drift_table`."""
+
+    def worst(r: pd.Series) -> str:
+        if r["status"] == "passed":
+            return ""
+        if not pd.isna(r.get("ulp_p99", pd.NA)) and not pd.isna(r.get("max_ulp_at_rms", pd.NA)):
+            n = 0 if pd.isna(r.get("sign_flips", 0)) else int(r["sign_flips"])
+            flips = f", {n} sign flips" if n else ""
+            return f": p99 {int(r['ulp_p99'])} ULP, {_ulps(r['max_ulp_at_rms'])} ULP at RMS{flips}"
+        return ", digests differ" if pd.isna(r["max_ulp"]) else f", max {r['max_ulp']} ULP"
 
     def cell(rows: pd.DataFrame) -> str:
         parts = []
@@ -195,19 +227,40 @@ def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
             if pd.isna(r["tensors"]):
                 parts.append(f"{r['status']} (rank {r['failed_rank']})")
             else:
-                worst = (
-                    ""
-                    if r["status"] == "passed"
-                    else ", digests differ"
-                    if pd.isna(r["max_ulp"])
-                    else f", max {r['max_ulp']} ULP"
-                )
-                parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst}")
+                parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst(r)}")
         return "; ".join(dict.fromkeys(parts))
 
     table = layouts.groupby(["layout", "mode"], sort=False).apply(cell, include_groups=False).unstack("mode")
     table = table.reindex(columns=[m for m in MODE_ORDER if m in table.columns])
     return table.reindex(list(dict.fromkeys(layouts["layout"])))
+
+
+def _ulps(x: float) -> str:
+    return f"{x:.2g}" if x < 10 else f"{x:.0f}"
+
+
+DRIFT_COLUMNS = {
+    "num_differing": "differing",
+    "frac_differing": "fraction",
+    "sign_flips": "sign flips",
+    "ulp_p50": "p50 ULP",
+    "ulp_p99": "p99 ULP",
+    "max_ulp_at_rms": "max ULP at RMS",
+    "max_abs_diff": "max |a-b|",
+    "ref_rms": "RMS",
+    "max_ulp": "max ULP",
+}
+
+
+def drift_table(verdicts: pd.DataFrame) -> pd.DataFrame:
+    """Per mode, layout and tensor whose bits differ: how many elements, the sign flips, the ULP
+    percentiles, the error at the tensor's RMS, and the maximum ULP distance (worst over seeds)."""
+    differs = verdicts[verdicts["bitwise_equal"].eq(False).fillna(False).astype(bool)]
+    cols = [c for c in DRIFT_COLUMNS if c in differs]
+    if differs.empty:
+        return pd.DataFrame(columns=list(DRIFT_COLUMNS.values()))
+    table = differs.groupby(["mode", "layout", "tensor"], sort=False)[cols].max()
+    return table.rename(columns=DRIFT_COLUMNS)
 
 
 def write_parquet(sweeps: list[Sweep], out: Path) -> dict[str, Path]:
