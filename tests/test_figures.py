@@ -226,13 +226,13 @@ def test_verdict_table_headlines_the_percentile_and_the_drift_table_keeps_the_ma
             base | {"layout": "tp2", "mode": "deterministic", "status": "passed", "tensors_equal": 15},
             base
             | {"layout": "tp2", "mode": "baseline", "status": "mismatch", "tensors_equal": 0, "max_ulp": 2046798712}
-            | {"ulp_p99": 3, "max_ulp_at_rms": 12.4, "sign_flips": 2},
+            | {"ulp_p99": 3, "max_ulp_at_rms": 12.4, "max_err_of_rms": 0.0213, "sign_flips": 2},
             base | {"layout": "tp8", "mode": "baseline", "status": "mismatch", "tensors_equal": 14, "max_ulp": pd.NA},
         ]
     )
     table = verdict_table(layouts)
     assert table.loc["tp2", "deterministic"] == "passed 15/15"
-    assert table.loc["tp2", "baseline"] == "mismatch 0/15: p99 3 ULP, 12 ULP at RMS, 2 sign flips"
+    assert table.loc["tp2", "baseline"] == "mismatch 0/15: max |a-b| 2.1e-02 of RMS, 2 sign flips"  # not the max ULP
     assert table.loc["tp8", "baseline"] == "mismatch 14/15, digests differ"
     drift = drift_table(_verdicts())
     assert list(drift.index) == [("baseline", "tp2", "out"), ("baseline", "tp2", "dx")]

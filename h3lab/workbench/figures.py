@@ -2,12 +2,12 @@
 the op-by-op first-divergence timeline of a traced run.
 
 All use discrete bins, never a continuous scale: ULP distances fall in power-of-two bins
-[0, 1, 2, 4, ..., 2^16, beyond), errors at the tensor's RMS in [0, <2^-8, ..., 1/4, 1, 2, ..., 2^16,
-beyond) and fractions of differing elements in [0, <2^-12, 2^-12, ..., 1/2, 1]. The first colour, a
+[0, 1, 2, 4, ..., 2^16, beyond), errors at the tensor's RMS in [0, (0, 1), 1, 2, ..., 2^16, beyond)
+and fractions of differing elements in [0, <2^-12, 2^-12, ..., 1/2, 1]. The first colour, a
 neutral grey, is reserved for "bit-identical"; a layout that left no result is drawn in FAILED.
 
-The heatmap headlines what can be read: the 99th percentile of the ULP distance and the largest
-error in ULPs at the tensor's RMS (h3lab.metrics: sign flips of elements near zero, whose ULP
+The heatmap headlines what can be read: the largest error in ULPs at the tensor's RMS and the 99th
+percentile of the ULP distance (h3lab.metrics: sign flips of elements near zero, whose ULP
 distance counts every float around zero, are counted apart). The maximum ULP distance, set by those
 flips, is one table away (`tables.drift_table`). Per-element maps draw sign flips in their own
 colour, SIGN_FLIP, outside the ULP scale.
@@ -36,8 +36,8 @@ IDENTICAL = to_rgba("#d9d9d9")  # neutral grey: bit-identical, and nothing else
 FAILED = to_rgba("#3b3b3b")  # no result: the layout failed or the value is missing
 SIGN_FLIP = to_rgba("#2c7fb8")  # blue, outside the yellow-red scale: an element whose sign flipped near zero
 ULP_EDGES = np.array([0, 1] + [2**k for k in range(1, 17)] + [2**62], dtype=np.float64)  # last bin: >= 2^16
-# errors at the RMS below one ULP are real differences too (a flip near zero): bins down to 2^-8
-RMS_EDGES = np.array([0, 1e-300] + [2.0**k for k in range(-6, 0, 2)] + [2.0**k for k in range(0, 17)] + [2.0**62])
+# an error at the RMS below one ULP is a difference too (a flip near zero): the first colour bin is (0, 1)
+RMS_EDGES = np.array([0, 1e-300] + [2.0**k for k in range(0, 17)] + [2.0**62])
 FRAC_EDGES = np.array([0, 1e-12] + [2.0**k for k in range(-12, 1)] + [1 + 1e-9])  # 1e-12 < 1/numel of any tensor
 MAX_CELLS = 512  # per-element maps larger than this per side show the max over blocks
 
@@ -127,8 +127,8 @@ def _panel(ax: Axes, values: np.ndarray, edges: np.ndarray, labels: list[list[st
 
 # the heatmap's panel rows: verdict column, cell function, bins, title, colorbar label, cell label
 HEATMAP_ROWS = (
-    ("ulp_p99", _ulp_cell, ULP_EDGES, "p99 ULP", lambda x: _ulp_label(x) if x > 0 else ""),
     ("max_ulp_at_rms", _rms_cell, RMS_EDGES, "max error, ULPs at RMS", lambda x: _ulp_label(x) if x > 0 else ""),
+    ("ulp_p99", _ulp_cell, ULP_EDGES, "p99 ULP", lambda x: _ulp_label(x) if x > 0 else ""),
     ("frac_differing", _frac_cell, FRAC_EDGES, "fraction differing", lambda x: _frac_label(x)),
 )
 
@@ -153,7 +153,7 @@ def _cells(v: pd.DataFrame, layouts: list[str], tensors: list[str], column: str,
 
 
 def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
-    """Layout x tensor, one column per mode: p99 ULP, the largest error in ULPs at the tensor's RMS, and
+    """Layout x tensor, one column per mode: the largest error in ULPs at the tensor's RMS, p99 ULP and
     the fraction of differing elements (HEATMAP_ROWS).
 
     Args:

@@ -100,8 +100,13 @@ def publish(
     element_tensor: str = "out",
     fp64: bool = True,
     take_screenshot: bool = True,
+    benchmarks: dict[str, dict[str, str]] | None = None,
+    note: str = "",
 ) -> Path:
     """Execute the report notebook over `runs` and write out_dir/report.html (+ report.json, data/, screenshot).
+
+    `benchmarks` (name -> {"path", "command", "what"} or {"skipped": reason}) are the speed tables;
+    `note` is markdown shown under the title.
 
     The index of the reports beside it (out_dir/../index.html) is not touched: `write_index` is
     the caller's choice (`h3lab report` refreshes the repository's reports/index.html only).
@@ -124,6 +129,8 @@ def publish(
         "element_layout": element_layout,
         "element_tensor": element_tensor,
         "fp64": fp64,
+        "benchmarks": benchmarks or {},
+        "note": note,
     }
     if title:
         params["title"] = title
@@ -133,29 +140,46 @@ def publish(
     data = out_dir / "data"
     data.mkdir(exist_ok=True)
     tables.write_parquet(sweeps, data)
-    _write_record(sweeps, out_dir, title or _title(sweeps))
+    _write_record(sweeps, out_dir, title or _title(sweeps), benchmarks or {})
     if take_screenshot and chromium() is not None:
         screenshot(page, out_dir / "screenshot.png")
     return page
 
 
 def _title(sweeps: list[Sweep]) -> str:
-    return "h3lab layout sweep: " + ", ".join(dict.fromkeys(s.node_type for s in sweeps))
+    return "h3lab layout sweep: " + ", ".join(dict.fromkeys(folder_name(s).upper() for s in sweeps))
+
+
+def folder_name(sweep: Sweep) -> str:
+    """The published folder of a run: its node type, with x<N> when it ran on N > 1 GPUs (cpu, h200, h200x2).
+
+    N is the sweep's `gpus` (params.json), else the GPUs its environment record lists.
+    """
+    gpus = sweep.params.get("gpus") or len(sweep.env.get("gpus") or [])
+    node = sweep.node_type.lower()
+    return node if node == "cpu" or gpus <= 1 else f"{node}x{gpus}"
 
 
 def _commit(sweep: Sweep) -> str | None:
     return (sweep.env.get("git") or {}).get("describe")
 
 
-def _write_record(sweeps: list[Sweep], out_dir: Path, title: str) -> None:
+def _write_record(sweeps: list[Sweep], out_dir: Path, title: str, benchmarks: dict[str, dict[str, str]]) -> None:
     layouts = tables.layout_frame(sweeps)
     det = layouts[layouts["mode"] == "deterministic"]
     record = {
         "title": title,
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "node_types": list(dict.fromkeys(s.node_type for s in sweeps)),
+        "folders": list(dict.fromkeys(folder_name(s) for s in sweeps)),
         "runs": [
-            {"id": s.run_id, "status": s.status, "commit": _commit(s), "modes": sorted({r.mode for r in s.runs})}
+            {
+                "id": s.run_id,
+                "status": s.status,
+                "commit": _commit(s),
+                "modes": sorted({r.mode for r in s.runs}),
+                "problems": list(dict.fromkeys(r.problem_label for r in s.runs)),
+            }
             for s in sweeps
         ],
         "layouts": list(dict.fromkeys(layouts["layout"])),
@@ -163,6 +187,7 @@ def _write_record(sweeps: list[Sweep], out_dir: Path, title: str) -> None:
         "deterministic_passed": int((det["status"] == "passed").sum()),
         "deterministic_runs": len(det),
         "failed": int((layouts["status"] == "failed").sum()),
+        "benchmarks": {k: "ran" if v.get("path") else f"not run: {v.get('skipped')}" for k, v in benchmarks.items()},
     }
     write_json(out_dir / "report.json", record)
 

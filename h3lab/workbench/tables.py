@@ -1,13 +1,14 @@
-"""Run directories as pandas frames, saved as parquet, and the per-node-type timing table.
+"""Run directories as pandas frames, saved as parquet, and the tables the notebooks print.
 
-Frames (one row per ...):
-  verdicts     node type, run, mode, seed, layout, tensor: byte equality, differing elements, sign flips,
+Frames (one row per ...; `problem` is what was compared, RunnerRun.problem_label):
+  verdicts     node type, problem, run, mode, seed, layout, tensor: byte equality, differing elements, sign flips,
                ULP percentiles, the error in ULPs at the tensor's RMS, max ULP (h3lab.metrics.compare)
-  layouts      node type, run, mode, seed, layout: status, tensors equal, failure (rank, reason, log)
-  ranks        node type, run, mode, seed, layout, rank: forward/backward/collective seconds, bytes moved
-  collectives  node type, run, mode, seed, layout, rank, collective site: op, algorithm, bytes, seconds
-Times are each rank's own clock around its forward and backward (collectives included); a layout's
-time is the median over its ranks (and seeds), its spread max - min.
+  layouts      node type, problem, run, mode, seed, layout: status, tensors equal, failure (rank, reason, log)
+  ranks        node type, problem, run, mode, seed, layout, rank: forward/backward/collective seconds (one
+               step of a correctness run, compilation included: not a speed figure), bytes moved
+  collectives  node type, problem, run, mode, seed, layout, rank, collective site: op, algorithm, bytes
+Times are each rank's own clock around its forward and backward (collectives included). Speed is
+read from the benchmarks (h3lab.workbench.benchmarks), never from these.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pandas as pd
 
 from h3lab.workbench.rundata import RunnerRun, Sweep
 
-KEYS = ["node_type", "run_id", "mode", "seed", "layout"]
+KEYS = ["node_type", "problem", "run_id", "mode", "seed", "layout"]
 MODE_ORDER = ["deterministic", "baseline"]
 
 
@@ -27,8 +28,8 @@ def _runs(sweeps: Iterable[Sweep]) -> Iterable[tuple[dict, RunnerRun, str, dict]
     for sw in sweeps:
         for run in sw.runs:
             for layout, rec in run.summary["layouts"].items():
-                keys = {"node_type": sw.node_type, "run_id": sw.run_id, "mode": run.mode, "seed": run.seed}
-                yield keys | {"layout": layout}, run, layout, rec
+                keys = {"node_type": sw.node_type, "problem": run.problem_label, "run_id": sw.run_id}
+                yield keys | {"mode": run.mode, "seed": run.seed, "layout": layout}, run, layout, rec
 
 
 VERDICT_FIELDS = (
@@ -86,6 +87,15 @@ def _worst_ulp(tensors: dict[str, dict], key: str = "max_ulp") -> int | float | 
     return max((t[key] or 0 for t in differing), default=0 if tensors else None)
 
 
+def _of_rms(t: dict) -> dict:
+    """The tensor's verdict with "of_rms": max |a - b| / RMS of the reference, a fraction comparable
+    across dtypes (absent when the record holds no drift; None when the reference is all zero)."""
+    if "max_abs_diff" not in t or "ref_rms" not in t:
+        return t
+    rms = t["ref_rms"]
+    return t | {"of_rms": t["max_abs_diff"] / rms if rms else None}
+
+
 def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     """Per layout of every run: status, how many tensors are byte-equal, the worst ULP, the failure."""
     rows = []
@@ -102,6 +112,7 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
                 "max_ulp": _worst_ulp(tensors),
                 "ulp_p99": _worst_ulp(tensors, "ulp_p99"),
                 "max_ulp_at_rms": _worst_ulp(tensors, "max_ulp_at_rms"),
+                "max_err_of_rms": _worst_ulp({k: _of_rms(t) for k, t in tensors.items()}, "of_rms"),
                 "sign_flips": sum(t.get("sign_flips") or 0 for t in tensors.values()) if tensors else None,
                 "launch_s": rec.get("launch", {}).get("elapsed_s"),
                 "failed_rank": failure.get("rank"),
@@ -113,8 +124,9 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     for col in ("tensors_equal", "tensors", "max_ulp", "ulp_p99", "sign_flips", "failed_rank"):
         if col in df:
             df[col] = df[col].astype("Int64")
-    if "max_ulp_at_rms" in df:
-        df["max_ulp_at_rms"] = df["max_ulp_at_rms"].astype("Float64")
+    for col in ("max_ulp_at_rms", "max_err_of_rms"):
+        if col in df:
+            df[col] = df[col].astype("Float64")
     return df
 
 
@@ -180,45 +192,17 @@ def decision_table(run: RunnerRun, layout: str, rank: int = 0) -> pd.DataFrame:
     return pd.DataFrame([_decision_row(d) for d in records[rank].get("decisions", [])])
 
 
-def timing_table(ranks: pd.DataFrame) -> pd.DataFrame:
-    """Per layout, each mode side by side: forward and backward median and spread over ranks (and seeds),
-    collective seconds, MiB sent by all ranks together (median over seeds), and deterministic / baseline."""
-    if ranks.empty:
-        return pd.DataFrame()
-    g = ranks.groupby(["layout", "mode"], sort=False)
-    per_seed_bytes = ranks.groupby(["layout", "mode", "run_id", "seed"], sort=False)["bytes_sent"].sum()
-    t = pd.DataFrame(
-        {
-            "fwd median s": g["forward_s"].median(),
-            "fwd spread s": g["forward_s"].max() - g["forward_s"].min(),
-            "bwd median s": g["backward_s"].median(),
-            "bwd spread s": g["backward_s"].max() - g["backward_s"].min(),
-            "coll median s": g["collective_s"].median(),
-            "MiB sent": per_seed_bytes.groupby(["layout", "mode"], sort=False).median() / 2**20,
-            "ranks": g["rank"].nunique(),
-        }
-    )
-    wide = t.unstack("mode").swaplevel(axis=1)  # columns (mode, metric)
-    modes = [m for m in MODE_ORDER if m in wide.columns.get_level_values("mode")]
-    wide = wide.reindex(columns=pd.MultiIndex.from_product([modes, t.columns], names=["mode", None]))
-    wide = wide.reindex(list(dict.fromkeys(ranks["layout"])))
-    if set(MODE_ORDER) <= set(modes):
-        total = lambda m: wide[(m, "fwd median s")] + wide[(m, "bwd median s")]  # noqa: E731
-        wide[("deterministic / baseline", "fwd+bwd")] = total("deterministic") / total("baseline")
-    return wide
-
-
 def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
-    """Layout x mode: 'passed 15/15', 'mismatch 0/15: p99 2 ULP, 9 ULP at RMS, 3 sign flips' or
-    'failed (rank 3)', over seeds. The maximum ULP distance is in `drift_table`."""
+    """Layout x mode: 'passed 15/15', 'mismatch 0/15: max |a-b| 2.1e-02 of RMS, 3 sign flips' or
+    'failed (rank 3)', over seeds. Per tensor, and the maximum ULP distance: `drift_table`."""
 
     def worst(r: pd.Series) -> str:
         if r["status"] == "passed":
             return ""
-        if not pd.isna(r.get("ulp_p99", pd.NA)) and not pd.isna(r.get("max_ulp_at_rms", pd.NA)):
+        if not pd.isna(r.get("max_err_of_rms", pd.NA)):
             n = 0 if pd.isna(r.get("sign_flips", 0)) else int(r["sign_flips"])
             flips = f", {n} sign flips" if n else ""
-            return f": p99 {int(r['ulp_p99'])} ULP, {_ulps(r['max_ulp_at_rms'])} ULP at RMS{flips}"
+            return f": max |a-b| {r['max_err_of_rms']:.1e} of RMS{flips}"
         return ", digests differ" if pd.isna(r["max_ulp"]) else f", max {r['max_ulp']} ULP"
 
     def cell(rows: pd.DataFrame) -> str:
@@ -233,10 +217,6 @@ def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
     table = layouts.groupby(["layout", "mode"], sort=False).apply(cell, include_groups=False).unstack("mode")
     table = table.reindex(columns=[m for m in MODE_ORDER if m in table.columns])
     return table.reindex(list(dict.fromkeys(layouts["layout"])))
-
-
-def _ulps(x: float) -> str:
-    return f"{x:.2g}" if x < 10 else f"{x:.0f}"
 
 
 DRIFT_COLUMNS = {
@@ -279,7 +259,8 @@ def write_parquet(sweeps: list[Sweep], out: Path) -> dict[str, Path]:
 
 
 def terminal_summary(sweep: Sweep) -> str:
-    """The sweep in a fixed-width table: per layout and mode, the verdict and the slowest rank's fwd+bwd."""
+    """The sweep in a fixed-width table: per layout and mode, the verdict and the slowest rank's fwd+bwd
+    seconds of its one correctness step (compilation included: a sign of life, not a speed figure)."""
     layouts, ranks = layout_frame([sweep]), rank_frame([sweep])
     verdicts = verdict_table(layouts)
     step = (
@@ -289,7 +270,7 @@ def terminal_summary(sweep: Sweep) -> str:
     )
     modes = list(verdicts.columns)
     width = max(28, *(len(str(v)) + 2 for v in verdicts.to_numpy().ravel()))
-    head = f"{'layout':<12}" + "".join(f"{m:<{width}}{'fwd+bwd s':>10}  " for m in modes)
+    head = f"{'layout':<12}" + "".join(f"{m:<{width}}{'1st step s':>10}  " for m in modes)
     lines = [head, "-" * len(head)]
     for layout, row in verdicts.iterrows():
         cells = []
