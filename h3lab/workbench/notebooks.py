@@ -120,6 +120,30 @@ def execute(
         raise NotebookError(name, err.cell_index, err.ename, err.evalue, output) from None
 
 
+def run_reproduce(run_dir: Path, params: dict[str, Any]) -> Any:
+    """The reproduce notebook into `run_dir` (new or empty, claimed by the caller) with the progress bar;
+    sweep.json ends failed or interrupted when the notebook stops short. Returns the `Sweep`.
+
+    Raises:
+        NotebookError: a cell raised (a bad parameter: ValueError, before any work).
+    """
+    from h3lab.io.rundir import describe_end
+    from h3lab.workbench.rundata import load_sweep
+    from h3lab.workbench.sweep import mark_ended
+
+    params = dict(params) | {"run_dir": str(run_dir)}
+    try:
+        with sweep_progress(run_dir):
+            execute("reproduce", run_dir / "reproduce.ipynb", params)
+    except (KeyboardInterrupt, SystemExit) as err:  # the kernel is shut down with the notebook
+        mark_ended(run_dir, "interrupted", describe_end(err))
+        raise
+    except NotebookError as err:
+        mark_ended(run_dir, "failed", str(err))
+        raise
+    return load_sweep(run_dir)
+
+
 @contextmanager
 def sweep_progress(run_dir: Path, poll_s: float = 0.5) -> Iterator[tqdm]:
     """A tqdm bar in the parent over a sweep running in a kernel: it reads params.json for the plan and
