@@ -1,7 +1,7 @@
 """What `h3lab publish` sweeps per node kind: the reproduce notebook's parameters, one sweep per stage.
 
-On a CPU node the tiny configuration: every layout in both modes at 264 rows, a chain and a
-trajectory. On a GPU node the real shapes with the Triton kernels and digests of the weight
+On a CPU node the tiny configuration: every layout in both modes at 264 rows, a 50-block chain
+under every layout, a 2-step trajectory. On a GPU node the real shapes with the Triton kernels and digests of the weight
 gradients: every layout in both modes at 264 rows, tp1 and tp2 at 4096 rows, a 50-block chain.
 Each layout runs one process per GPU where its ranks fit the publish's GPUs (NCCL), else its ranks
 share them (gloo). `gpus` and `run_dir` are added per publish.
@@ -21,8 +21,9 @@ SWEEPS: dict[str, dict[str, dict[str, Any]]] = {
         "chain": {
             "device": "cpu",
             "config": "tiny",
-            "layouts": "tp2,tp4xcp2+sp,tp8:2x4",
-            "blocks": "0-3",
+            "layouts": "all",
+            "blocks": "0-49",
+            "digests": True,
             "rows": 264,
             "modes": DETERMINISTIC,
             "accuracy": False,
@@ -30,8 +31,8 @@ SWEEPS: dict[str, dict[str, dict[str, Any]]] = {
         "trajectory": {
             "device": "cpu",
             "config": "tiny",
-            "layouts": "tp2,tp4xcp2+sp",
-            "blocks": "0-1",
+            "layouts": "tp2,tp4xcp2+sp,tp8:2x4",
+            "blocks": "0-3",
             "trajectory": 2,
             "modes": DETERMINISTIC,
             "accuracy": False,
