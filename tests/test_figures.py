@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -238,3 +240,21 @@ def test_verdict_table_headlines_the_percentile_and_the_drift_table_keeps_the_ma
     assert list(drift.index) == [("baseline", "tp2", "out"), ("baseline", "tp2", "dx")]
     assert drift.loc[("baseline", "tp2", "out"), "max ULP"] == 31000  # the maximum, one table away
     assert drift.loc[("baseline", "tp2", "out"), "p99 ULP"] == 3
+
+
+def test_a_summary_kept_without_its_files_still_gives_every_verdict(tmp_path):
+    """A digests run's summary alone (its canonical.digests.json not kept): every tensor it judged is drawn."""
+    from h3lab.workbench.rundata import load_sweep
+    from h3lab.workbench.tables import verdict_frame
+
+    equal = {"bitwise_equal": True}
+    summary = {
+        "status": "passed",
+        "request": {"problem": {"mode": "deterministic", "seed": 0, "block": 0, "rows": 264, "synthetic": "real"}},
+        "canonical": {"sha256": {"out": "a", "dx": "b"}},
+        "layouts": {"tp2": {"status": "passed", "tensors": {"out": equal, "dx": equal, "dw.x@u0": equal}}},
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    frame = verdict_frame([load_sweep(tmp_path)])
+    assert list(frame["tensor"]) == ["out", "dx", "dw.x@u0"]
+    assert set(frame["problem"]) == {"block 0, 264 rows, synthetic real"}

@@ -57,7 +57,8 @@ def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     rows = []
     for keys, run, _, rec in _runs(sweeps):
         tensors = rec.get("tensors") or {name: None for name in run.tensor_names}
-        for name in run.tensor_names or list(tensors):
+        names = run.tensor_names  # a summary kept without its run's files: the verdicts name the rest
+        for name in names + [k for k in tensors if k not in names]:
             t = tensors.get(name)
             # a digest-only verdict (`h3lab run --digests`) has bitwise_equal alone: the rest stays missing
             fields = {c: (t or {}).get(c) for c in VERDICT_FIELDS}
