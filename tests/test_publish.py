@@ -57,6 +57,9 @@ def test_a_node_that_is_not_this_machine_and_unknown_stages_are_refused(tmp_path
     assert main(["publish", "--node", "cpu", "--only", "sweep,gems", "--work", str(tmp_path / "w")]) == 2
     assert "--only ['gems']; allowed: ['sweep', 'chain', 'trajectory', 'block_cpu'" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # refused before anything is written
+    assert main(["publish", "--node", "cpu", "--only", "render", "--work", str(tmp_path / "w2")]) == 2
+    err = capsys.readouterr().err
+    assert "render: sweeps ['sweep', 'chain', 'trajectory'] are not done; allowed: render once every" in err
 
 
 # ---- stages and the folder ------------------------------------------------------------------------

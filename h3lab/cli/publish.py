@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         from h3lab.bench.registry import plan
         from h3lab.io.rundir import read_record
         from h3lab.workbench import plans
+        from h3lab.workbench.notebooks import NotebookError
         from h3lab.workbench.stages import StageBook
 
         gpus = _gpus(a.node, a.gpus)
@@ -54,22 +55,34 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         book.claim({"node": a.node, "gpus": gpus, "folder": folder})
         print(f"publish {folder}: work folder {book.work}")
         try:
-            for name in names:
-                if only and name not in only:
-                    continue
+            for name in (n for n in names if not only or n in only):
                 if name in sweeps:
                     fn = lambda n=name: _sweep(book, n, sweeps[n] | {"gpus": gpus})  # noqa: E731
                 elif name in benches:
                     fn = lambda n=name: _bench(book, benches[n], gpus)  # noqa: E731
+                elif (why := _not_ready(book, sweeps, benches, a.partial)) and "render" not in only:
+                    print(f"render: not run now: {why}")  # asked for by name, it is refused below instead
+                    continue
                 else:
                     fn = lambda: _render(book, a, folder, gpus, sweeps, benches)  # noqa: E731
                 rec = book.run(name, fn, redo=name in redo)
                 print(f"{name}: {_line(rec)}", flush=True)
+        except NotebookError as err:  # a sweep's notebook stopped: its stage says failed, with the cell
+            print(f"h3lab publish: {err}")
         finally:
             book.release()
         return _print_states(book, names)
 
     return handle
+
+
+def _not_ready(book, sweeps: dict, benches: dict, partial: bool) -> str:
+    """Why the render cannot run yet ("" when it can)."""
+    missing = [n for n in sweeps if not book.done(n)]
+    if missing:
+        return f"sweeps {missing} are not done"
+    open_ = [n for n in benches if book.state(n).get("state") not in ("done", "skipped")]
+    return f"benchmarks {open_} are not done (--partial renders without them)" if open_ and not partial else ""
 
 
 def _gpus(node: str, gpus: int | None) -> int:
@@ -136,9 +149,9 @@ def _render(book, a: argparse.Namespace, folder: str, gpus: int, sweeps: dict, b
     from h3lab.workbench import folder as product
     from h3lab.workbench.publish import publish, write_index
 
-    missing = [n for n in sweeps if not book.done(n)]
-    if missing:
-        raise ValueError(f"sweeps {missing} are not done; allowed: render after `--only {','.join(missing)}`")
+    why = _not_ready(book, sweeps, benches, a.partial)
+    if why:
+        raise ValueError(f"render: {why}; allowed: render once every sweep and benchmark stage is done")
     benchmarks = {}
     for name, planned in benches.items():
         st = book.state(name)
@@ -148,12 +161,8 @@ def _render(book, a: argparse.Namespace, folder: str, gpus: int, sweeps: dict, b
             benchmarks[name] = entry | {"path": st["output"]}
         elif st.get("state") == "skipped":
             benchmarks[name] = entry | {"skipped": st["reason"]}
-        elif a.partial:
-            benchmarks[name] = entry | {
-                "skipped": f"{st.get('state', 'not run')} in this publish ({st.get('error', '')})"
-            }
-        else:
-            raise ValueError(f"benchmark {name} is {st.get('state', 'not run')}; allowed: run it, or --partial")
+        else:  # --partial: the page and the README say so
+            benchmarks[name] = entry | {"skipped": f"{st.get('state', 'not run')} in this publish"}
     runs = [Path(book.state(n)["output"]) for n in sweeps]
     command = f"h3lab publish --node {a.node}" + (f" --gpus {gpus}" if gpus else "")
     staging = product.staging(a.reports.resolve(), folder)
@@ -181,7 +190,8 @@ def _commit() -> str | None:
     """The checkout's commit as `git describe --always --dirty` (h3lab.io.env), for records without one."""
     from h3lab.io.env import capture
 
-    return capture("cpu")["git"].get("describe")
+    describe = capture("cpu")["git"].get("describe")
+    return f"{describe} (the checkout that ran it)" if describe else None
 
 
 def _line(rec: dict[str, Any]) -> str:

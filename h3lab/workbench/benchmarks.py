@@ -40,7 +40,7 @@ def _env(record: Any) -> dict[str, Any]:
 
 def provenance(record: Any, ran_at: str | None = None) -> dict[str, str]:
     """{"machine": ..., "commit": ...} as the record states them; a record without a commit takes
-    `ran_at`, the commit of the checkout that ran it (`h3lab publish` records it), else "not recorded"."""
+    `ran_at`, what is known of the checkout that ran it (`h3lab publish` records it), else "not recorded"."""
     env = _env(record)
     gpus = env.get("gpus") or []
     machine = (
@@ -53,9 +53,7 @@ def provenance(record: Any, ran_at: str | None = None) -> dict[str, str]:
         machine = f"{cpu['cpu_model']}, {cpu.get('logical_cpus')} CPUs ({cpu.get('torch_threads')} threads)"
     git = env.get("git") or {}
     commit = git.get("describe") or (record.get("commit") if isinstance(record, dict) else None)
-    if not commit and ran_at:
-        commit = f"{ran_at} (the checkout that ran it)"
-    return {"machine": machine, "commit": commit or "not recorded"}
+    return {"machine": machine, "commit": commit or ran_at or "not recorded"}
 
 
 def block_gpu(record: dict) -> pd.DataFrame:

@@ -171,7 +171,6 @@ def _write_record(sweeps: list[Sweep], out_dir: Path, title: str, benchmarks: di
         "title": title,
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "node_types": list(dict.fromkeys(s.node_type for s in sweeps)),
-        "folders": list(dict.fromkeys(folder_name(s) for s in sweeps)),
         "runs": [
             {
                 "id": s.run_id,
@@ -200,24 +199,29 @@ def _run_status(run: dict) -> str:
 
 
 def write_index(root: str | Path) -> Path:
-    """root/index.html: one row per root/*/report.json (node type, verdict, runs, links); self-contained."""
+    """root/index.html: one row per published folder root/<name>/report.json (hidden staging and kept
+    folders are not listed): the folder and its README, the report, the verdict, the runs and their
+    commits, the benchmarks that ran; self-contained."""
     root = Path(root)
     rows = []
-    for rec_path in sorted(root.glob("*/report.json")):
+    for rec_path in sorted(p for p in root.glob("*/report.json") if not p.parent.name.startswith(".")):
         rec, d = json.loads(rec_path.read_text()), rec_path.parent.name
         has_shot = (rec_path.parent / "screenshot.png").is_file()
         shot = f' · <a href="{d}/screenshot.png">screenshot</a>' if has_shot else ""
         verdict = f"{rec['deterministic_passed']}/{rec['deterministic_runs']} deterministic layout runs bit-identical"
         verdict += f", {rec['failed']} failed" if rec["failed"] else ""
         runs = ", ".join(f"{r['id']} ({_run_status(r)}, commit {r['commit'] or 'not recorded'})" for r in rec["runs"])
+        ran = [k for k, v in rec.get("benchmarks", {}).items() if v == "ran"]
+        readme = f'<a href="{d}/README.md">{html.escape(d)}</a>' if (rec_path.parent / "README.md").is_file() else d
         rows.append(
-            f"<tr><td>{html.escape(', '.join(rec['node_types']))}</td>"
+            f"<tr><td>{readme}</td>"
             f'<td><a href="{d}/report.html">{html.escape(rec["title"])}</a>{shot}</td>'
             f"<td>{html.escape(verdict)}</td><td>{html.escape(', '.join(rec['layouts']))}</td>"
+            f"<td>{html.escape(', '.join(ran) or '-')}</td>"
             f"<td>{html.escape(rec['generated'])}</td><td>{html.escape(runs)}</td></tr>"
         )
     page = root / "index.html"
-    page.write_text(_INDEX.format(rows="\n".join(rows) or '<tr><td colspan="6">no reports yet</td></tr>'))
+    page.write_text(_INDEX.format(rows="\n".join(rows) or '<tr><td colspan="7">no reports yet</td></tr>'))
     return page
 
 
@@ -229,9 +233,11 @@ table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding
 th {{ background: #f0f0f0; }}
 </style></head><body>
 <h1>h3lab reports</h1>
-<p>One report per node type: every layout of the MiniMax-H3 block against the single-process block, byte for byte,
-in the deterministic and the baseline mode. Made by <code>h3lab report RUN...</code>.</p>
-<table><tr><th>node type</th><th>report</th><th>verdict</th><th>layouts</th><th>generated</th><th>runs</th></tr>
+<p>One folder per node type and GPU count: every layout of the MiniMax-H3 block against the single-process block,
+byte for byte, and the benchmarks' steady-state speed. Each folder's README says what holds there, where each figure
+was measured and the one command that regenerates it (<code>h3lab publish --node NODE</code>; README.md here).</p>
+<table><tr><th>folder</th><th>report</th><th>verdict</th><th>layouts</th><th>benchmarks</th><th>generated</th>
+<th>runs</th></tr>
 {rows}
 </table></body></html>
 """

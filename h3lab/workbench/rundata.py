@@ -202,7 +202,10 @@ def load_sweep(path: str | Path) -> Sweep:
         env = json.loads((path / "env.json").read_text()) if (path / "env.json").is_file() else {}
         env = env or {**summary.get("environment", {}), "node_type": _node_type(summary.get("environment", {}))}
         record = {k: summary[k] for k in ("status", "owner", "error") if k in summary}
-        return Sweep(path, env, {"problem": summary["request"]["problem"]}, [RunnerRun(path, summary)], record)
+        params = {"problem": summary["request"]["problem"]} | (
+            {"started": summary["started"]} if "started" in summary else {}
+        )
+        return Sweep(path, env, params, [RunnerRun(path, summary)], record)
     raise ValueError(f"{str(path)!r} is not a run directory; allowed: a sweep (params.json) or an `h3lab run` folder")
 
 
