@@ -167,3 +167,26 @@ def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(tmp_path, monkey
 
 def _failing_publish(*args, **kwargs) -> Path:
     raise RuntimeError("render broke")
+
+
+@pytest.mark.notebooks
+def test_sigterm_stops_a_notebook_sweep_at_once_and_leaves_no_process(tmp_path):
+    """papermill's wait on the kernel ignores signals; the CLI kills the kernel first (notebooks.execute)."""
+    import psutil
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "h3lab", "workbench", "reproduce", "--out", str(run), "--no-report"]
+    argv += ["-p", "layouts", "tp2", "-p", "rows", "16", "-p", "accuracy", "false", "-p", "modes", "[deterministic]"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (run / "params.json").is_file():  # the kernel is running the sweep's first cells
+        assert proc.poll() is None and time.monotonic() < deadline, "the sweep never started"
+        time.sleep(0.5)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert family  # the kernel, at least
+    start = time.monotonic()
+    proc.terminate()
+    assert proc.wait(timeout=60) == 128 + 15 and time.monotonic() - start < 45
+    assert json.loads((run / "sweep.json").read_text())["status"] == "interrupted"
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]

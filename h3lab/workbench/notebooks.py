@@ -5,15 +5,20 @@ A bad parameter stops the notebook in its first cell after `parameters` (a Value
 value and the allowed set); `execute` turns papermill's error into a `NotebookError` that says the
 cell, the message and where the executed notebook is. While the reproduce notebook runs, the parent
 shows a tqdm bar over the sweep's (mode, seed, layout) runs, read from the runner's summary.json
-files, and prints each failure's layout, rank and log as it happens.
+files, and prints each failure's layout, rank and log as it happens. Ctrl-C, SIGTERM or SIGHUP
+during an execution kills its kernel before they unwind (the launched workers follow their kernel),
+so a stopped notebook leaves no process behind and its caller can mark the run interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +35,7 @@ NOTEBOOKS_DIR = REPO / "notebooks"
 NOTEBOOKS = ("reproduce", "explore", "report")
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 START_TIMEOUT_S = 120  # a kernel on a loaded 2-core machine took up to ~20 s to start; 60 s (papermill's) is tight
+KILL_WAIT_S = 30.0  # after killing the kernel: nbclient notices a dead kernel within a few seconds
 
 
 def _ipc_kernel_manager() -> type:
@@ -43,7 +49,23 @@ def _ipc_kernel_manager() -> type:
         def _default_transport(self) -> str:
             return "ipc"
 
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            _KERNELS.add(self)
+
     return IPCKernelManager
+
+
+_KERNELS: weakref.WeakSet = weakref.WeakSet()  # the kernel managers papermill made in this process
+
+
+def _kill_kernels() -> None:
+    """SIGKILL every kernel this process started; the runner's workers follow theirs (h3lab.run.lifeline)."""
+    for km in list(_KERNELS):
+        pid = getattr(getattr(km, "provisioner", None), "pid", None)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 class NotebookError(RuntimeError):
@@ -105,19 +127,40 @@ def execute(
     parameters_cell(nb)
     # the kernel inherits this: it silences a "frozen modules" debugger warning that ipykernel prints on 3.11
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    done: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            done["nb"] = pm.execute_notebook(
+                nb,
+                str(output),
+                parameters=parameters,
+                kernel_name="python3",
+                progress_bar=progress,
+                start_timeout=START_TIMEOUT_S,
+                execution_timeout=timeout_s,
+                kernel_manager_class=_ipc_kernel_manager(),
+            )
+        except BaseException as err:  # handed to the caller's thread below
+            done["error"] = err
+
+    # papermill waits on the kernel in a blocking poll that no signal interrupts: it runs in a thread,
+    # so that Ctrl-C, SIGTERM or SIGHUP reach this one at once; the kernel is killed before they unwind
+    thread = threading.Thread(target=work, name=f"papermill-{name}", daemon=True)
+    thread.start()
     try:
-        return pm.execute_notebook(
-            nb,
-            str(output),
-            parameters=parameters,
-            kernel_name="python3",
-            progress_bar=progress,
-            start_timeout=START_TIMEOUT_S,
-            execution_timeout=timeout_s,
-            kernel_manager_class=_ipc_kernel_manager(),
-        )
-    except pm.PapermillExecutionError as err:
+        while thread.is_alive():
+            thread.join(timeout=0.2)
+    except BaseException:
+        _kill_kernels()
+        thread.join(timeout=KILL_WAIT_S)
+        raise
+    err = done.get("error")
+    if isinstance(err, pm.PapermillExecutionError):
         raise NotebookError(name, err.cell_index, err.ename, err.evalue, output) from None
+    if err is not None:
+        raise err
+    return done["nb"]
 
 
 def run_reproduce(run_dir: Path, params: dict[str, Any]) -> Any:
