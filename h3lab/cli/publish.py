@@ -176,7 +176,7 @@ def _render(book, a: argparse.Namespace, folder: str, gpus: int, sweeps: dict, b
             fp64=True,
         )
         product.copy_records(staging, runs[0] / "env.json", benchmarks)
-        product.readme(staging, folder, command=command, node=a.node, benchmarks=benchmarks)
+        product.readme(staging, folder, command=command, node=a.node, benchmarks=benchmarks, took=_took(book))
         kept = product.swap_in(staging, a.reports.resolve() / folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # ours, half-built: the published folder is untouched
@@ -184,6 +184,14 @@ def _render(book, a: argparse.Namespace, folder: str, gpus: int, sweeps: dict, b
     write_index(a.reports.resolve())
     rec = {"state": "done", "output": str(a.reports.resolve() / folder), "previous_kept": str(kept) if kept else None}
     return rec
+
+
+def _took(book) -> str:
+    """', about N min of stages on this machine (a: s, b: s, ...)' from the stages that ran here."""
+    ran = {n: st["seconds"] for n, st in book.record["stages"].items() if st.get("state") == "done" and n != "render"}
+    total = sum(ran.values())
+    parts = ", ".join(f"{n} {s:.0f} s" for n, s in ran.items())
+    return f"; its stages took {total / 60:.0f} min here, the render aside ({parts})" if ran else ""
 
 
 def _commit() -> str | None:

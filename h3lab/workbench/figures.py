@@ -170,8 +170,8 @@ def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
     tensors = list(dict.fromkeys(verdicts["tensor"]))
     n = len(HEATMAP_ROWS)
     # inches: 0.34 per tensor column and 0.3 per layout row keep 6-pt cell labels legible; 2.0 holds the tensor
-    # names and titles; a panel gets at least 1.8 so its colorbar's 18 bin labels do not overlap
-    fig = Figure(figsize=(2.4 + 0.34 * len(tensors) * len(modes), 2.0 + n * max(1.8, 0.5 + 0.3 * len(layouts))))
+    # names and titles; a panel gets at least 2.2 so its colorbar's 19 bin labels do not overlap
+    fig = Figure(figsize=(2.4 + 0.34 * len(tensors) * len(modes), 2.0 + n * max(2.2, 0.5 + 0.3 * len(layouts))))
     fig.set_layout_engine("constrained")
     axes = fig.subplots(n, len(modes), squeeze=False, sharex=True, sharey=True)
     unknown_any = False

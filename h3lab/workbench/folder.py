@@ -87,18 +87,19 @@ def copy_records(folder: Path, env_json: Path, benchmarks: dict[str, dict[str, s
             shutil.copyfile(entry["path"], folder / entry["output"])
 
 
-def readme(folder: Path, name: str, *, command: str, node: str, benchmarks: dict[str, dict[str, str]]) -> Path:
-    """README.md of published folder `name` (built in `folder`), from its report.json and benchmark records."""
+def readme(
+    folder: Path, name: str, *, command: str, node: str, benchmarks: dict[str, dict[str, str]], took: str = ""
+) -> Path:
+    """README.md of published folder `name` (built in `folder`), from its report.json and benchmark records;
+    `took` says how long the stages took, where they ran."""
     rec = json.loads((folder / "report.json").read_text())
     lines = [f"# `reports/{name}/`: {rec['title']}", ""]
-    lines += [f"Regenerate this folder (on a {node.upper()} node, from the repository root):", ""]
-    lines += ["```", command, "```", "", "## What holds here", ""]
-    for run in rec["runs"]:
-        problems = "; ".join(run.get("problems", []))
-        lines.append(f"- `{run['id']}` ({problems}): {run['status']}, commit `{run['commit'] or 'not recorded'}`")
-    det = f"{rec['deterministic_passed']} of {rec['deterministic_runs']}"
-    lines += ["", f"{det} deterministic layout runs are byte-identical to the single-process block on every"]
-    lines += [f"tensor ({', '.join(rec['layouts'])}); {rec['failed']} failed to run.", ""]
+    lines += [f"Regenerate this folder (on a {node.upper()} node, from the repository root){took}:", ""]
+    commits = ", ".join(sorted({f"`{r['commit'] or 'not recorded'}`" for r in rec["runs"]}))
+    lines += ["```", command, "```", "", f"## What holds here (commit {commits}, {rec['generated']})", ""]
+    for problem, modes in rec.get("verdicts", {}).items():
+        lines.append(f"- **{problem}**: " + "; ".join(_verdict(mode, v) for mode, v in modes.items()))
+    lines.append("")
     lines += ["## Figures", "", "| file | what | measured on | commit |", "| --- | --- | --- | --- |"]
     lines.append(
         "| `report.html` (`screenshot.png`) | the verdicts, drift heatmaps, speed tables, accuracy | "
@@ -117,7 +118,9 @@ def readme(folder: Path, name: str, *, command: str, node: str, benchmarks: dict
     return path
 
 
-def describe(benchmarks: dict[str, Any]) -> str:
-    """One line: which benchmarks ran and which did not."""
-    ran = [n for n, e in benchmarks.items() if e.get("path")]
-    return f"benchmarks: {', '.join(ran) or 'none'}; not run: {', '.join(sorted(set(benchmarks) - set(ran))) or '-'}"
+def _verdict(mode: str, v: dict[str, Any]) -> str:
+    """'deterministic: 7 of 7 layouts byte-identical to the single-process block (tp1, ...)'."""
+    failed = f", {v['failed']} failed to run" if v["failed"] else ""
+    if mode == "baseline":
+        return f"baseline (library kernels): {v['runs'] - v['equal'] - v['failed']} of {v['runs']} differ{failed}"
+    return f"{mode}: {v['equal']} of {v['runs']} byte-identical ({', '.join(v['layouts'])}){failed}"

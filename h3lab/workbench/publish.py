@@ -186,9 +186,23 @@ def _write_record(sweeps: list[Sweep], out_dir: Path, title: str, benchmarks: di
         "deterministic_passed": int((det["status"] == "passed").sum()),
         "deterministic_runs": len(det),
         "failed": int((layouts["status"] == "failed").sum()),
+        "verdicts": _verdicts(layouts),
         "benchmarks": {k: "ran" if v.get("path") else f"not run: {v.get('skipped')}" for k, v in benchmarks.items()},
     }
     write_json(out_dir / "report.json", record)
+
+
+def _verdicts(layouts) -> dict[str, dict[str, dict]]:
+    """Per problem and mode: the layouts run, how many equal the single-process block, how many failed."""
+    out: dict[str, dict[str, dict]] = {}
+    for (problem, mode), df in layouts.groupby(["problem", "mode"], sort=False):
+        out.setdefault(problem, {})[mode] = {
+            "layouts": list(dict.fromkeys(df["layout"])),
+            "equal": int((df["status"] == "passed").sum()),
+            "runs": len(df),
+            "failed": int((df["status"] == "failed").sum()),
+        }
+    return out
 
 
 def _run_status(run: dict) -> str:
