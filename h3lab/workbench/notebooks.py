@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import weakref
 from collections.abc import Iterator
@@ -40,7 +42,10 @@ KILL_WAIT_S = 30.0  # after killing the kernel: nbclient notices a dead kernel w
 
 def _ipc_kernel_manager() -> type:
     """A KernelManager on IPC sockets: no TCP ports to race for when tests start kernels back to back
-    (papermill#511: "Address already in use"), and no unencrypted-TCP warning from ipykernel 7."""
+    (papermill#511: "Address already in use"), and no unencrypted-TCP warning from ipykernel 7. The
+    sockets live in a folder of their own per kernel: by default they are kernel-ipc-<n> in the working
+    directory, where two executions picking <n> at once talk to each other's kernel ("Invalid
+    Signature"), and where a killed kernel leaves them behind."""
     from jupyter_client.manager import KernelManager
     from traitlets import default
 
@@ -48,6 +53,10 @@ def _ipc_kernel_manager() -> type:
         @default("transport")
         def _default_transport(self) -> str:
             return "ipc"
+
+        @default("ip")
+        def _default_ip(self) -> str:
+            return os.path.join(tempfile.mkdtemp(prefix="h3lab-kernel-"), "ipc")
 
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
@@ -57,6 +66,13 @@ def _ipc_kernel_manager() -> type:
 
 
 _KERNELS: weakref.WeakSet = weakref.WeakSet()  # the kernel managers papermill made in this process
+
+
+def _remove_socket_folders() -> None:
+    """The socket folders of kernels that are gone (a live one keeps its own)."""
+    for km in list(_KERNELS):
+        if km.transport == "ipc" and not km.is_alive():
+            shutil.rmtree(os.path.dirname(km.ip), ignore_errors=True)
 
 
 def _kill_kernels() -> None:
@@ -155,6 +171,8 @@ def execute(
         _kill_kernels()
         thread.join(timeout=KILL_WAIT_S)
         raise
+    finally:
+        _remove_socket_folders()
     err = done.get("error")
     if isinstance(err, pm.PapermillExecutionError):
         raise NotebookError(name, err.cell_index, err.ename, err.evalue, output) from None
