@@ -135,8 +135,8 @@ def show_benchmarks(benchmarks: dict[str, dict[str, str]]) -> None:
         record = bench_tables.load(entry["path"])
         where = bench_tables.provenance(record, entry.get("commit"))
         _md(
-            f"### {name}: {entry.get('what', '')}\n\nMeasured on {where['machine']}, {where['commit']}; "
-            f"`{entry.get('command') or 'command not recorded'}`"
+            f"### {name}: {entry.get('what', '')}\n\nMachine: {where['machine']}. Commit: {where['commit']}. "
+            f"Command: `{entry.get('command') or 'not recorded'}`"
         )
         table = bench_tables.table(name, record)
         _display(table.style.format(precision=3, na_rep="-") if not table.empty else table)
@@ -184,6 +184,8 @@ def accuracy_frame(report: dict[str, Any]) -> pd.DataFrame:
 
 def show_accuracy(sweeps: list[Sweep]) -> None:
     """The `h3lab reproduce` table of every sweep that ran it (relative L2 errors, determinism line)."""
+    if all(sw.accuracy is None for sw in sweeps):
+        _md("*None of these runs computed the accuracy table (`accuracy=True` in the reproduce notebook).*")
     for sw in sweeps:
         if sw.accuracy is None:
             continue
@@ -202,24 +204,32 @@ def environment_frame(sweeps: list[Sweep]) -> pd.DataFrame:
     rows = []
     for sw in sweeps:
         e = sw.env
-        gpus = e.get("gpus") or []
         rows.append(
             {
                 "run": sw.run_id,
                 "node type": sw.node_type,
-                "device": f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['memory_gib']} GiB)"
-                if gpus
-                else f"CPU: {e.get('cpu', {}).get('model', '?')} x {e.get('cpu', {}).get('count', '?')}",
+                "device": _device(e),
                 "torch": e.get("torch"),
                 "triton": e.get("triton"),
                 "cuda": e.get("cuda"),
                 "driver": e.get("driver"),
                 "nccl": e.get("nccl"),
                 "python": e.get("python"),
-                "commit": ((e.get("git") or {}).get("describe") or "?"),
+                "commit": ((e.get("git") or {}).get("describe") or "not recorded"),
             }
         )
     return pd.DataFrame(rows).set_index("run")
+
+
+def _device(env: dict[str, Any]) -> str:
+    """'2 x NVIDIA H200 (139.8 GiB)', 'CPU: AMD EPYC x 2', or what a brief record holds ('NVIDIA H200')."""
+    gpus = env.get("gpus") or []
+    if gpus:
+        return f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['memory_gib']} GiB)"
+    if env.get("gpu"):
+        return str(env["gpu"])
+    cpu = env.get("cpu") or {}
+    return f"CPU: {cpu['model']} x {cpu.get('count', '?')}" if cpu.get("model") else "not recorded"
 
 
 def show_environment(sweeps: list[Sweep]) -> None:
