@@ -190,3 +190,16 @@ def test_sigterm_stops_a_notebook_sweep_at_once_and_leaves_no_process(tmp_path):
     assert json.loads((run / "sweep.json").read_text())["status"] == "interrupted"
     _, alive = psutil.wait_procs(family, timeout=15)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def test_every_published_benchmark_record_reads_as_its_table():
+    """The committed records (reports/*/<output>) parse into their report tables, with a machine named."""
+    outputs = {b.output: b.name for b in registry.BENCHMARKS}
+    reports = Path(registry.__file__).parents[2] / "reports"
+    found = [(p, outputs[p.name]) for p in sorted(reports.glob("*/*.json")) if p.name in outputs]
+    assert {name for _, name in found} >= {"block", "gemm", "attention_long", "profile", "collectives"}
+    for path, name in found:
+        record = benchmarks.load(path)
+        table = benchmarks.table(name, record)
+        assert len(table) > 0 and table.notna().any().any(), path
+        assert set(benchmarks.provenance(record, "c")) == {"machine", "commit"}
