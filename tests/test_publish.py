@@ -203,3 +203,15 @@ def test_every_published_benchmark_record_reads_as_its_table():
         table = benchmarks.table(name, record)
         assert len(table) > 0 and table.notna().any().any(), path
         assert set(benchmarks.provenance(record, "c")) == {"machine", "commit"}
+
+
+def test_a_run_on_n_gpus_publishes_into_the_folder_with_n():
+    from h3lab.workbench.publish import folder_name
+    from h3lab.workbench.rundata import Sweep
+
+    gpu = {"name": "NVIDIA H200", "memory_gib": 139.8}
+    sweep = lambda env, params: Sweep(Path("r"), env, params, [])  # noqa: E731
+    assert folder_name(sweep({"node_type": "CPU", "gpus": [gpu]}, {"gpus": 0})) == "cpu"  # a CPU sweep on a GPU node
+    assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 8}, {"gpus": 1})) == "h200"
+    assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 8}, {"gpus": 2})) == "h200x2"
+    assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 4}, {})) == "h200x4"  # an `h3lab run` folder
