@@ -106,7 +106,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "layouts",
         "h3lab.bench.layouts",
         "layouts.json",
-        "every layout that fits the GPUs: the deterministic step against eager at the same layout",
+        "the layouts that fit the node: the deterministic step against eager at the same layout",
         {
             "cpu": ("--config", "tiny", "--device", "cpu", "--layouts", "tp1,tp2", "--rows", "264", "--steps", "5"),
             "gpu": ("--layouts", "{layouts}", "--rows", "4096,16384", "--steps", "20"),

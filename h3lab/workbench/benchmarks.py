@@ -77,10 +77,12 @@ def block_gpu(record: dict) -> pd.DataFrame:
 
 
 def block_cpu(record: dict) -> pd.DataFrame:
-    """Per configuration: the canonical block's fwd+bwd seconds on CPU (median, min, max), peak RSS."""
+    """Per configuration: the canonical block's fwd+bwd seconds on CPU (median, min, max), peak RSS, and the
+    machine's 1-minute load average before (on 2 cores any other busy process shows in the figures)."""
     runs = record.get("benchmarks") or [record]
     cols = ("config", "rows", "repeats", "median_s", "min_s", "max_s", "peak_rss_gib", "repeats_bitwise_equal")
-    return pd.DataFrame([{c: r.get(c) for c in cols} for r in runs]).set_index("config")
+    rows = [{c: r.get(c) for c in cols} | {"load before": (r.get("load_average_before") or [None])[0]} for r in runs]
+    return pd.DataFrame(rows).set_index("config")
 
 
 def gemm(record: dict) -> pd.DataFrame:
@@ -185,7 +187,7 @@ def collectives(record: dict | list) -> pd.DataFrame:
         rows = [
             {
                 "op": r["op"],
-                "MiB": r["mib"],
+                "MiB": f"{r['mib']:g}",
                 "algorithm": r["name"],
                 "ms": r["median_s"] * MS,
                 "bus GB/s": r["bus_bw_gbs"],
@@ -199,6 +201,7 @@ def collectives(record: dict | list) -> pd.DataFrame:
         {"median_s": "max", "bus_bw_gbs": "min"}
     )
     slowest["median_s"] *= MS
+    slowest.index = slowest.index.set_levels([f"{m:g}" for m in slowest.index.levels[0]], level=0)
     return slowest.rename(columns={"median_s": "ms", "bus_bw_gbs": "bus GB/s"}).rename_axis(["MiB", "algorithm"])
 
 

@@ -171,7 +171,10 @@ def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
     n = len(HEATMAP_ROWS)
     # inches: 0.34 per tensor column and 0.3 per layout row keep 6-pt cell labels legible; 2.0 holds the tensor
     # names and titles; a panel gets at least 2.2 so its colorbar's 19 bin labels do not overlap
-    fig = Figure(figsize=(2.4 + 0.34 * len(tensors) * len(modes), 2.0 + n * max(2.2, 0.5 + 0.3 * len(layouts))))
+    # at least 8 wide: the two title lines fit above a heatmap of few columns (a trajectory has 6)
+    fig = Figure(
+        figsize=(max(8.0, 2.4 + 0.34 * len(tensors) * len(modes)), 2.0 + n * max(2.2, 0.5 + 0.3 * len(layouts)))
+    )
     fig.set_layout_engine("constrained")
     axes = fig.subplots(n, len(modes), squeeze=False, sharex=True, sharey=True)
     unknown_any = False
