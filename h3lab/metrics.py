@@ -10,11 +10,23 @@ int64 so bf16 and fp32 distances are exact. Conventions, chosen explicitly:
     "NaN mismatch": counted separately and given the distance `NAN_MISMATCH` (-1) in ULP tensors;
   * so a NaN (or an Inf) compares equal to itself bit for bit: `compare` also counts the non-finite
     elements of each side (`nonfinite_a`, `nonfinite_b`), so a pass over NaNs is never silent.
+
+The maximum ULP distance is set by the elements nearest zero: -0.0 against 0.0048 in fp32 is 1.0e9
+ULP, because the distance counts every float in between. So `compare` also says how far the bits
+drift where they can be read:
+  * `sign_flips`: differing elements on opposite sides of zero, or with exactly one side zero; they
+    are counted apart and left out of the percentiles;
+  * `ulp_p50`, `ulp_p99`: nearest-rank percentiles of the ULP distance over the other differing
+    elements (None when no element is left);
+  * `max_ulp_at_rms`: max |a - b| in ULPs of the reference's typical exponent, the exponent of its
+    RMS (a sign flip near zero moves this by a fraction of one ULP, an error in a large element by
+    its true size at the tensor's scale).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,6 +45,7 @@ FLOAT_DTYPES = tuple(_BITS_DTYPE)
 INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 NAN_MISMATCH = -1  # ULP-tensor sentinel for an element whose NaN-ness or NaN payload differs
 _INT64_MAX = torch.iinfo(torch.int64).max
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}  # stored bits
 
 
 def _check_float(t: Tensor, what: str) -> None:
@@ -153,6 +166,12 @@ class Comparison:
     first_diff_index: list[int] | None  # the same element as a multi-dimensional index
     sha256_a: str
     sha256_b: str
+    sign_flips: int = 0  # differing elements across zero (opposite signs, or one side zero)
+    ulp_p50: int | None = None  # over differing elements of one sign; None when there are none
+    ulp_p99: int | None = None
+    max_abs_diff: float = 0.0  # over elements finite on both sides
+    ref_rms: float | None = None  # RMS of b's finite elements (computed when bits differ)
+    max_ulp_at_rms: float | None = 0.0  # max_abs_diff / one ULP at the exponent of ref_rms; None: b is all zero
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,6 +213,7 @@ def compare(a: Tensor, b: Tensor, name: str | None = None) -> Comparison:
     dist_N = ulp_distance(a, b).reshape(-1)
     num_differing = int(differs_N.sum())
     first = int(differs_N.nonzero()[0, 0]) if num_differing else None
+    drift = drift_stats(a.reshape(-1), b.reshape(-1), differs_N, dist_N) if num_differing else {}
     return Comparison(
         name=name,
         dtype=str(a.dtype).removeprefix("torch."),
@@ -210,7 +230,54 @@ def compare(a: Tensor, b: Tensor, name: str | None = None) -> Comparison:
         first_diff_index=None if first is None else [int(i) for i in torch.unravel_index(torch.tensor(first), a.shape)],
         sha256_a=sha256_tensor(a),
         sha256_b=sha256_tensor(b),
+        **drift,
     )
+
+
+def drift_stats(a_N: Tensor, b_N: Tensor, differs_N: Tensor, dist_N: Tensor) -> dict[str, Any]:
+    """How far differing bits drift, readable where the maximum ULP is not (the module's docstring).
+
+    Args:
+        a_N, b_N: the two tensors, flat, same dtype and device; b is the reference.
+        differs_N: where their bit patterns differ.
+        dist_N: `ulp_distance(a_N, b_N)`.
+
+    Returns:
+        The `Comparison` fields sign_flips, ulp_p50, ulp_p99, max_abs_diff, ref_rms, max_ulp_at_rms.
+    """
+    nan_N = a_N.isnan() | b_N.isnan()
+    same_sign_N = ((a_N > 0) & (b_N > 0)) | ((a_N < 0) & (b_N < 0))
+    both_zero_N = (a_N == 0) & (b_N == 0)  # +0 against -0: 0 ULP, a byte difference only
+    flips_N = differs_N & ~nan_N & ~same_sign_N & ~both_zero_N
+    readable_N = dist_N[differs_N & ~nan_N & ~flips_N]
+    finite_N = a_N.isfinite() & b_N.isfinite()
+    diff_N = (a_N[finite_N].to(torch.float64) - b_N[finite_N].to(torch.float64)).abs()
+    max_abs = float(diff_N.max()) if diff_N.numel() else 0.0
+    ref_N = b_N[b_N.isfinite()].to(torch.float64)
+    rms = float(torch.linalg.vector_norm(ref_N) / ref_N.numel() ** 0.5) if ref_N.numel() else 0.0
+    return {
+        "sign_flips": int(flips_N.sum()),
+        "ulp_p50": _nearest_rank(readable_N, 0.50),
+        "ulp_p99": _nearest_rank(readable_N, 0.99),
+        "max_abs_diff": max_abs,
+        "ref_rms": rms,
+        "max_ulp_at_rms": max_abs / ulp_at(rms, a_N.dtype) if rms > 0 else None,
+    }
+
+
+def ulp_at(x: float, dtype: torch.dtype) -> float:
+    """One ULP of `dtype` at the binade of |x| > 0 (subnormal spacing below the smallest normal)."""
+    _check_float(torch.empty(0, dtype=dtype), "ulp_at")
+    if not (math.isfinite(x) and x != 0):
+        raise ValueError(f"ulp_at: x={x!r}; allowed: a finite nonzero number")
+    exponent = max(math.floor(math.log2(abs(x))), math.frexp(torch.finfo(dtype).tiny)[1] - 1)
+    return math.ldexp(1.0, exponent - MANTISSA_BITS[dtype])
+
+
+def _nearest_rank(values_N: Tensor, q: float) -> int | None:
+    """The nearest-rank q-quantile (an element of values_N), None for no values."""
+    n = values_N.numel()
+    return int(values_N.kthvalue(max(1, math.ceil(q * n))).values) if n else None
 
 
 def error_stats(t: Tensor, ref_f64: Tensor) -> dict[str, float | int]:

@@ -18,6 +18,8 @@ element_layout = ""  # the per-element maps' layout; "" takes the sweep's last l
 element_tensor = "out"
 fp64 = True  # per-element error against the FP64 oracle (a real block's oracle holds about 10 GB)
 out_dir = ""  # where the figures are saved; "" keeps them inline only
+benchmarks = {}  # name -> {"path": JSON record, "command": ..., "what": ...} or {"skipped": reason}: the speed tables
+note = ""  # markdown shown under the title (where the runs come from, when their records do not say)
 
 # %%
 from h3lab.workbench import views
@@ -25,12 +27,19 @@ from h3lab.workbench.params import ReportParams
 from h3lab.workbench.rundata import load_sweep
 
 p = ReportParams(
-    runs=runs, title=title, element_layout=element_layout, element_tensor=element_tensor, fp64=fp64, out_dir=out_dir
+    runs=runs,
+    title=title,
+    element_layout=element_layout,
+    element_tensor=element_tensor,
+    fp64=fp64,
+    out_dir=out_dir,
+    benchmarks=benchmarks,
+    note=note,
 )
 sweeps = [load_sweep(r) for r in p.runs]
 
 # %%
-views.show_header(sweeps, p.title)
+views.show_header(sweeps, p.title, p.note)
 
 # %% [markdown]
 # Every layout computes one MiniMax-H3 block (forward output, dX, d temb and every weight
@@ -46,21 +55,29 @@ views.show_verdicts(sweeps)
 
 # %% [markdown]
 # ## Layout x tensor
-# Top: the largest ULP distance in each tensor; bottom: the fraction of its elements whose bits
-# differ. Grey cells are bit-identical; bins are powers of two.
+# How far each tensor's bits drift from the single-process block, where they drift. Top: the largest
+# difference in ULPs of the tensor's typical exponent (the exponent of its RMS); middle: the 99th
+# percentile of the ULP distance over the elements that differ; bottom: the fraction of elements
+# whose bits differ. Elements near zero whose sign flipped are counted apart: their ULP distance
+# counts every float around zero and says nothing about size. Grey cells are bit-identical.
 
 # %%
 views.show_heatmaps(sweeps, p.out_dir)
 
 # %% [markdown]
-# ## Timings
-# Forward and backward seconds of one block step on each rank (median over ranks and seeds, spread
-# max - min), collective seconds, MiB sent by all ranks, and deterministic time over baseline time.
-# MiB sent counts the collectives h3lab's communicator records: all of them in the deterministic
-# mode; in the baseline mode the library all-reduces of the TP reductions are timed but not counted.
+# The maximum ULP distance of every differing tensor, with its sign flips and percentiles:
 
 # %%
-views.show_timings(sweeps)
+views.show_drift(sweeps)
+
+# %% [markdown]
+# ## Speed
+# Steady-state figures from the benchmarks (warm-up first, then the median of many timed calls),
+# each with the machine and the commit it was measured at. The correctness runs above time one step
+# each, compilation included, and are not shown as speed.
+
+# %%
+views.show_benchmarks(p.benchmarks)
 
 # %% [markdown]
 # ## Per element

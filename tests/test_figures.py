@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import BoundaryNorm
 
 from h3lab.workbench import figures
-from h3lab.workbench.figures import FAILED, FRAC_EDGES, IDENTICAL, ULP_EDGES, binned_cmap
+from h3lab.workbench.figures import FAILED, FRAC_EDGES, IDENTICAL, RMS_EDGES, SIGN_FLIP, ULP_EDGES, binned_cmap
 from h3lab.workbench.tables import _worst_ulp
 
 
@@ -40,12 +42,15 @@ def _verdicts() -> pd.DataFrame:
     for mode in ("deterministic", "baseline"):
         for layout in ("tp2", "tp4"):
             for tensor in ("out", "dx", "dw.norm1.weight"):
-                equal, ulp, frac, status = True, 0, 0.0, "passed"
-                if mode == "baseline" and layout == "tp2":  # out 3 ULP; dx +0 vs -0 (0 ULP, bits differ); dW equal
-                    status = "mismatch"
-                    equal, ulp, frac = {"out": (False, 3, 0.3), "dx": (False, 0, 0.01)}.get(tensor, (True, 0, 0.0))
+                equal, ulp, p99, rms, frac, status = True, 0, None, 0.0, 0.0, "passed"
+                if mode == "baseline" and layout == "tp2":  # out: p99 3 ULP, 0.3 ULP at RMS, max 31k ULP (a flip);
+                    status = "mismatch"  # dx +0 vs -0 (0 ULP, bits differ); dW equal
+                    equal, ulp, p99, rms, frac = {
+                        "out": (False, 31000, 3, 0.3, 0.3),
+                        "dx": (False, 0, 0, 0.0, 0.01),
+                    }.get(tensor, (True, 0, None, 0.0, 0.0))
                 if mode == "baseline" and layout == "tp4":  # a layout that failed: no verdicts
-                    equal, ulp, frac, status = None, None, None, "failed"
+                    equal, ulp, p99, rms, frac, status = None, None, None, None, None, "failed"
                 rows.append(
                     {
                         "node_type": "CPU",
@@ -57,12 +62,16 @@ def _verdicts() -> pd.DataFrame:
                         "tensor": tensor,
                         "bitwise_equal": equal,
                         "max_ulp": ulp,
+                        "ulp_p99": p99,
+                        "max_ulp_at_rms": rms,
                         "frac_differing": frac,
                     }
                 )
     df = pd.DataFrame(rows)
     df["bitwise_equal"] = df["bitwise_equal"].astype("boolean")
     df["max_ulp"] = df["max_ulp"].astype("Int64")
+    df["ulp_p99"] = df["ulp_p99"].astype("Int64")
+    df["max_ulp_at_rms"] = df["max_ulp_at_rms"].astype("Float64")
     return df
 
 
@@ -78,21 +87,29 @@ def test_heatmap_cells_take_the_colour_of_their_bin():
     fig = figures.verdict_heatmap(_verdicts())
     rgba = _pixels(fig)
     ulp_cmap, _ = binned_cmap(ULP_EDGES)
+    rms_cmap, rms_norm = binned_cmap(RMS_EDGES)
     frac_cmap, frac_norm = binned_cmap(FRAC_EDGES)
     cell = lambda title, r, c: _cell_rgba(fig, rgba, title, r, c)  # noqa: E731
-    # deterministic: every cell is bit-identical grey, in both rows
+    panels = ("p99 ULP", "max error, ULPs at RMS", "fraction differing")
+    # deterministic: every cell is bit-identical grey, in every panel
     for r in range(2):
         for c in range(3):
-            assert _close(cell("max ULP | deterministic", r, c), _rgba8(IDENTICAL))
-            assert _close(cell("fraction differing | deterministic", r, c), _rgba8(IDENTICAL))
-    # baseline tp2: out 3 ULP -> bin [2, 4); dx differs at 0 ULP (+0 vs -0) -> first non-grey bin; dW equal -> grey
-    assert _close(cell("max ULP | baseline", 0, 0), _rgba8(ulp_cmap(2)))
-    assert _close(cell("max ULP | baseline", 0, 1), _rgba8(ulp_cmap(1)))
-    assert _close(cell("max ULP | baseline", 0, 2), _rgba8(IDENTICAL))
+            for panel in panels:
+                assert _close(cell(f"{panel} | deterministic", r, c), _rgba8(IDENTICAL))
+    # baseline tp2 out: p99 3 ULP -> bin [2, 4), not the 31k of its max; 0.3 ULP at RMS -> bin [1/4, 1)
+    assert _close(cell("p99 ULP | baseline", 0, 0), _rgba8(ulp_cmap(2)))
+    assert _close(cell("max error, ULPs at RMS | baseline", 0, 0), _rgba8(rms_cmap(int(rms_norm(0.3)))))
+    # dx differs at 0 ULP (+0 vs -0) -> the first non-grey bin in both; dW equal -> grey
+    assert _close(cell("p99 ULP | baseline", 0, 1), _rgba8(ulp_cmap(1)))
+    assert _close(cell("max error, ULPs at RMS | baseline", 0, 1), _rgba8(rms_cmap(1)))
+    assert _close(cell("p99 ULP | baseline", 0, 2), _rgba8(IDENTICAL))
     assert _close(cell("fraction differing | baseline", 0, 0), _rgba8(frac_cmap(int(frac_norm(0.3)))))
     assert not _close(cell("fraction differing | baseline", 0, 1), _rgba8(IDENTICAL))
     # baseline tp4 failed: the reserved dark colour, not grey
-    assert _close(cell("max ULP | baseline", 1, 0), _rgba8(FAILED))
+    for panel in panels:
+        assert _close(cell(f"{panel} | baseline", 1, 0), _rgba8(FAILED))
+    labels = {t.get_text() for ax in fig.axes if ax.get_title().startswith("p99") for t in ax.texts}
+    assert labels == {"3", "1"} and "31k" not in {t.get_text() for ax in fig.axes for t in ax.texts}
     # nearest, never a blending filter
     assert all(im.get_interpolation() == "nearest" for ax in fig.axes for im in ax.get_images())
 
@@ -113,6 +130,22 @@ def test_element_map_marks_exactly_the_differing_elements():
     assert _close(_cell_rgba(fig, rgba, panel, 0, 0), _rgba8(IDENTICAL))
     # t against its own FP64 value rounded back: every element identical
     assert _close(_cell_rgba(fig, rgba, "out vs FP64", 6, 10), _rgba8(IDENTICAL))
+
+
+def test_element_map_draws_sign_flips_apart_from_the_ulp_scale():
+    torch.manual_seed(1)
+    ref = torch.randn(8, 16).to(torch.bfloat16)
+    t = ref.clone()
+    t[3, 4], ref[3, 4] = -0.0, 0.002  # across zero: ~15k ULP, drawn as a flip, not in the top bin
+    t.view(torch.int16)[5, 6] += 2  # 2 ULP, same sign (randn is never exactly 0 here)
+    fig = figures.element_map(t, ref, name="dx")
+    rgba = _pixels(fig)
+    cmap, _ = binned_cmap(ULP_EDGES)
+    panel = "dx vs single-process block"
+    assert _close(_cell_rgba(fig, rgba, panel, 3, 4), _rgba8(SIGN_FLIP))
+    assert _close(_cell_rgba(fig, rgba, panel, 5, 6), _rgba8(cmap(2)))
+    assert _close(_cell_rgba(fig, rgba, panel, 0, 0), _rgba8(IDENTICAL))
+    assert "1 sign flips near zero" in fig.axes[0].get_title()
 
 
 def test_block_max_keeps_a_single_difference_visible():
@@ -171,14 +204,57 @@ def test_digest_only_verdicts_are_drawn_equal_or_differing_without_counts():
     fig = figures.verdict_heatmap(df)
     rgba = _pixels(fig)
     ulp_cmap, _ = binned_cmap(ULP_EDGES)
-    assert _close(_cell_rgba(fig, rgba, "max ULP | deterministic", 0, 0), _rgba8(IDENTICAL))
-    assert _close(_cell_rgba(fig, rgba, "max ULP | deterministic", 0, 1), _rgba8(ulp_cmap(1)))
+    rms_cmap, _ = binned_cmap(RMS_EDGES)
+    assert _close(_cell_rgba(fig, rgba, "p99 ULP | deterministic", 0, 0), _rgba8(IDENTICAL))
+    assert _close(_cell_rgba(fig, rgba, "p99 ULP | deterministic", 0, 1), _rgba8(ulp_cmap(1)))
+    assert _close(_cell_rgba(fig, rgba, "max error, ULPs at RMS | deterministic", 0, 1), _rgba8(rms_cmap(1)))
     assert _close(_cell_rgba(fig, rgba, "fraction differing | deterministic", 0, 0), _rgba8(IDENTICAL))
     frac_cmap, _ = binned_cmap(FRAC_EDGES)  # differing, fraction unknown: the first bin, not "no result"
     assert _close(_cell_rgba(fig, rgba, "fraction differing | deterministic", 0, 1), _rgba8(frac_cmap(1)))
     labels = [t.get_text() for ax in fig.axes for t in ax.texts]
-    assert labels == ["≠", "≠"], labels  # the differing cell in both panels; the equal one unlabelled
-    assert "digests differ" in fig._suptitle.get_text()
+    assert labels == ["≠", "≠", "≠"], labels  # the differing cell in every panel; the equal one unlabelled
+    assert "size not recorded (digests)" in fig._suptitle.get_text()
     equal = {"bitwise_equal": True, "max_ulp": 0}
     assert _worst_ulp({"out": equal, "dw.u1": {"bitwise_equal": False}}) is None  # unknown, not 0
     assert _worst_ulp({"out": {"bitwise_equal": False, "max_ulp": 3}, "dw.u1": {"bitwise_equal": True}}) == 3
+
+
+def test_verdict_table_headlines_the_percentile_and_the_drift_table_keeps_the_maximum():
+    from h3lab.workbench.tables import drift_table, verdict_table
+
+    base = {"seed": 0, "tensors": 15, "failed_rank": pd.NA}
+    layouts = pd.DataFrame(
+        [
+            base | {"layout": "tp2", "mode": "deterministic", "status": "passed", "tensors_equal": 15},
+            base
+            | {"layout": "tp2", "mode": "baseline", "status": "mismatch", "tensors_equal": 0, "max_ulp": 2046798712}
+            | {"ulp_p99": 3, "max_ulp_at_rms": 12.4, "max_err_of_rms": 0.0213, "sign_flips": 2},
+            base | {"layout": "tp8", "mode": "baseline", "status": "mismatch", "tensors_equal": 14, "max_ulp": pd.NA},
+        ]
+    )
+    table = verdict_table(layouts)
+    assert table.loc["tp2", "deterministic"] == "passed 15/15"
+    assert table.loc["tp2", "baseline"] == "mismatch 0/15: max |a-b| 2.1e-02 of RMS, 2 sign flips"  # not the max ULP
+    assert table.loc["tp8", "baseline"] == "mismatch 14/15, digests differ"
+    drift = drift_table(_verdicts())
+    assert list(drift.index) == [("baseline", "tp2", "out"), ("baseline", "tp2", "dx")]
+    assert drift.loc[("baseline", "tp2", "out"), "max ULP"] == 31000  # the maximum, one table away
+    assert drift.loc[("baseline", "tp2", "out"), "p99 ULP"] == 3
+
+
+def test_a_summary_kept_without_its_files_still_gives_every_verdict(tmp_path):
+    """A digests run's summary alone (its canonical.digests.json not kept): every tensor it judged is drawn."""
+    from h3lab.workbench.rundata import load_sweep
+    from h3lab.workbench.tables import verdict_frame
+
+    equal = {"bitwise_equal": True}
+    summary = {
+        "status": "passed",
+        "request": {"problem": {"mode": "deterministic", "seed": 0, "block": 0, "rows": 264, "synthetic": "real"}},
+        "canonical": {"sha256": {"out": "a", "dx": "b"}},
+        "layouts": {"tp2": {"status": "passed", "tensors": {"out": equal, "dx": equal, "dw.x@u0": equal}}},
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    frame = verdict_frame([load_sweep(tmp_path)])
+    assert list(frame["tensor"]) == ["out", "dx", "dw.x@u0"]
+    assert set(frame["problem"]) == {"block 0, 264 rows, synthetic real"}

@@ -16,6 +16,7 @@ from h3lab.metrics import (
     error_stats,
     ordered_int,
     sha256_tensor,
+    ulp_at,
     ulp_distance,
     ulp_map,
 )
@@ -215,3 +216,44 @@ def test_error_stats_against_fp64_reference() -> None:
     }
     with pytest.raises(ValueError, match="float64"):
         error_stats(ref.float(), ref.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_drift_counts_sign_flips_apart_and_reads_the_rest(dtype: torch.dtype) -> None:
+    """A sign flip near zero sets the max ULP; the percentiles and the error at the RMS are read without it."""
+    gen = torch.Generator().manual_seed(11)
+    b = torch.randn(4000, generator=gen).to(dtype)
+    b[b == 0] = 1.0  # keep every element on one side of zero
+    a = b.clone()
+    idx = torch.randperm(b.numel(), generator=gen)[:103]
+    ulps = [1] * 60 + [2] * 30 + [5] * 10  # 100 readable differences: p50 1, p99 5
+    for i, k in zip(idx[:100].tolist(), ulps, strict=True):
+        a[i] = _step(b[i : i + 1], INF if b[i] > 0 else -INF, k)  # away from zero: never crosses it
+    tiny, small = torch.finfo(dtype).tiny, ulp_at(1.0, dtype) / 4  # small: a quarter ULP at the tensor's scale
+    b[idx[100]], a[idx[100]] = small, -0.0  # opposite signs, one of them zero
+    b[idx[101]], a[idx[101]] = tiny, -tiny  # opposite signs, both nonzero
+    b[idx[102]], a[idx[102]] = -0.0, 0.0  # +0 against -0: 0 ULP, not a flip
+    c = compare(a, b)
+    assert c.num_differing == 103 and c.sign_flips == 2
+    assert c.max_ulp > 10_000  # the flip across zero (bf16 15k, fp32 8.6e8), unreadable as a size
+    assert (c.ulp_p50, c.ulp_p99) == (1, 5)
+    diff = (a.double() - b.double()).abs()
+    assert c.max_abs_diff == diff.max().item()
+    rms = b.double().square().mean().sqrt().item()
+    assert c.ref_rms == pytest.approx(rms, rel=1e-12)
+    one_ulp = 2.0 ** (np.floor(np.log2(rms)) - {torch.bfloat16: 7, torch.float32: 23}[dtype])
+    assert c.max_ulp_at_rms == pytest.approx(diff.max().item() / one_ulp, rel=1e-12)
+    assert 1 <= c.max_ulp_at_rms < 64  # a few ULPs of elements up to ~4 RMS, whatever the flip
+
+
+def test_drift_of_equal_tensors_and_an_all_zero_reference() -> None:
+    a = torch.randn(50, generator=torch.Generator().manual_seed(12))
+    c = compare(a, a.clone())
+    assert (c.sign_flips, c.ulp_p50, c.ulp_p99, c.max_abs_diff, c.max_ulp_at_rms) == (0, None, None, 0.0, 0.0)
+    zeros = torch.zeros(50)
+    c = compare(a, zeros)  # every element against zero: all flips, no scale to read the error at
+    assert c.sign_flips == 50 and c.ulp_p99 is None and c.max_ulp_at_rms is None
+    with pytest.raises(ValueError, match="allowed: a finite nonzero number"):
+        ulp_at(0.0, torch.float32)
+    assert ulp_at(1.0, torch.bfloat16) == 2.0**-7 and ulp_at(3.0, torch.float32) == 2.0**-22
+    assert ulp_at(1e-45, torch.float32) == 2.0**-149  # subnormal spacing below the smallest normal

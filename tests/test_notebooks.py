@@ -200,7 +200,7 @@ def test_report_is_self_contained_and_renders_in_chromium(sweep_dir, tmp_path, c
         timeout=120,
     ).stdout
     assert "<table" in dom and dom.count("data:image/png;base64,") >= 3
-    assert 'alt="CPU: every layout against the single-process block' in dom  # the heatmap
+    assert 'alt="CPU, block 0, 64 rows, checkpoint of the tiny config: every layout against the' in dom
     import matplotlib.image
 
     shot = matplotlib.image.imread(root / "cpu" / "screenshot.png")

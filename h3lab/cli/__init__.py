@@ -31,6 +31,10 @@ COMMANDS: dict[str, Subcommand] = {
     "manifest": Subcommand(
         "h3lab.cli.manifest", "write manifest.json (sha256 of every file and tensor) for a checkpoint folder"
     ),
+    "publish": Subcommand(
+        "h3lab.cli.publish",
+        "regenerate reports/<node type>[x<GPUs>]/: sweeps through papermill, the benchmarks, the report",
+    ),
     "report": Subcommand(
         "h3lab.cli.report", "render run directories into a self-contained HTML report (reports/<node type>/)"
     ),

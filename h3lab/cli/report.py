@@ -1,4 +1,8 @@
-"""`h3lab report RUN...`: run directories -> a self-contained HTML report under reports/<node type>/."""
+"""`h3lab report RUN...`: run directories -> a self-contained HTML report under reports/<node type>[x<GPUs>]/.
+
+A run on N > 1 GPUs of a node publishes into the folder with N (reports/h200x2/), on one GPU into
+reports/h200/, on CPU into reports/cpu/ (h3lab.workbench.publish.folder_name).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--out",
         type=Path,
         default=None,
-        help="one report of all RUNs here (default: one per node type in ROOT/<node type>/)",
+        help="one report of all RUNs here (default: one per node type and GPU count in ROOT/<node type>[x<GPUs>]/)",
     )
     p.add_argument("--root", type=Path, default=REPORTS, help=f"reports folder holding index.html (default {REPORTS})")
     p.add_argument("--title", default="", help="the report's title")
@@ -31,14 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
 
     def handle(a: argparse.Namespace) -> int:
         from h3lab.workbench.notebooks import NotebookError
-        from h3lab.workbench.publish import publish, write_index
+        from h3lab.workbench.publish import folder_name, publish, write_index
         from h3lab.workbench.rundata import load_sweep
 
         groups: dict[Path, list[Path]] = {}
         for run in a.runs:
             sweep = load_sweep(run)
             sweep.require_complete()  # before anything is written
-            groups.setdefault(a.out or a.root / sweep.node_type.lower(), []).append(run)
+            groups.setdefault(a.out or a.root / folder_name(sweep), []).append(run)
         status = 0
         for out, runs in groups.items():
             try:

@@ -2,7 +2,7 @@
 
 `h3lab workbench reproduce` (what `make reproduce` runs) executes notebooks/reproduce.py into
 runs/<id>/reproduce.ipynb with a progress bar over the sweep, publishes the report to
-runs/<id>/report/ (reports/<node type>/ with --publish) and prints the verdict table, the accuracy
+runs/<id>/report/ (reports/<node type>[x<GPUs>]/ with --publish) and prints the verdict table, the accuracy
 table and the report's path.
 """
 
@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     p.add_argument(
         "--publish",
         action="store_true",
-        help="reproduce: publish into REPORTS/<node type>/ (committed reports) instead of the run directory",
+        help="reproduce: publish into REPORTS/<node type>[x<GPUs>]/ instead of the run directory "
+        "(`h3lab publish` regenerates a whole folder, benchmarks included)",
     )
     p.add_argument("--reports", type=Path, default=REPORTS, help=f"reports folder for --publish (default {REPORTS})")
     p.add_argument("--no-report", action="store_true", help="reproduce: do not render the report")
@@ -69,27 +70,17 @@ def _runs() -> Path:
 
 
 def _reproduce(a: argparse.Namespace, params: dict) -> int:
-    from h3lab.io.rundir import claim, describe_end
-    from h3lab.workbench import notebooks, tables
+    from h3lab.io.rundir import claim
+    from h3lab.workbench import tables
+    from h3lab.workbench.notebooks import run_reproduce
     from h3lab.workbench.publish import publish
-    from h3lab.workbench.rundata import load_sweep
-    from h3lab.workbench.sweep import mark_ended, new_run_dir
+    from h3lab.workbench.sweep import new_run_dir
 
     if a.out:  # claimed before anything is written: an existing sweep (or anything else) is refused
         claim(a.out, flag="--out")
     run_dir = a.out.resolve() if a.out else new_run_dir(str(params.get("device", "cpu")))
-    params["run_dir"] = str(run_dir)
     print(f"run directory: {run_dir}")
-    try:
-        with notebooks.sweep_progress(run_dir):
-            notebooks.execute("reproduce", run_dir / "reproduce.ipynb", params)
-    except (KeyboardInterrupt, SystemExit) as err:  # the kernel is shut down with the notebook
-        mark_ended(run_dir, "interrupted", describe_end(err))
-        raise
-    except notebooks.NotebookError as err:
-        mark_ended(run_dir, "failed", str(err))
-        raise
-    sweep = load_sweep(run_dir)
+    sweep = run_reproduce(run_dir, params)
     print(tables.terminal_summary(sweep))
     if sweep.accuracy is not None:
         print(sweep.accuracy["table"])
@@ -106,9 +97,9 @@ def _reproduce(a: argparse.Namespace, params: dict) -> int:
     print(f"sweep: {sweep.status}; every deterministic layout bit-identical: {every}")
     print(f"executed notebook: {run_dir / 'reproduce.ipynb'}")
     if not a.no_report:  # into the run directory: a sweep never overwrites the committed reports/ unasked
-        from h3lab.workbench.publish import write_index
+        from h3lab.workbench.publish import folder_name, write_index
 
-        page = publish([run_dir], a.reports / sweep.node_type.lower() if a.publish else run_dir / "report")
+        page = publish([run_dir], a.reports / folder_name(sweep) if a.publish else run_dir / "report")
         if a.publish:
             write_index(a.reports)
         print(f"report: {page.resolve()}")

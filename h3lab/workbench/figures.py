@@ -1,12 +1,20 @@
 """The pictures: a layout x tensor heatmap of the verdicts, a per-element ULP map of one tensor, and
 the op-by-op first-divergence timeline of a traced run.
 
-Both use discrete bins, never a continuous scale: ULP distances fall in power-of-two bins
-[0, 1, 2, 4, ..., 2^16, beyond) and fractions of differing elements in [0, <2^-12, 2^-12, ..., 1/2, 1].
-The first colour, a neutral grey, is reserved for "bit-identical"; a layout that left no result is
-drawn in FAILED. Cells are drawn with imshow(interpolation="nearest"): the default antialiasing
-blends neighbouring cells when a map is down-sampled, which would paint identical cells as
-different. Figures are matplotlib `Figure` objects (no pyplot state): `show()` saves and displays.
+All use discrete bins, never a continuous scale: ULP distances fall in power-of-two bins
+[0, 1, 2, 4, ..., 2^16, beyond), errors at the tensor's RMS in [0, (0, 1), 1, 2, ..., 2^16, beyond)
+and fractions of differing elements in [0, <2^-12, 2^-12, ..., 1/2, 1]. The first colour, a
+neutral grey, is reserved for "bit-identical"; a layout that left no result is drawn in FAILED.
+
+The heatmap headlines what can be read: the largest error in ULPs at the tensor's RMS and the 99th
+percentile of the ULP distance (h3lab.metrics: sign flips of elements near zero, whose ULP
+distance counts every float around zero, are counted apart). The maximum ULP distance, set by those
+flips, is one table away (`tables.drift_table`). Per-element maps draw sign flips in their own
+colour, SIGN_FLIP, outside the ULP scale.
+
+Cells are drawn with imshow(interpolation="nearest"): the default antialiasing blends neighbouring
+cells when a map is down-sampled, which would paint identical cells as different. Figures are
+matplotlib `Figure` objects (no pyplot state): `show()` saves and displays.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ from h3lab.metrics import NAN_MISMATCH, bit_pattern, error_stats, ulp_map
 
 IDENTICAL = to_rgba("#d9d9d9")  # neutral grey: bit-identical, and nothing else
 FAILED = to_rgba("#3b3b3b")  # no result: the layout failed or the value is missing
+SIGN_FLIP = to_rgba("#2c7fb8")  # blue, outside the yellow-red scale: an element whose sign flipped near zero
 ULP_EDGES = np.array([0, 1] + [2**k for k in range(1, 17)] + [2**62], dtype=np.float64)  # last bin: >= 2^16
+# an error at the RMS below one ULP is a difference too (a flip near zero): the first colour bin is (0, 1)
+RMS_EDGES = np.array([0, 1e-300] + [2.0**k for k in range(0, 17)] + [2.0**62])
 FRAC_EDGES = np.array([0, 1e-12] + [2.0**k for k in range(-12, 1)] + [1 + 1e-9])  # 1e-12 < 1/numel of any tensor
 MAX_CELLS = 512  # per-element maps larger than this per side show the max over blocks
 
@@ -59,10 +70,25 @@ def _ulp_cell(equal: object, max_ulp: object) -> float:
     return 1.0 if pd.isna(max_ulp) else float(max(int(max_ulp), 1))
 
 
+def _rms_cell(equal: object, at_rms: object) -> float:
+    if pd.isna(equal):
+        return np.nan
+    if bool(equal):
+        return 0.0
+    return float(RMS_EDGES[1]) if pd.isna(at_rms) else max(float(at_rms), float(RMS_EDGES[1]))
+
+
+def _unknown(verdicts: pd.DataFrame, column: str) -> pd.Series:
+    """Rows whose bits differ but whose record lacks `column`: a digest-only verdict (`h3lab run
+    --digests`) or a record older than the field. Drawn in the first bin, labelled "≠"."""
+    differs = verdicts["bitwise_equal"].eq(False).fillna(False).astype(bool)
+    missing = verdicts[column].isna() if column in verdicts else pd.Series(True, index=verdicts.index)
+    return differs & missing
+
+
 def _digest_only(verdicts: pd.DataFrame) -> pd.Series:
     """Rows whose bits differ but whose verdict is a digest (`h3lab run --digests`): no ULP, no fraction."""
-    differs = verdicts["bitwise_equal"].eq(False).fillna(False).astype(bool)
-    return differs & verdicts["max_ulp"].isna()
+    return _unknown(verdicts, "max_ulp")
 
 
 def _labels(values: np.ndarray, unknown: np.ndarray, label) -> list[list[str]]:
@@ -77,6 +103,8 @@ def _short(tensor: str) -> str:
 
 
 def _ulp_label(v: float) -> str:
+    if v < 1:
+        return "<1"
     return f"{v:.0f}" if v < 1e4 else f"{v / 1e3:.0f}k" if v < 1e6 else f"{v / 1e6:.0f}M"
 
 
@@ -97,69 +125,94 @@ def _panel(ax: Axes, values: np.ndarray, edges: np.ndarray, labels: list[list[st
     return im
 
 
+# the heatmap's panel rows: verdict column, cell function, bins, title, colorbar label, cell label
+HEATMAP_ROWS = (
+    ("max_ulp_at_rms", _rms_cell, RMS_EDGES, "max error, ULPs at RMS", lambda x: _ulp_label(x) if x > 0 else ""),
+    ("ulp_p99", _ulp_cell, ULP_EDGES, "p99 ULP", lambda x: _ulp_label(x) if x > 0 else ""),
+    ("frac_differing", _frac_cell, FRAC_EDGES, "fraction differing", lambda x: _frac_label(x)),
+)
+
+
+def _frac_label(x: float) -> str:
+    return "" if not x > 0 else "<1%" if x < 0.01 else f"{100 * x:.0f}%"
+
+
+def _cells(v: pd.DataFrame, layouts: list[str], tensors: list[str], column: str, cell) -> tuple[np.ndarray, ...]:
+    """(values, unknown) as layout x tensor arrays, the worst over seeds and runs."""
+    values = v[column] if column in v else pd.Series(pd.NA, index=v.index)
+    frame = v.assign(
+        value=[cell(e, x) for e, x in zip(v["bitwise_equal"], values, strict=True)],
+        unknown=_unknown(v, column).astype(float),
+    )
+    return tuple(
+        frame.pivot_table(index="layout", columns="tensor", values=c, aggfunc="max", dropna=False)
+        .reindex(index=layouts, columns=tensors)
+        .to_numpy(dtype=float)
+        for c in ("value", "unknown")
+    )
+
+
 def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
-    """Layout x tensor: max ULP (top row) and fraction of differing elements (bottom), one column per mode.
+    """Layout x tensor, one column per mode: the largest error in ULPs at the tensor's RMS, p99 ULP and
+    the fraction of differing elements (HEATMAP_ROWS).
 
     Args:
         verdicts: `tables.verdict_frame` rows (several seeds or runs: the worst value per cell).
         title: the figure's title.
 
     Returns:
-        The figure; its axes are titled "max ULP | <mode>" and "fraction differing | <mode>".
+        The figure; its axes are titled "<row title> | <mode>".
     """
     if verdicts.empty:
         raise ValueError("no verdicts to draw; allowed: a non-empty tables.verdict_frame")
     modes = [m for m in ("deterministic", "baseline") if m in set(verdicts["mode"])]
     layouts = list(dict.fromkeys(verdicts["layout"]))
     tensors = list(dict.fromkeys(verdicts["tensor"]))
+    n = len(HEATMAP_ROWS)
     # inches: 0.34 per tensor column and 0.3 per layout row keep 6-pt cell labels legible; 2.0 holds the tensor
-    # names and titles; a panel gets at least 1.8 so its colorbar's 18 bin labels do not overlap
-    fig = Figure(figsize=(2.4 + 0.34 * len(tensors) * len(modes), 2.0 + 2 * max(1.8, 0.5 + 0.3 * len(layouts))))
+    # names and titles; a panel gets at least 2.2 so its colorbar's 19 bin labels do not overlap
+    # at least 8 wide: the two title lines fit above a heatmap of few columns (a trajectory has 6)
+    fig = Figure(
+        figsize=(max(8.0, 2.4 + 0.34 * len(tensors) * len(modes)), 2.0 + n * max(2.2, 0.5 + 0.3 * len(layouts)))
+    )
     fig.set_layout_engine("constrained")
-    axes = fig.subplots(2, len(modes), squeeze=False, sharex=True, sharey=True)
+    axes = fig.subplots(n, len(modes), squeeze=False, sharex=True, sharey=True)
+    unknown_any = False
     for col, mode in enumerate(modes):
         v = verdicts[verdicts["mode"] == mode]
-        eq = v["bitwise_equal"]
-        cells = v.assign(
-            ulp=[_ulp_cell(e, u) for e, u in zip(eq, v["max_ulp"], strict=True)],
-            frac=[_frac_cell(e, f) for e, f in zip(eq, v["frac_differing"], strict=True)],
-            unknown=_digest_only(v).astype(float),  # differs, by how much unknown: first bin, labelled "≠"
-        )
-        ulp, frac, unknown = (
-            cells.pivot_table(index="layout", columns="tensor", values=c, aggfunc="max", dropna=False)
-            .reindex(index=layouts, columns=tensors)
-            .to_numpy(dtype=float)
-            for c in ("ulp", "frac", "unknown")
-        )
-        ulp_text = _labels(ulp, unknown, lambda x: _ulp_label(x) if x > 0 else "")
-        frac_text = _labels(frac, unknown, lambda x: "" if not x > 0 else "<1%" if x < 0.01 else f"{100 * x:.0f}%")
-        ims = [_panel(axes[0, col], ulp, ULP_EDGES, ulp_text), _panel(axes[1, col], frac, FRAC_EDGES, frac_text)]
-        for row, what in enumerate(("max ULP", "fraction differing")):
-            ax = axes[row, col]
-            ax.set_title(f"{what} | {mode}", fontsize=9)
-            ax.set_yticks(range(len(layouts)), layouts, fontsize=8)
-        axes[1, col].set_xticks(range(len(tensors)), [_short(t) for t in tensors], rotation=90, fontsize=7)
-        if col == len(modes) - 1:
-            for row, (edges, label) in enumerate(((ULP_EDGES, "max ULP"), (FRAC_EDGES, "fraction differing"))):
-                cb = fig.colorbar(ims[row], ax=axes[row, :].tolist(), spacing="uniform", ticks=edges[:-1], aspect=12)
+        for row, (column, cell, edges, what, label) in enumerate(HEATMAP_ROWS):
+            values, unknown = _cells(v, layouts, tensors, column, cell)
+            unknown_any |= bool(np.nan_to_num(unknown).any())
+            im = _panel(axes[row, col], values, edges, _labels(values, unknown, label))
+            axes[row, col].set_title(f"{what} | {mode}", fontsize=9)
+            axes[row, col].set_yticks(range(len(layouts)), layouts, fontsize=8)
+            if col == len(modes) - 1:
+                cb = fig.colorbar(im, ax=axes[row, :].tolist(), spacing="uniform", ticks=edges[:-1], aspect=12)
                 cb.ax.set_yticklabels([_edge_label(e) for e in edges[:-1]], fontsize=6)
-                cb.set_label(label, fontsize=7)
+                cb.set_label(what, fontsize=7)
+        axes[-1, col].set_xticks(range(len(tensors)), [_short(t) for t in tensors], rotation=90, fontsize=7)
     fig.suptitle(
         (title or "every layout against the single-process block of the same mode")
-        + "\ngrey: bit-identical; dark: no result; numbers: max ULP / % of elements that differ"
-        + ("; ≠: digests differ, by how much unknown" if _digest_only(verdicts).any() else ""),
+        + "\ngrey: bit-identical; dark: no result; p99 over the differing elements, sign flips near zero apart"
+        + ("; ≠: bits differ, size not recorded (digests)" if unknown_any else ""),
         fontsize=9,
     )
     return fig
 
 
-def _element_values(t: Tensor, ref: Tensor) -> np.ndarray:
-    """Per-element ULP distance, 2-D; bits that differ at 0 ULP count 1, NaN mismatches the top bin."""
-    ulp = ulp_map(t, ref).to(torch.float64)
+def _element_values(t: Tensor, ref: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per-element ULP distance and sign flips, 2-D. Bits that differ at 0 ULP count 1, NaN mismatches
+    the top bin; an element whose value crossed zero (h3lab.metrics.drift_stats) is a sign flip, drawn
+    in SIGN_FLIP over its cell, and counts 1 in the ULP map."""
+    a, b = t.detach().cpu(), ref.detach().cpu()
+    ulp = ulp_map(a, b).to(torch.float64)
     ulp = torch.where(ulp == NAN_MISMATCH, float(ULP_EDGES[-2]), ulp)
-    differs = bit_pattern(t.detach().cpu()) != bit_pattern(ref.detach().cpu())
-    ulp = torch.where(differs, ulp.clamp(min=1), 0.0)
-    return ulp.reshape(ulp.shape[0], -1).numpy() if ulp.dim() >= 2 else ulp.reshape(1, -1).numpy()
+    differs = bit_pattern(a) != bit_pattern(b)
+    same_side = ((a > 0) & (b > 0)) | ((a < 0) & (b < 0)) | ((a == 0) & (b == 0))
+    flips = differs & ~same_side & ~a.isnan() & ~b.isnan()
+    ulp = torch.where(differs & ~flips, ulp.clamp(min=1), torch.where(flips, 1.0, 0.0))
+    shape = (ulp.shape[0], -1) if ulp.dim() >= 2 else (1, -1)
+    return ulp.reshape(shape).numpy(), flips.reshape(shape).numpy().astype(np.float64)
 
 
 def block_max(values: np.ndarray, max_cells: int = MAX_CELLS) -> tuple[np.ndarray, tuple[int, int]]:
@@ -188,24 +241,31 @@ def element_map(
     Returns:
         The figure: one panel per reference; axes titled "vs <ref_label>" and "vs FP64".
     """
-    panels = [(f"vs {ref_label}", _element_values(t, ref), "")]
+    panels = [(f"vs {ref_label}", *_element_values(t, ref), "")]
     if fp64 is not None:
         e = error_stats(t, fp64)
         note = f"rel L2 {e['rel_l2']:.2e}, max abs {e['max_abs']:.2e}, max {e['max_ulp_vs_rounded_ref']} ULP"
         dtype = str(t.dtype).removeprefix("torch.")
-        panels.append((f"vs FP64 rounded to {dtype}", _element_values(t, fp64.to(t.dtype)), note))
+        panels.append((f"vs FP64 rounded to {dtype}", *_element_values(t, fp64.to(t.dtype)), note))
     fig = Figure(figsize=(5.2 * len(panels) + 1.2, 4.2), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     dims = ("row", "channel") if name in ("out", "dx") else ("dim 0", "dim 1")
-    for ax, (label, values, note) in zip(axes, panels, strict=True):
+    flip_cmap = ListedColormap([SIGN_FLIP])
+    for ax, (label, values, flips, note) in zip(axes, panels, strict=True):
         shown, (bh, bw) = block_max(values)
         im = _panel(ax, shown, ULP_EDGES, None)
+        flipped, _ = block_max(flips)
+        ax.imshow(
+            np.ma.masked_equal(flipped, 0), cmap=flip_cmap, vmin=0, vmax=1, interpolation="nearest", aspect="auto"
+        )
         block = f" (each cell: max over {bh}x{bw})" if (bh, bw) != (1, 1) else ""
+        n = int(flips.sum())
+        note = "; ".join(x for x in (note, f"{n} sign flips near zero (blue)" if n else "") if x)
         ax.set_title(f"{name} {label}{block}\n{note}".strip(), fontsize=8)
         ax.set_xlabel(dims[1], fontsize=8), ax.set_ylabel(dims[0], fontsize=8)
     cb = fig.colorbar(im, ax=axes.tolist(), spacing="uniform", ticks=ULP_EDGES[:-1], shrink=0.95)
     cb.ax.set_yticklabels([_edge_label(e) for e in ULP_EDGES[:-1]], fontsize=6)
-    cb.set_label("ULP (grey: bit-identical)", fontsize=7)
+    cb.set_label("ULP (grey: bit-identical; blue: sign flip)", fontsize=7)
     return fig
 
 
@@ -248,8 +308,6 @@ def divergence_timeline(rows: list[dict], title: str = "") -> Figure:
     values = np.array([[_ulp_cell(r["bitwise_equal"], r.get("max_ulp", 0)) if r["present"] else np.nan for r in rows]])
     fig = Figure(figsize=(min(14, 2 + 0.08 * len(rows)), 2.2))
     ax = fig.subplots()
-    cmap = cmap.copy()
-    cmap.set_bad(FAILED)
     im = ax.imshow(values, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
     first = next((r["index"] for r in rows if not r["bitwise_equal"]), None)
     if first is not None:

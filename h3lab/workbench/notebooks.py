@@ -5,15 +5,22 @@ A bad parameter stops the notebook in its first cell after `parameters` (a Value
 value and the allowed set); `execute` turns papermill's error into a `NotebookError` that says the
 cell, the message and where the executed notebook is. While the reproduce notebook runs, the parent
 shows a tqdm bar over the sweep's (mode, seed, layout) runs, read from the runner's summary.json
-files, and prints each failure's layout, rank and log as it happens.
+files, and prints each failure's layout, rank and log as it happens. Ctrl-C, SIGTERM or SIGHUP
+during an execution kills its kernel before they unwind (the launched workers follow their kernel),
+so a stopped notebook leaves no process behind and its caller can mark the run interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,11 +37,15 @@ NOTEBOOKS_DIR = REPO / "notebooks"
 NOTEBOOKS = ("reproduce", "explore", "report")
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 START_TIMEOUT_S = 120  # a kernel on a loaded 2-core machine took up to ~20 s to start; 60 s (papermill's) is tight
+KILL_WAIT_S = 30.0  # after killing the kernel: nbclient notices a dead kernel within a few seconds
 
 
 def _ipc_kernel_manager() -> type:
     """A KernelManager on IPC sockets: no TCP ports to race for when tests start kernels back to back
-    (papermill#511: "Address already in use"), and no unencrypted-TCP warning from ipykernel 7."""
+    (papermill#511: "Address already in use"), and no unencrypted-TCP warning from ipykernel 7. The
+    sockets live in a folder of their own per kernel: by default they are kernel-ipc-<n> in the working
+    directory, where two executions picking <n> at once talk to each other's kernel ("Invalid
+    Signature"), and where a killed kernel leaves them behind."""
     from jupyter_client.manager import KernelManager
     from traitlets import default
 
@@ -43,7 +54,34 @@ def _ipc_kernel_manager() -> type:
         def _default_transport(self) -> str:
             return "ipc"
 
+        @default("ip")
+        def _default_ip(self) -> str:
+            return os.path.join(tempfile.mkdtemp(prefix="h3lab-kernel-"), "ipc")
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            _KERNELS.add(self)
+
     return IPCKernelManager
+
+
+_KERNELS: weakref.WeakSet = weakref.WeakSet()  # the kernel managers papermill made in this process
+
+
+def _remove_socket_folders() -> None:
+    """The socket folders of kernels that are gone (a live one keeps its own)."""
+    for km in list(_KERNELS):
+        if km.transport == "ipc" and not km.is_alive():
+            shutil.rmtree(os.path.dirname(km.ip), ignore_errors=True)
+
+
+def _kill_kernels() -> None:
+    """SIGKILL every kernel this process started; the runner's workers follow theirs (h3lab.run.lifeline)."""
+    for km in list(_KERNELS):
+        pid = getattr(getattr(km, "provisioner", None), "pid", None)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 class NotebookError(RuntimeError):
@@ -105,19 +143,66 @@ def execute(
     parameters_cell(nb)
     # the kernel inherits this: it silences a "frozen modules" debugger warning that ipykernel prints on 3.11
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    done: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            done["nb"] = pm.execute_notebook(
+                nb,
+                str(output),
+                parameters=parameters,
+                kernel_name="python3",
+                progress_bar=progress,
+                start_timeout=START_TIMEOUT_S,
+                execution_timeout=timeout_s,
+                kernel_manager_class=_ipc_kernel_manager(),
+            )
+        except BaseException as err:  # handed to the caller's thread below
+            done["error"] = err
+
+    # papermill waits on the kernel in a blocking poll that no signal interrupts: it runs in a thread,
+    # so that Ctrl-C, SIGTERM or SIGHUP reach this one at once; the kernel is killed before they unwind
+    thread = threading.Thread(target=work, name=f"papermill-{name}", daemon=True)
+    thread.start()
     try:
-        return pm.execute_notebook(
-            nb,
-            str(output),
-            parameters=parameters,
-            kernel_name="python3",
-            progress_bar=progress,
-            start_timeout=START_TIMEOUT_S,
-            execution_timeout=timeout_s,
-            kernel_manager_class=_ipc_kernel_manager(),
-        )
-    except pm.PapermillExecutionError as err:
+        while thread.is_alive():
+            thread.join(timeout=0.2)
+    except BaseException:
+        _kill_kernels()
+        thread.join(timeout=KILL_WAIT_S)
+        raise
+    finally:
+        _remove_socket_folders()
+    err = done.get("error")
+    if isinstance(err, pm.PapermillExecutionError):
         raise NotebookError(name, err.cell_index, err.ename, err.evalue, output) from None
+    if err is not None:
+        raise err
+    return done["nb"]
+
+
+def run_reproduce(run_dir: Path, params: dict[str, Any]) -> Any:
+    """The reproduce notebook into `run_dir` (new or empty, claimed by the caller) with the progress bar;
+    sweep.json ends failed or interrupted when the notebook stops short. Returns the `Sweep`.
+
+    Raises:
+        NotebookError: a cell raised (a bad parameter: ValueError, before any work).
+    """
+    from h3lab.io.rundir import describe_end
+    from h3lab.workbench.rundata import load_sweep
+    from h3lab.workbench.sweep import mark_ended
+
+    params = dict(params) | {"run_dir": str(run_dir)}
+    try:
+        with sweep_progress(run_dir):
+            execute("reproduce", run_dir / "reproduce.ipynb", params)
+    except (KeyboardInterrupt, SystemExit) as err:  # the kernel is shut down with the notebook
+        mark_ended(run_dir, "interrupted", describe_end(err))
+        raise
+    except NotebookError as err:
+        mark_ended(run_dir, "failed", str(err))
+        raise
+    return load_sweep(run_dir)
 
 
 @contextmanager

@@ -47,6 +47,32 @@ def _path(value: str | os.PathLike | None) -> Path | None:
     return Path(value).expanduser().resolve() if value not in (None, "") else None
 
 
+def block_range(blocks: str) -> tuple[int, int]:
+    """ "A-B" (or "A") as (A, B); ValueError naming the value otherwise."""
+    first, sep, last = str(blocks).partition("-")
+    if not (first.isdigit() and (not sep or last.isdigit()) and int(first) <= int(last or first)):
+        raise ValueError(f"parameter blocks={blocks!r}; allowed: '' or 'A-B' with A <= B, e.g. '0-49', or 'A'")
+    return int(first), int(last or first)
+
+
+def _check_gpus(gpus: Any, device: str) -> int:
+    """The GPUs a sweep's processes run on: 0 on a CPU sweep; 1..(GPUs torch sees) on CUDA, 0 meaning all."""
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
+        raise ValueError(f"parameter gpus={gpus!r}; allowed: an int >= 0 (0: every GPU torch sees)")
+    if device != "cuda":
+        if gpus:
+            raise ValueError(f"parameter gpus={gpus} with device={device!r}; allowed: 0 (CPU ranks)")
+        return 0
+    import torch
+
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not seen:
+        raise ValueError("parameter device='cuda' but torch sees no CUDA device; allowed here: ['cpu']")
+    if gpus > seen:
+        raise ValueError(f"parameter gpus={gpus} but torch sees {seen} CUDA devices; allowed: 0..{seen}")
+    return gpus or seen
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReproduceParams:
     """The layout sweep: every layout, in every mode and seed, on one block (notebooks/reproduce.py)."""
@@ -64,17 +90,23 @@ class ReproduceParams:
     timeout: float = 600.0
     accuracy: bool = True
     trace: bool = False  # record every op (h3lab.run.trace): the explore notebook's first-divergence timeline
+    gpus: int = 0  # cuda: the layouts' processes run on the first `gpus` GPUs (0: every GPU torch sees)
+    digests: bool = False  # weight gradients compared by digests of unit slices, not stored (real shapes)
+    blocks: str = ""  # "A-B": a chain of blocks A..B (dX at its input, every block's dW); "": the one `block`
+    trajectory: int = 0  # > 0: that many sampler steps through the whole model with blocks `blocks`
     run_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
         if self.device not in DEVICES:
             raise ValueError(f"parameter device={self.device!r}; allowed: {list(DEVICES)}")
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("parameter device='cuda' but torch sees no CUDA device; allowed here: ['cpu']")
+        fix("gpus", _check_gpus(self.gpus, self.device))
+        for name in ("digests", "accuracy", "trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"parameter {name}={getattr(self, name)!r}; allowed: true or false")
+        if not isinstance(self.trajectory, int) or isinstance(self.trajectory, bool) or self.trajectory < 0:
+            raise ValueError(f"parameter trajectory={self.trajectory!r}; allowed: 0 or a number of sampler steps >= 1")
+        fix("blocks", "-".join(map(str, block_range(self.blocks))) if self.blocks not in ("", None) else "")
         try:
             layouts = parse_layouts(_names(self.layouts, "layouts"))
         except ValueError as err:
@@ -120,9 +152,16 @@ class ReproduceParams:
             )
         folder = find_layout(self.checkpoint).folder
         config = H3Config.from_json(folder)
-        if self.block >= config.num_layers:
-            raise ValueError(f"parameter block={self.block}; allowed: 0..{config.num_layers - 1} for this checkpoint")
+        last = block_range(self.blocks)[1] if self.blocks else self.block
+        if last >= config.num_layers:
+            what = f"blocks={self.blocks!r}" if self.blocks else f"block={self.block}"
+            raise ValueError(f"parameter {what}; allowed: blocks 0..{config.num_layers - 1} for this checkpoint")
         return config
+
+    @property
+    def task(self) -> str:
+        """block, chain (blocks A-B) or trajectory (sampler steps through blocks A-B), as h3lab.run.problem."""
+        return "trajectory" if self.trajectory else "chain" if self.blocks else "block"
 
     def to_dict(self) -> dict[str, Any]:
         return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
@@ -201,8 +240,19 @@ class ReportParams:
     element_tensor: str = "out"
     fp64: bool = True  # the per-element error against the FP64 oracle (about 10 GB for a real block)
     out_dir: str | Path | None = None  # where the report's figures and report.json go
+    benchmarks: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> {path, command, what}
+    note: str = ""  # markdown under the title: where the runs come from when their records do not say
 
     def __post_init__(self) -> None:
+        if not isinstance(self.benchmarks, dict):
+            raise ValueError(f"parameter benchmarks={self.benchmarks!r}; allowed: a mapping name -> record")
+        for name, entry in self.benchmarks.items():
+            path = entry.get("path") if isinstance(entry, dict) else None
+            if not isinstance(entry, dict) or not (entry.get("skipped") or (path and Path(path).is_file())):
+                raise ValueError(
+                    f"parameter benchmarks[{name!r}]={entry!r}; allowed: {{'path': an existing JSON record, "
+                    "'command': ..., 'what': ...}} or {'skipped': the reason}"
+                )
         runs = [self.runs] if isinstance(self.runs, str | Path) else list(self.runs)
         if not runs:
             raise ValueError("parameter runs=[]; allowed: one or more run directories (runs/<id>)")
@@ -223,4 +273,4 @@ class ReportParams:
             )
 
 
-__all__ = ["ALL_LAYOUTS", "ExploreParams", "ReportParams", "ReproduceParams", "runs_root"]
+__all__ = ["ALL_LAYOUTS", "ExploreParams", "ReportParams", "ReproduceParams", "block_range", "runs_root"]

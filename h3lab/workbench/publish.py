@@ -100,8 +100,13 @@ def publish(
     element_tensor: str = "out",
     fp64: bool = True,
     take_screenshot: bool = True,
+    benchmarks: dict[str, dict[str, str]] | None = None,
+    note: str = "",
 ) -> Path:
     """Execute the report notebook over `runs` and write out_dir/report.html (+ report.json, data/, screenshot).
+
+    `benchmarks` (name -> {"path", "command", "what"} or {"skipped": reason}) are the speed tables;
+    `note` is markdown shown under the title.
 
     The index of the reports beside it (out_dir/../index.html) is not touched: `write_index` is
     the caller's choice (`h3lab report` refreshes the repository's reports/index.html only).
@@ -124,6 +129,8 @@ def publish(
         "element_layout": element_layout,
         "element_tensor": element_tensor,
         "fp64": fp64,
+        "benchmarks": benchmarks or {},
+        "note": note,
     }
     if title:
         params["title"] = title
@@ -133,21 +140,31 @@ def publish(
     data = out_dir / "data"
     data.mkdir(exist_ok=True)
     tables.write_parquet(sweeps, data)
-    _write_record(sweeps, out_dir, title or _title(sweeps))
+    _write_record(sweeps, out_dir, title or _title(sweeps), benchmarks or {})
     if take_screenshot and chromium() is not None:
         screenshot(page, out_dir / "screenshot.png")
     return page
 
 
 def _title(sweeps: list[Sweep]) -> str:
-    return "h3lab layout sweep: " + ", ".join(dict.fromkeys(s.node_type for s in sweeps))
+    return "h3lab layout sweep: " + ", ".join(dict.fromkeys(folder_name(s).upper() for s in sweeps))
+
+
+def folder_name(sweep: Sweep) -> str:
+    """The published folder of a run: its node type, with x<N> when it ran on N > 1 GPUs (cpu, h200, h200x2).
+
+    N is the sweep's `gpus` (params.json), else the GPUs its environment record lists.
+    """
+    gpus = sweep.params.get("gpus") or len(sweep.env.get("gpus") or [])
+    node = sweep.node_type.lower()
+    return node if node == "cpu" or gpus <= 1 else f"{node}x{gpus}"
 
 
 def _commit(sweep: Sweep) -> str | None:
     return (sweep.env.get("git") or {}).get("describe")
 
 
-def _write_record(sweeps: list[Sweep], out_dir: Path, title: str) -> None:
+def _write_record(sweeps: list[Sweep], out_dir: Path, title: str, benchmarks: dict[str, dict[str, str]]) -> None:
     layouts = tables.layout_frame(sweeps)
     det = layouts[layouts["mode"] == "deterministic"]
     record = {
@@ -155,7 +172,13 @@ def _write_record(sweeps: list[Sweep], out_dir: Path, title: str) -> None:
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "node_types": list(dict.fromkeys(s.node_type for s in sweeps)),
         "runs": [
-            {"id": s.run_id, "status": s.status, "commit": _commit(s), "modes": sorted({r.mode for r in s.runs})}
+            {
+                "id": s.run_id,
+                "status": s.status,
+                "commit": _commit(s),
+                "modes": sorted({r.mode for r in s.runs}),
+                "problems": list(dict.fromkeys(r.problem_label for r in s.runs)),
+            }
             for s in sweeps
         ],
         "layouts": list(dict.fromkeys(layouts["layout"])),
@@ -163,8 +186,23 @@ def _write_record(sweeps: list[Sweep], out_dir: Path, title: str) -> None:
         "deterministic_passed": int((det["status"] == "passed").sum()),
         "deterministic_runs": len(det),
         "failed": int((layouts["status"] == "failed").sum()),
+        "verdicts": _verdicts(layouts),
+        "benchmarks": {k: "ran" if v.get("path") else f"not run: {v.get('skipped')}" for k, v in benchmarks.items()},
     }
     write_json(out_dir / "report.json", record)
+
+
+def _verdicts(layouts) -> dict[str, dict[str, dict]]:
+    """Per problem and mode: the layouts run, how many equal the single-process block, how many failed."""
+    out: dict[str, dict[str, dict]] = {}
+    for (problem, mode), df in layouts.groupby(["problem", "mode"], sort=False):
+        out.setdefault(problem, {})[mode] = {
+            "layouts": list(dict.fromkeys(df["layout"])),
+            "equal": int((df["status"] == "passed").sum()),
+            "runs": len(df),
+            "failed": int((df["status"] == "failed").sum()),
+        }
+    return out
 
 
 def _run_status(run: dict) -> str:
@@ -175,24 +213,29 @@ def _run_status(run: dict) -> str:
 
 
 def write_index(root: str | Path) -> Path:
-    """root/index.html: one row per root/*/report.json (node type, verdict, runs, links); self-contained."""
+    """root/index.html: one row per published folder root/<name>/report.json (hidden staging and kept
+    folders are not listed): the folder and its README, the report, the verdict, the runs and their
+    commits, the benchmarks that ran; self-contained."""
     root = Path(root)
     rows = []
-    for rec_path in sorted(root.glob("*/report.json")):
+    for rec_path in sorted(p for p in root.glob("*/report.json") if not p.parent.name.startswith(".")):
         rec, d = json.loads(rec_path.read_text()), rec_path.parent.name
         has_shot = (rec_path.parent / "screenshot.png").is_file()
         shot = f' · <a href="{d}/screenshot.png">screenshot</a>' if has_shot else ""
         verdict = f"{rec['deterministic_passed']}/{rec['deterministic_runs']} deterministic layout runs bit-identical"
         verdict += f", {rec['failed']} failed" if rec["failed"] else ""
         runs = ", ".join(f"{r['id']} ({_run_status(r)}, commit {r['commit'] or 'not recorded'})" for r in rec["runs"])
+        ran = [k for k, v in rec.get("benchmarks", {}).items() if v == "ran"]
+        readme = f'<a href="{d}/README.md">{html.escape(d)}</a>' if (rec_path.parent / "README.md").is_file() else d
         rows.append(
-            f"<tr><td>{html.escape(', '.join(rec['node_types']))}</td>"
+            f"<tr><td>{readme}</td>"
             f'<td><a href="{d}/report.html">{html.escape(rec["title"])}</a>{shot}</td>'
             f"<td>{html.escape(verdict)}</td><td>{html.escape(', '.join(rec['layouts']))}</td>"
+            f"<td>{html.escape(', '.join(ran) or '-')}</td>"
             f"<td>{html.escape(rec['generated'])}</td><td>{html.escape(runs)}</td></tr>"
         )
     page = root / "index.html"
-    page.write_text(_INDEX.format(rows="\n".join(rows) or '<tr><td colspan="6">no reports yet</td></tr>'))
+    page.write_text(_INDEX.format(rows="\n".join(rows) or '<tr><td colspan="7">no reports yet</td></tr>'))
     return page
 
 
@@ -204,9 +247,11 @@ table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding
 th {{ background: #f0f0f0; }}
 </style></head><body>
 <h1>h3lab reports</h1>
-<p>One report per node type: every layout of the MiniMax-H3 block against the single-process block, byte for byte,
-in the deterministic and the baseline mode. Made by <code>h3lab report RUN...</code>.</p>
-<table><tr><th>node type</th><th>report</th><th>verdict</th><th>layouts</th><th>generated</th><th>runs</th></tr>
+<p>One folder per node type and GPU count: every layout of the MiniMax-H3 block against the single-process block,
+byte for byte, and the benchmarks' steady-state speed. Each folder's README says what holds there, where each figure
+was measured and the one command that regenerates it (<code>h3lab publish --node NODE</code>; README.md here).</p>
+<table><tr><th>folder</th><th>report</th><th>verdict</th><th>layouts</th><th>benchmarks</th><th>generated</th>
+<th>runs</th></tr>
 {rows}
 </table></body></html>
 """

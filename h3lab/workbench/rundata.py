@@ -48,6 +48,19 @@ class RunnerRun:
         return list(self.summary["layouts"])
 
     @property
+    def problem_label(self) -> str:
+        """What was compared, in words: 'block 0, 264 rows, synthetic real', 'blocks 0-49, 264 rows,
+        checkpoint of the tiny config', 'trajectory of 2 steps, blocks 0-3, synthetic tiny' (the report
+        groups its tables and figures by it)."""
+        p = self.summary["request"]["problem"]
+        weights = f"synthetic {p['synthetic']}" if p.get("synthetic") else _checkpoint_label(p["checkpoint"])
+        blocks = f"blocks {p['block']}-{p.get('last_block')}"
+        task = p.get("task", "block")
+        if task == "trajectory":
+            return f"trajectory of {p.get('steps')} steps, {blocks}, {weights}"
+        return f"{blocks if task == 'chain' else 'block ' + str(p['block'])}, {p['rows']} rows, {weights}"
+
+    @property
     def status(self) -> str:
         """passed, failed, interrupted, running, or stale (running, its runner gone)."""
         return effective_status(self.summary)
@@ -189,8 +202,25 @@ def load_sweep(path: str | Path) -> Sweep:
         env = json.loads((path / "env.json").read_text()) if (path / "env.json").is_file() else {}
         env = env or {**summary.get("environment", {}), "node_type": _node_type(summary.get("environment", {}))}
         record = {k: summary[k] for k in ("status", "owner", "error") if k in summary}
-        return Sweep(path, env, {"problem": summary["request"]["problem"]}, [RunnerRun(path, summary)], record)
+        params = {"problem": summary["request"]["problem"]} | (
+            {"started": summary["started"]} if "started" in summary else {}
+        )
+        return Sweep(path, env, params, [RunnerRun(path, summary)], record)
     raise ValueError(f"{str(path)!r} is not a run directory; allowed: a sweep (params.json) or an `h3lab run` folder")
+
+
+def _checkpoint_label(path: str) -> str:
+    """'checkpoint of the tiny config' when its config.json is a named config's shapes (any number of
+    blocks: a sweep writes the blocks it needs), else 'checkpoint <folder>'."""
+    from h3lab.config import NAMED_CONFIGS, H3Config
+    from h3lab.io.manifest import find_layout
+
+    try:
+        config = H3Config.from_json(find_layout(path).folder)
+    except (OSError, ValueError):  # a record read where its checkpoint is not
+        return f"checkpoint {Path(path).name}"
+    named = [n for n in NAMED_CONFIGS if H3Config.named(n).replace(num_layers=config.num_layers) == config]
+    return f"checkpoint of the {named[0]} config" if named else f"checkpoint {Path(path).name}"
 
 
 def _node_type(environment: dict[str, Any]) -> str:

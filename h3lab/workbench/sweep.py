@@ -4,7 +4,9 @@ runs/<id>/
   reproduce.ipynb            the executed notebook (papermill writes it; absent for library calls)
   env.json                   h3lab.io.env.capture(): versions, devices, node type, git state, determinism
   params.json                the validated parameters and the checkpoint actually used
-  checkpoint/                the synthesized checkpoint (only when no checkpoint was given)
+  checkpoint/                the synthesized checkpoint, for one block of the tiny config when no checkpoint
+                             was given; the real config's weights (1.3 GB a block), chains and trajectories
+                             are drawn from the weight seed by every process instead (h3lab.run.problem)
   <mode>/seed<s>/            one h3lab.run.runner run directory (summary.json, canonical, layouts/, logs)
   accuracy.json              canonical bf16 vs FP64 vs diffusers (the `h3lab reproduce` table)
   verdicts|layouts|ranks|collectives.parquet, figures/
@@ -12,14 +14,19 @@ runs/<id>/
                              every run and every failure; "failed" or "interrupted" with the error
                              when the sweep stops short
 Workers run under torchrun subprocesses started by h3lab.run.runner; nothing here runs a rank itself.
+On CUDA they see the first `gpus` GPUs (CUDA_VISIBLE_DEVICES): a layout whose ranks per node fit
+them runs one process per GPU over NCCL, a larger one shares them over gloo (Problem.one_gpu_per_rank).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ from h3lab.io.rundir import FINAL_STATES, describe_end, owner_record, read_recor
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench import tables
-from h3lab.workbench.params import ReproduceParams, runs_root
+from h3lab.workbench.params import ReproduceParams, block_range, runs_root
 from h3lab.workbench.rundata import Sweep, load_sweep
 
 SWEEP_FORMAT = "h3lab-sweep-v1"
@@ -60,12 +67,13 @@ def prepare(p: ReproduceParams) -> Path:
         raise ValueError(f"run_dir {str(run_dir)!r} already holds a sweep; allowed: a new or empty folder")
     write_json(run_dir / "env.json", capture(p.device))
     checkpoint = p.checkpoint
-    if checkpoint is None:  # only the blocks up to `block`: the real config's 50 would be 65 GB
+    if checkpoint is None and p.task == "block" and p.config == "tiny":  # the loader's path, with its manifest
         from h3lab.io.checkpoint import synthesize_checkpoint
 
         config = H3Config.named(p.config)
         checkpoint = synthesize_checkpoint(run_dir / "checkpoint", config, num_blocks=p.block + 1, seed=WEIGHTS_SEED)
-    record = {"format": SWEEP_FORMAT, **p.to_dict(), "checkpoint_path": str(Path(checkpoint).resolve())}
+    path = str(Path(checkpoint).resolve()) if checkpoint is not None else None
+    record = {"format": SWEEP_FORMAT, **p.to_dict(), "task": p.task, "checkpoint_path": path}
     record["started"] = time.time()
     write_json(run_dir / "params.json", record)
     write_json(run_dir / "sweep.json", {"format": SWEEP_FORMAT, "status": "running", "owner": owner_record()})
@@ -88,6 +96,48 @@ def planned(params: dict[str, Any]) -> list[tuple[str, int, str]]:
     return [(m, s, lay) for m in params["modes"] for s in params["seeds"] for lay in params["layouts"]]
 
 
+def sweep_problem(params: dict[str, Any], mode: str, seed: int, *, task: str | None = None) -> Problem:
+    """The runner's Problem for one (mode, seed) of a sweep's params.json (`task` overrides its task)."""
+    task = task or params.get("task", "block")
+    first, last = block_range(params["blocks"]) if params.get("blocks") else (params["block"], None)
+    checkpoint = params.get("checkpoint_path")
+    return Problem(
+        synthetic=None if checkpoint else params["config"],
+        checkpoint=checkpoint,
+        task=task,
+        block=first,
+        last_block=last if task != "block" else None,
+        steps=params.get("trajectory") or 2,
+        weights_seed=WEIGHTS_SEED,
+        rows=params["rows"],
+        seed=seed,
+        device=params["device"],
+        backend=params["backend"],
+        mode=mode,
+        repeats=params["repeats"],
+        digests=params.get("digests", False),
+    )
+
+
+@contextmanager
+def visible_gpus(count: int) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES narrowed to the first `count` visible GPUs for the processes started inside
+    (0: left as it is); this process keeps the devices it already opened."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if count:
+        import torch
+
+        visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:count])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def run_sweep(run_dir: str | Path) -> Sweep:
     """Run every (mode, seed) of params.json through h3lab.run.runner.run into <mode>/seed<s>/.
 
@@ -100,37 +150,25 @@ def run_sweep(run_dir: str | Path) -> Sweep:
     layouts = tuple(parse_layouts(params["layouts"]))
     for mode in params["modes"]:
         for seed in params["seeds"]:
-            problem = Problem(
-                synthetic=None,
-                checkpoint=params["checkpoint_path"],
-                block=params["block"],
-                rows=params["rows"],
-                seed=seed,
-                device=params["device"],
-                backend=params["backend"],
-                mode=mode,
-                repeats=params["repeats"],
-            )
             out = run_dir / mode / f"seed{seed}"
             req = RunRequest(
                 layouts=layouts,
-                problem=problem,
+                problem=sweep_problem(params, mode, seed),
                 out=out,
                 timeout_s=params["timeout"],
                 trace=params.get("trace", False),
                 command=["notebooks/reproduce.py", f"run_dir={run_dir}"],
             )
-            summary = run(req)
+            with visible_gpus(params.get("gpus", 0) if params["device"] == "cuda" else 0):
+                summary = run(req)
             print(f"== {mode}, batch seed {seed}: {out}\n{format_summary(summary)}", flush=True)
     return load_sweep(run_dir)
 
 
 def accuracy(run_dir: str | Path) -> dict[str, Any]:
-    """canonical bf16 vs the FP64 oracle vs diffusers on the sweep's block and first seed -> accuracy.json."""
+    """canonical bf16 vs the FP64 oracle vs diffusers on the sweep's (first) block and first seed -> accuracy.json."""
     import torch
 
-    from h3lab.batch import packed_batch
-    from h3lab.io.checkpoint import load_block
     from h3lab.reference.accuracy import block_accuracy, format_table
 
     run_dir = Path(run_dir)
@@ -138,8 +176,8 @@ def accuracy(run_dir: str | Path) -> dict[str, Any]:
     device = torch.device(params["device"])
     # diffusers imports tqdm.auto, which warns in a kernel without ipywidgets; the bars are not used here
     warnings.filterwarnings("ignore", message="IProgress not found")
-    weights = load_block(params["checkpoint_path"], params["block"]).to(device)
-    batch = packed_batch(weights.config, params["rows"], seed=params["seeds"][0]).to(device)
+    problem = sweep_problem(params, "deterministic", params["seeds"][0], task="block")  # the first block
+    weights, batch = problem.weights(device), problem.batch(device)
     report = block_accuracy(weights, batch)
     report |= {"rows": params["rows"], "seed": params["seeds"][0], "table": format_table(report)}
     write_json(run_dir / "accuracy.json", report)

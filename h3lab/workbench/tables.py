@@ -1,12 +1,14 @@
-"""Run directories as pandas frames, saved as parquet, and the per-node-type timing table.
+"""Run directories as pandas frames, saved as parquet, and the tables the notebooks print.
 
-Frames (one row per ...):
-  verdicts     node type, run, mode, seed, layout, tensor: byte equality, differing elements, max ULP
-  layouts      node type, run, mode, seed, layout: status, tensors equal, failure (rank, reason, log)
-  ranks        node type, run, mode, seed, layout, rank: forward/backward/collective seconds, bytes moved
-  collectives  node type, run, mode, seed, layout, rank, collective site: op, algorithm, bytes, seconds
-Times are each rank's own clock around its forward and backward (collectives included); a layout's
-time is the median over its ranks (and seeds), its spread max - min.
+Frames (one row per ...; `problem` is what was compared, RunnerRun.problem_label):
+  verdicts     node type, problem, run, mode, seed, layout, tensor: byte equality, differing elements, sign flips,
+               ULP percentiles, the error in ULPs at the tensor's RMS, max ULP (h3lab.metrics.compare)
+  layouts      node type, problem, run, mode, seed, layout: status, tensors equal, failure (rank, reason, log)
+  ranks        node type, problem, run, mode, seed, layout, rank: forward/backward/collective seconds (one
+               step of a correctness run, compilation included: not a speed figure), bytes moved
+  collectives  node type, problem, run, mode, seed, layout, rank, collective site: op, algorithm, bytes
+Times are each rank's own clock around its forward and backward (collectives included). Speed is
+read from the benchmarks (h3lab.workbench.benchmarks), never from these.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pandas as pd
 from h3lab.run.steps import KINDS as STEP_KINDS
 from h3lab.workbench.rundata import RunnerRun, Sweep
 
-KEYS = ["node_type", "run_id", "mode", "seed", "layout"]
+KEYS = ["node_type", "problem", "run_id", "mode", "seed", "layout"]
 MODE_ORDER = ["deterministic", "baseline"]
 
 
@@ -27,8 +29,8 @@ def _runs(sweeps: Iterable[Sweep]) -> Iterable[tuple[dict, RunnerRun, str, dict]
     for sw in sweeps:
         for run in sw.runs:
             for layout, rec in run.summary["layouts"].items():
-                keys = {"node_type": sw.node_type, "run_id": sw.run_id, "mode": run.mode, "seed": run.seed}
-                yield keys | {"layout": layout}, run, layout, rec
+                keys = {"node_type": sw.node_type, "problem": run.problem_label, "run_id": sw.run_id}
+                yield keys | {"mode": run.mode, "seed": run.seed, "layout": layout}, run, layout, rec
 
 
 VERDICT_FIELDS = (
@@ -39,6 +41,12 @@ VERDICT_FIELDS = (
     "frac_differing",
     "max_ulp",
     "nan_mismatches",
+    "sign_flips",
+    "ulp_p50",
+    "ulp_p99",
+    "max_abs_diff",
+    "ref_rms",
+    "max_ulp_at_rms",
 )
 
 
@@ -50,24 +58,44 @@ def verdict_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
     rows = []
     for keys, run, _, rec in _runs(sweeps):
         tensors = rec.get("tensors") or {name: None for name in run.tensor_names}
-        for name in run.tensor_names or list(tensors):
+        names = run.tensor_names  # a summary kept without its run's files: the verdicts name the rest
+        for name in names + [k for k in tensors if k not in names]:
             t = tensors.get(name)
             # a digest-only verdict (`h3lab run --digests`) has bitwise_equal alone: the rest stays missing
-            rows.append(
-                keys | {"layout_status": rec["status"], "tensor": name} | {c: (t or {}).get(c) for c in VERDICT_FIELDS}
-            )
+            fields = {c: (t or {}).get(c) for c in VERDICT_FIELDS}
+            for c in ("ulp_p50", "ulp_p99"):  # recorded as None: no element left besides sign flips
+                fields[c] = 0 if t and c in t and t[c] is None else fields[c]
+            rows.append(keys | {"layout_status": rec["status"], "tensor": name} | fields)
     df = pd.DataFrame(rows)
-    for col, dtype in (("bitwise_equal", "boolean"), ("max_ulp", "Int64"), ("num_differing", "Int64")):
+    for col in ("max_abs_diff", "ref_rms", "max_ulp_at_rms"):
+        if col in df:
+            df[col] = df[col].astype("Float64")
+    for col, dtype in (("bitwise_equal", "boolean"), *((c, "Int64") for c in INT_FIELDS)):
         if col in df:
             df[col] = df[col].astype(dtype)
     return df
 
 
-def _worst_ulp(tensors: dict[str, dict]) -> int | None:
-    """The largest ULP distance over the tensors; unknown (None) when a differing one is a digest only."""
-    if any(not t["bitwise_equal"] and t.get("max_ulp") is None for t in tensors.values()):
+INT_FIELDS = ("max_ulp", "num_differing", "sign_flips", "ulp_p50", "ulp_p99")
+
+
+def _worst_ulp(tensors: dict[str, dict], key: str = "max_ulp") -> int | float | None:
+    """The largest `key` over the tensors whose bits differ (0 when none differ); unknown (None) when a
+    differing one does not record it (a digest-only verdict, or a record older than the field). A
+    recorded None (no element left to take a percentile of, no scale) counts as 0."""
+    differing = [t for t in tensors.values() if not t["bitwise_equal"]]
+    if any(key not in t for t in differing):
         return None
-    return max((t["max_ulp"] for t in tensors.values() if t.get("max_ulp") is not None), default=None)
+    return max((t[key] or 0 for t in differing), default=0 if tensors else None)
+
+
+def _of_rms(t: dict) -> dict:
+    """The tensor's verdict with "of_rms": max |a - b| / RMS of the reference, a fraction comparable
+    across dtypes (absent when the record holds no drift; None when the reference is all zero)."""
+    if "max_abs_diff" not in t or "ref_rms" not in t:
+        return t
+    rms = t["ref_rms"]
+    return t | {"of_rms": t["max_abs_diff"] / rms if rms else None}
 
 
 def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
@@ -84,6 +112,10 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
                 "tensors_equal": sum(t["bitwise_equal"] for t in tensors.values()) if tensors else None,
                 "tensors": len(tensors) if tensors else None,
                 "max_ulp": _worst_ulp(tensors),
+                "ulp_p99": _worst_ulp(tensors, "ulp_p99"),
+                "max_ulp_at_rms": _worst_ulp(tensors, "max_ulp_at_rms"),
+                "max_err_of_rms": _worst_ulp({k: _of_rms(t) for k, t in tensors.items()}, "of_rms"),
+                "sign_flips": sum(t.get("sign_flips") or 0 for t in tensors.values()) if tensors else None,
                 "launch_s": rec.get("launch", {}).get("elapsed_s"),
                 "failed_rank": failure.get("rank"),
                 "failure": failure.get("reason"),
@@ -91,9 +123,12 @@ def layout_frame(sweeps: Iterable[Sweep]) -> pd.DataFrame:
             }
         )
     df = pd.DataFrame(rows)
-    for col in ("tensors_equal", "tensors", "max_ulp", "failed_rank"):
+    for col in ("tensors_equal", "tensors", "max_ulp", "ulp_p99", "sign_flips", "failed_rank"):
         if col in df:
             df[col] = df[col].astype("Int64")
+    for col in ("max_ulp_at_rms", "max_err_of_rms"):
+        if col in df:
+            df[col] = df[col].astype("Float64")
     return df
 
 
@@ -159,36 +194,18 @@ def decision_table(run: RunnerRun, layout: str, rank: int = 0) -> pd.DataFrame:
     return pd.DataFrame([_decision_row(d) for d in records[rank].get("decisions", [])])
 
 
-def timing_table(ranks: pd.DataFrame) -> pd.DataFrame:
-    """Per layout, each mode side by side: forward and backward median and spread over ranks (and seeds),
-    collective seconds, MiB sent by all ranks together (median over seeds), and deterministic / baseline."""
-    if ranks.empty:
-        return pd.DataFrame()
-    g = ranks.groupby(["layout", "mode"], sort=False)
-    per_seed_bytes = ranks.groupby(["layout", "mode", "run_id", "seed"], sort=False)["bytes_sent"].sum()
-    t = pd.DataFrame(
-        {
-            "fwd median s": g["forward_s"].median(),
-            "fwd spread s": g["forward_s"].max() - g["forward_s"].min(),
-            "bwd median s": g["backward_s"].median(),
-            "bwd spread s": g["backward_s"].max() - g["backward_s"].min(),
-            "coll median s": g["collective_s"].median(),
-            "MiB sent": per_seed_bytes.groupby(["layout", "mode"], sort=False).median() / 2**20,
-            "ranks": g["rank"].nunique(),
-        }
-    )
-    wide = t.unstack("mode").swaplevel(axis=1)  # columns (mode, metric)
-    modes = [m for m in MODE_ORDER if m in wide.columns.get_level_values("mode")]
-    wide = wide.reindex(columns=pd.MultiIndex.from_product([modes, t.columns], names=["mode", None]))
-    wide = wide.reindex(list(dict.fromkeys(ranks["layout"])))
-    if set(MODE_ORDER) <= set(modes):
-        total = lambda m: wide[(m, "fwd median s")] + wide[(m, "bwd median s")]  # noqa: E731
-        wide[("deterministic / baseline", "fwd+bwd")] = total("deterministic") / total("baseline")
-    return wide
-
-
 def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
-    """Layout x mode: 'passed 15/15', 'mismatch 0/15 (max 30232 ULP)' or 'failed rank 3', over seeds."""
+    """Layout x mode: 'passed 15/15', 'mismatch 0/15: max |a-b| 2.1e-02 of RMS, 3 sign flips' or
+    'failed (rank 3)', over seeds. Per tensor, and the maximum ULP distance: `drift_table`."""
+
+    def worst(r: pd.Series) -> str:
+        if r["status"] == "passed":
+            return ""
+        if not pd.isna(r.get("max_err_of_rms", pd.NA)):
+            n = 0 if pd.isna(r.get("sign_flips", 0)) else int(r["sign_flips"])
+            flips = f", {n} sign flips" if n else ""
+            return f": max |a-b| {r['max_err_of_rms']:.1e} of RMS{flips}"
+        return ", digests differ" if pd.isna(r["max_ulp"]) else f", max {r['max_ulp']} ULP"
 
     def cell(rows: pd.DataFrame) -> str:
         parts = []
@@ -196,19 +213,36 @@ def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
             if pd.isna(r["tensors"]):
                 parts.append(f"{r['status']} (rank {r['failed_rank']})")
             else:
-                worst = (
-                    ""
-                    if r["status"] == "passed"
-                    else ", digests differ"
-                    if pd.isna(r["max_ulp"])
-                    else f", max {r['max_ulp']} ULP"
-                )
-                parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst}")
+                parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst(r)}")
         return "; ".join(dict.fromkeys(parts))
 
     table = layouts.groupby(["layout", "mode"], sort=False).apply(cell, include_groups=False).unstack("mode")
     table = table.reindex(columns=[m for m in MODE_ORDER if m in table.columns])
     return table.reindex(list(dict.fromkeys(layouts["layout"])))
+
+
+DRIFT_COLUMNS = {
+    "num_differing": "differing",
+    "frac_differing": "fraction",
+    "sign_flips": "sign flips",
+    "ulp_p50": "p50 ULP",
+    "ulp_p99": "p99 ULP",
+    "max_ulp_at_rms": "max ULP at RMS",
+    "max_abs_diff": "max |a-b|",
+    "ref_rms": "RMS",
+    "max_ulp": "max ULP",
+}
+
+
+def drift_table(verdicts: pd.DataFrame) -> pd.DataFrame:
+    """Per mode, layout and tensor whose bits differ: how many elements, the sign flips, the ULP
+    percentiles, the error at the tensor's RMS, and the maximum ULP distance (worst over seeds)."""
+    differs = verdicts[verdicts["bitwise_equal"].eq(False).fillna(False).astype(bool)]
+    cols = [c for c in DRIFT_COLUMNS if c in differs]
+    if differs.empty:
+        return pd.DataFrame(columns=list(DRIFT_COLUMNS.values()))
+    table = differs.groupby(["mode", "layout", "tensor"], sort=False)[cols].max()
+    return table.rename(columns=DRIFT_COLUMNS)
 
 
 def write_parquet(sweeps: list[Sweep], out: Path) -> dict[str, Path]:
@@ -227,7 +261,8 @@ def write_parquet(sweeps: list[Sweep], out: Path) -> dict[str, Path]:
 
 
 def terminal_summary(sweep: Sweep) -> str:
-    """The sweep in a fixed-width table: per layout and mode, the verdict and the slowest rank's fwd+bwd."""
+    """The sweep in a fixed-width table: per layout and mode, the verdict and the slowest rank's fwd+bwd
+    seconds of its one correctness step (compilation included: a sign of life, not a speed figure)."""
     layouts, ranks = layout_frame([sweep]), rank_frame([sweep])
     verdicts = verdict_table(layouts)
     step = (
@@ -237,7 +272,7 @@ def terminal_summary(sweep: Sweep) -> str:
     )
     modes = list(verdicts.columns)
     width = max(28, *(len(str(v)) + 2 for v in verdicts.to_numpy().ravel()))
-    head = f"{'layout':<12}" + "".join(f"{m:<{width}}{'fwd+bwd s':>10}  " for m in modes)
+    head = f"{'layout':<12}" + "".join(f"{m:<{width}}{'1st step s':>10}  " for m in modes)
     lines = [head, "-" * len(head)]
     for layout, row in verdicts.iterrows():
         cells = []

@@ -1,4 +1,4 @@
-"""What the notebooks display: headings, styled tables and figures, grouped by node type.
+"""What the notebooks display: headings, styled tables and figures, grouped by node type and problem.
 
 Each `show_*` function displays into the running notebook (IPython) and returns None, so a cell
 is one call with no echo; the values come from `tables` and the frame functions here.
@@ -7,6 +7,7 @@ is one call with no echo; the values come from `tables` and the frame functions 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import error_stats
+from h3lab.workbench import benchmarks as bench_tables
 from h3lab.workbench import figures, tables
 from h3lab.workbench.rundata import RunnerRun, Sweep, oracle_tensors
 
@@ -37,40 +39,41 @@ def _md(text: str) -> None:
     _display(Markdown(text))
 
 
-def _nodes(sweeps: list[Sweep]) -> list[str]:
-    return list(dict.fromkeys(sw.node_type for sw in sweeps))
+def _groups(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """(node type, problem) pairs in the frame's order: each gets its own tables and figures."""
+    return list(dict.fromkeys(zip(frame["node_type"], frame["problem"], strict=True))) if len(frame) else []
 
 
-def show_header(sweeps: list[Sweep], title: str) -> None:
-    """Title, node types, runs (id, status, date, commit) and the problem the sweep ran."""
-    lines = [f"# {title}", ""]
+def _commit(sw: Sweep) -> str:
+    git = sw.env.get("git") or {}
+    if not git.get("commit"):
+        return "commit not recorded"
+    return f"commit `{git['commit'][:12]}`" + (" (with uncommitted changes)" if git.get("dirty") else "")
+
+
+def show_header(sweeps: list[Sweep], title: str, note: str = "") -> None:
+    """Title, an optional note (markdown), and per run: node type, status, date, commit, the problem."""
+    lines = [f"# {title}", ""] + ([note, ""] if note else [])
     for sw in sweeps:
-        git = sw.env.get("git", {})
-        commit = (git.get("commit") or "?")[:12] + (" (dirty)" if git.get("dirty") else "")
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(sw.params.get("started", sw.path.stat().st_mtime)))
-        p = sw.params
-        problem = p.get("problem", p)
-        what = f"block {problem.get('block')}, {problem.get('rows')} rows, " + (
-            f"config {p.get('config')}, seeds {p.get('seeds')}" if "seeds" in p else f"seed {problem.get('seed')}"
-        )
-        lines.append(f"- **{sw.node_type}** run `{sw.run_id}`: {sw.status}; {when}; commit `{commit}`; {what}")
-    text = "\n".join(lines)
-    _md(text)
+        problems = "; ".join(dict.fromkeys(r.problem_label for r in sw.runs))
+        lines.append(f"- **{sw.node_type}** run `{sw.run_id}`: {sw.status}; {when}; {_commit(sw)}; {problems}")
+    _md("\n".join(lines))
 
 
 def show_verdicts(sweeps: list[Sweep]) -> None:
-    """Per node type: layout x mode verdicts and one sentence on the deterministic mode."""
+    """Per node type and problem: layout x mode verdicts and one sentence on the deterministic mode."""
     layouts = tables.layout_frame(sweeps)
-    for node in _nodes(sweeps):
-        df = layouts[layouts["node_type"] == node]
+    for node, problem in _groups(layouts):
+        df = layouts[(layouts["node_type"] == node) & (layouts["problem"] == problem)]
         det = df[df["mode"] == "deterministic"]
         ok = int((det["status"] == "passed").sum())
         _md(
-            f"### {node}\n\nDeterministic mode: **{ok} of {len(det)}** layout runs are byte-identical to the "
-            "single-process block on every tensor. Baseline mode (library kernels and collectives) is shown "
-            "for contrast: a mismatch there is the expected finding."
+            f"### {node}: {problem}\n\nDeterministic mode: **{ok} of {len(det)}** layout runs are byte-identical to "
+            "the single-process block on every tensor. Baseline mode (library kernels and collectives), where it "
+            "ran, is shown for contrast: a mismatch there is the expected finding."
         )
-        _display(tables.verdict_table(df))
+        _display(tables.verdict_table(df).style)  # a Styler: no cell is cut at pandas' 50 characters
         failed = df[df["status"] == "failed"]
         for _, r in failed.iterrows():
             _md(
@@ -79,27 +82,64 @@ def show_verdicts(sweeps: list[Sweep]) -> None:
             )
 
 
+def collapsed(tensor: str) -> str:
+    """A tensor's column in the heatmap: chains drop the block ("block3.dw.x" -> "dw.x"), digests the
+    unit slice ("dw.x@u5" -> "dw.x"); the cell is then the worst over blocks and slices."""
+    return re.sub(r"@u\d+$", "", re.sub(r"^block\d+\.", "", tensor))
+
+
 def show_heatmaps(sweeps: list[Sweep], out_dir: Path | None = None) -> None:
-    """Per node type: the layout x tensor heatmap of max ULP and fraction differing, both modes."""
+    """Per node type and problem: the layout x tensor heatmap (error at RMS, p99 ULP, fraction), both modes."""
     verdicts = tables.verdict_frame(sweeps)
-    for node in _nodes(sweeps):
-        fig = figures.verdict_heatmap(
-            verdicts[verdicts["node_type"] == node],
-            title=f"{node}: every layout against the single-process block of the same mode",
+    for i, (node, problem) in enumerate(_groups(verdicts)):
+        v = verdicts[(verdicts["node_type"] == node) & (verdicts["problem"] == problem)]
+        many = v["tensor"].map(collapsed).ne(v["tensor"]).any()
+        title = f"{node}, {problem}: every layout against the single-process block of the same mode"
+        fig = figures.verdict_heatmap(v.assign(tensor=v["tensor"].map(collapsed)), title=title)
+        if many:
+            fig.suptitle(fig.get_suptitle() + "\n(each cell: the worst over blocks and unit slices)", fontsize=9)
+        name = f"heatmap-{node.lower()}{f'-{i}' if i else ''}.png"
+        figures.show(fig, out_dir / "figures" / name if out_dir else None)
+
+
+def show_drift(sweeps: list[Sweep]) -> None:
+    """Every tensor whose bits differ: sign flips, ULP percentiles, error at RMS and the maximum ULP
+    distance, folded behind one click (a <details> element) so the page opens on the headline."""
+    drift = tables.drift_table(tables.verdict_frame(sweeps))
+    if drift.empty:
+        _md("*No tensor of any layout differs from the single-process block.*")
+        return
+    from IPython.display import HTML
+
+    body = drift.to_html(float_format=lambda x: f"{x:.3g}", na_rep="-")
+    _display(
+        HTML(f"<details><summary>{len(drift)} differing tensors: the maximum ULP and more</summary>{body}</details>")
+    )
+
+
+def show_benchmarks(benchmarks: dict[str, dict[str, str]]) -> None:
+    """Each benchmark's steady-state table, with the machine, the commit and the command that made it.
+
+    Args:
+        benchmarks: name (h3lab.bench.registry) -> {"path": its JSON record, "command": how it was run,
+            "what": one line, "commit": of the checkout that ran it}; a name with a "skipped" reason
+            instead of a path is listed as not run.
+    """
+    if not benchmarks:
+        _md("*No benchmark ran for this report: it shows no speed figures.*")
+        return
+    for name, entry in benchmarks.items():
+        if not entry.get("path"):
+            _md(f"### {name}\n\n*Not run here: {entry.get('skipped', 'no record')}.*")
+            continue
+        record = bench_tables.load(entry["path"])
+        where = bench_tables.provenance(record, entry.get("commit"))
+        _md(
+            f"### {name}: {entry.get('what', '')}\n\nMachine: {where['machine']}. Commit: {where['commit']}. "
+            f"Command: `{entry.get('command') or 'not recorded'}`"
         )
-        figures.show(fig, out_dir / "figures" / f"heatmap-{node.lower()}.png" if out_dir else None)
-
-
-def show_timings(sweeps: list[Sweep]) -> None:
-    """Per node type: forward/backward per rank (median, spread), collectives, deterministic / baseline."""
-    ranks = tables.rank_frame(sweeps)
-    for node in _nodes(sweeps):
-        df = ranks[ranks["node_type"] == node] if not ranks.empty else ranks
-        table = tables.timing_table(df)
-        devices = ", ".join(sorted(set(df["device"].dropna().astype(str).str.split(":").str[0]))) if len(df) else "-"
-        _md(f"### {node} (ranks on {devices}; seconds per block step on each rank's clock)")
-        if not table.empty:
-            _display(table.style.format(precision=3, na_rep="-"))
+        table = bench_tables.table(name, record)
+        _display(table.style.format(precision=3, na_rep="-") if not table.empty else table)
 
 
 def show_element_maps(
@@ -144,6 +184,8 @@ def accuracy_frame(report: dict[str, Any]) -> pd.DataFrame:
 
 def show_accuracy(sweeps: list[Sweep]) -> None:
     """The `h3lab reproduce` table of every sweep that ran it (relative L2 errors, determinism line)."""
+    if all(sw.accuracy is None for sw in sweeps):
+        _md("*None of these runs computed the accuracy table (`accuracy=True` in the reproduce notebook).*")
     for sw in sweeps:
         if sw.accuracy is None:
             continue
@@ -162,24 +204,32 @@ def environment_frame(sweeps: list[Sweep]) -> pd.DataFrame:
     rows = []
     for sw in sweeps:
         e = sw.env
-        gpus = e.get("gpus") or []
         rows.append(
             {
                 "run": sw.run_id,
                 "node type": sw.node_type,
-                "device": f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['memory_gib']} GiB)"
-                if gpus
-                else f"CPU: {e.get('cpu', {}).get('model', '?')} x {e.get('cpu', {}).get('count', '?')}",
+                "device": _device(e),
                 "torch": e.get("torch"),
                 "triton": e.get("triton"),
                 "cuda": e.get("cuda"),
                 "driver": e.get("driver"),
                 "nccl": e.get("nccl"),
                 "python": e.get("python"),
-                "commit": ((e.get("git") or {}).get("describe") or "?"),
+                "commit": ((e.get("git") or {}).get("describe") or "not recorded"),
             }
         )
     return pd.DataFrame(rows).set_index("run")
+
+
+def _device(env: dict[str, Any]) -> str:
+    """'2 x NVIDIA H200 (139.8 GiB)', 'CPU: AMD EPYC x 2', or what a brief record holds ('NVIDIA H200')."""
+    gpus = env.get("gpus") or []
+    if gpus:
+        return f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['memory_gib']} GiB)"
+    if env.get("gpu"):
+        return str(env["gpu"])
+    cpu = env.get("cpu") or {}
+    return f"CPU: {cpu['model']} x {cpu.get('count', '?')}" if cpu.get("model") else "not recorded"
 
 
 def show_environment(sweeps: list[Sweep]) -> None:
@@ -193,7 +243,8 @@ def tensor_table(run: RunnerRun, layout: str) -> pd.DataFrame:
     rows = [
         {
             "tensor": k,
-            **{c: t.get(c) for c in ("dtype", "bitwise_equal", "num_differing", "frac_differing", "max_ulp")},
+            **{c: t.get(c) for c in ("dtype", "bitwise_equal", "num_differing", "frac_differing", "sign_flips")},
+            **{c: t.get(c) for c in ("ulp_p50", "ulp_p99", "max_ulp_at_rms", "max_ulp")},
             "sha256": t["sha256_a"][:16],
         }
         for k, t in rec.get("tensors", {}).items()

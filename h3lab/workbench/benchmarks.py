@@ -1,0 +1,225 @@
+"""Benchmark records as the report's timing tables: the steady-state figures of `python -m h3lab.bench.*`.
+
+Speed in a published report comes from here only: each benchmark warms up, then times many calls
+(medians, spreads), and records the machine and the commit it ran at. A correctness run's per-rank
+seconds (one step, compilation included) are never shown as speed.
+
+`TABLES` maps a benchmark's name (its name in h3lab.bench.registry; the workbench does not import
+the benchmarks) to a function from its JSON record to one table. `provenance` says where a record
+was measured: the machine and the commit, or that the record holds no commit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+MS = 1e3  # seconds -> milliseconds
+
+
+def load(path: str | Path) -> Any:
+    """A benchmark's JSON record; ValueError naming the file when it is missing or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"benchmark record {str(path)!r} cannot be read ({err}); allowed: a JSON file") from None
+
+
+def _env(record: Any) -> dict[str, Any]:
+    if isinstance(record, list):  # per-rank or per-row-count lists: the first entry's
+        return _env(record[0]) if record and isinstance(record[0], dict) else {}
+    if "env" in record:
+        return record["env"] or {}
+    bench = record.get("benchmarks")  # the CPU block's aggregate record
+    return {"git": {"describe": bench[-1].get("commit")}} if bench else {}
+
+
+def provenance(record: Any, ran_at: str | None = None) -> dict[str, str]:
+    """{"machine": ..., "commit": ...} as the record states them; a record without a commit takes
+    `ran_at`, what is known of the checkout that ran it (`h3lab publish` records it), else "not recorded"."""
+    env = _env(record)
+    gpus = env.get("gpus") or []
+    machine = (
+        f"{len(gpus)} x {gpus[0]['name']}"
+        if gpus
+        else env.get("gpu") or (env.get("cpu") or {}).get("model") or env.get("node_type") or "not recorded"
+    )
+    cpu = (record.get("benchmarks") or [record])[-1].get("machine", {}) if isinstance(record, dict) else {}
+    if cpu.get("cpu_model"):  # block_cpu
+        machine = f"{cpu['cpu_model']}, {cpu.get('logical_cpus')} CPUs ({cpu.get('torch_threads')} threads)"
+    git = env.get("git") or {}
+    commit = git.get("describe") or (record.get("commit") if isinstance(record, dict) else None)
+    return {"machine": machine, "commit": commit or ran_at or "not recorded"}
+
+
+def block_gpu(record: dict) -> pd.DataFrame:
+    """Per row count: eager and canonical fwd+bwd (ms), their ratio, both captured in CUDA graphs, peak memory."""
+    rows = []
+    for n, r in record["rows"].items():
+        rows.append(
+            {
+                "rows": int(n),
+                "eager ms": r.get("eager_fwd_bwd_median_s", float("nan")) * MS,
+                "canonical ms": r.get("canonical_fwd_bwd_median_s", float("nan")) * MS,
+                "canonical / eager": r.get("ratio_fwd_bwd"),
+                "canonical in a graph ms": r.get("canonical_graph_fwd_bwd_median_s", float("nan")) * MS,
+                "graph / eager": r.get("ratio_graph_vs_eager"),
+                "eager extra GiB": r.get("eager_peak_extra_gib"),
+                "canonical extra GiB": r.get("canonical_peak_extra_gib"),
+                "repeats bitwise": r.get("repeat_bitwise"),
+            }
+        )
+    return pd.DataFrame(rows).set_index("rows")
+
+
+def block_cpu(record: dict) -> pd.DataFrame:
+    """Per configuration: the canonical block's fwd+bwd seconds on CPU (median, min, max), peak RSS, and the
+    machine's 1-minute load average before (on 2 cores any other busy process shows in the figures)."""
+    runs = record.get("benchmarks") or [record]
+    cols = ("config", "rows", "repeats", "median_s", "min_s", "max_s", "peak_rss_gib", "repeats_bitwise_equal")
+    rows = [{c: r.get(c) for c in cols} | {"load before": (r.get("load_average_before") or [None])[0]} for r in runs]
+    return pd.DataFrame(rows).set_index("config")
+
+
+def gemm(record: dict) -> pd.DataFrame:
+    """Per pinned kernel, shape and row count: cuBLAS ms, ours ms, our speed as a fraction of cuBLAS's."""
+    rows = []
+    for kernel in ("mm", "unit"):
+        pinned = record.get(kernel, {}).get("pinned")
+        for key, ms in (pinned or {}).get("ms", {}).items():
+            shape, m = key.rsplit("@", 1)
+            rows.append(
+                {
+                    "kernel": "fixed-order GEMM" if kernel == "mm" else "unit-tree GEMM",
+                    "shape": shape,
+                    "rows": int(m),
+                    "cuBLAS ms": record.get("cublas", {}).get(f"{kernel}:{key}"),
+                    "ours ms": ms,
+                    "speed vs cuBLAS": pinned.get("ratio", {}).get(key),  # cuBLAS ms / ours ms
+                }
+            )
+    return pd.DataFrame(rows).set_index(["kernel", "shape", "rows"])
+
+
+def attention(record: dict) -> pd.DataFrame:
+    """Per shape: the pinned kernels' fwd and bwd ms, and fwd+bwd against SDPA's default and flash."""
+    rows = []
+    for shape, r in record["summary"]["shapes"].items():
+        p = r["pinned"]
+        rows.append(
+            {
+                "shape": shape,
+                "fwd ms": p["fwd_ms"],
+                "bwd ms": p["bwd_ms"],
+                "time / SDPA default": p.get("ratio_fwd_bwd_vs_sdpa_default"),  # fwd+bwd, ours over theirs
+                "time / SDPA flash": p.get("ratio_fwd_bwd_vs_sdpa_flash"),
+            }
+        )
+    return pd.DataFrame(rows).set_index("shape")
+
+
+def attention_long(record: dict) -> pd.DataFrame:
+    """Per row count: the pinned kernels' fwd and bwd ms, peak GiB, bits, against the fastest SDPA backend."""
+    rows = []
+    for n, r in record["rows"].items():
+        p = r["variants"]["pinned"]
+        rows.append(
+            {
+                "rows": int(n),
+                "fwd ms": p.get("fwd_ms"),
+                "bwd ms": p.get("bwd_ms"),
+                "bwd peak GiB": (p.get("peak_gib") or {}).get("bwd"),
+                "repeats bitwise": p.get("repeat_bitwise"),
+                "fastest SDPA": (r.get("summary") or {}).get("sdpa_best"),
+                "speed vs it": ((r.get("summary") or {}).get("pinned") or {}).get("speed_fwd_bwd_vs_sdpa"),
+            }
+        )
+    return pd.DataFrame(rows).set_index("rows")
+
+
+def profile(record: list) -> pd.DataFrame:
+    """Per row count: the block's wall and kernel ms, what the host adds, launches, the GPU's idle ms."""
+    rows = []
+    for r in record:
+        rows.append(
+            {
+                "rows": r["rows"],
+                "wall ms": r["wall_median_s"] * MS,
+                "kernels ms": r["kernel_s"] * MS,
+                "host adds ms": r["host_added_s"] * MS,
+                "launches": r.get("launches"),
+                "GPU idle ms": (r.get("marked_run") or {}).get("idle_us", float("nan")) / MS,
+            }
+        )
+    return pd.DataFrame(rows).set_index("rows")
+
+
+LAYOUT_COLUMNS = {
+    "det_ms": "det step ms",
+    "eager_ms": "eager step ms",
+    "ratio": "det / eager",
+    "overhead": "overhead vs tp1",
+    "det_collective_share": "det collective share",
+    "det_step_extra_gib": "det step GiB",
+    "eager_step_extra_gib": "eager step GiB",
+}
+
+
+def layouts(record: dict) -> pd.DataFrame:
+    """Per layout and row count: the deterministic and the eager step (median ms), their ratio, memory, bits."""
+    rows = []
+    for r in record.get("comparison", []):
+        bits = r.get("bits_vs_tp1")
+        verdict = None if bits is None else "equal" if bits["equal"] else "DIFFER"
+        rows.append({"layout": r["layout"], "rows": r["rows"]} | {v: r.get(k) for k, v in LAYOUT_COLUMNS.items()})
+        rows[-1]["bits vs tp1"] = verdict
+    return pd.DataFrame(rows).set_index(["layout", "rows"]) if rows else pd.DataFrame()
+
+
+def collectives(record: dict | list) -> pd.DataFrame:
+    """Per operation, size and algorithm: the slowest rank's median ms and bus bandwidth (GB/s), and the
+    ratio to the backend's own sum. Reads the per-rank lists of older records too."""
+    if isinstance(record, dict):
+        rows = [
+            {
+                "op": r["op"],
+                "MiB": f"{r['mib']:g}",
+                "algorithm": r["name"],
+                "ms": r["median_s"] * MS,
+                "bus GB/s": r["bus_bw_gbs"],
+                "vs backend": r.get("vs_backend"),
+            }
+            for r in record.get("rows", [])
+        ]
+        return pd.DataFrame(rows).set_index(["op", "MiB", "algorithm"]) if rows else pd.DataFrame()
+    per_rank = pd.DataFrame([b | {"rank": r["rank"]} for r in record for b in r["bench"] if "median_s" in b])
+    slowest = per_rank.groupby(["mib", "name"], sort=False)[["median_s", "bus_bw_gbs"]].agg(
+        {"median_s": "max", "bus_bw_gbs": "min"}
+    )
+    slowest["median_s"] *= MS
+    slowest.index = slowest.index.set_levels([f"{m:g}" for m in slowest.index.levels[0]], level=0)
+    return slowest.rename(columns={"median_s": "ms", "bus_bw_gbs": "bus GB/s"}).rename_axis(["MiB", "algorithm"])
+
+
+TABLES: dict[str, Callable[[Any], pd.DataFrame]] = {
+    "block": block_gpu,
+    "block_long": block_gpu,
+    "block_cpu": block_cpu,
+    "gemm": gemm,
+    "attention": attention,
+    "attention_long": attention_long,
+    "profile": profile,
+    "layouts": layouts,
+    "collectives": collectives,
+}
+
+
+def table(name: str, record: Any) -> pd.DataFrame:
+    """The table of benchmark `name`; ValueError naming the allowed names for an unknown one."""
+    if name not in TABLES:
+        raise ValueError(f"no table for benchmark {name!r}; allowed: {sorted(TABLES)}")
+    return TABLES[name](record)

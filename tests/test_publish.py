@@ -1,0 +1,217 @@
+"""`h3lab publish`: the benchmark registry as data, resumable stages, the folder built beside and swapped
+in, and the whole path end to end on CPU (tiny config, two layouts, 32 rows) into a temporary folder.
+
+The end-to-end test shrinks the CPU plan (plans.SWEEPS, registry.BENCHMARKS) to one small sweep, the
+CPU block benchmark and one CUDA benchmark that must be skipped with its reason; everything else is
+the command as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from h3lab.bench import registry
+from h3lab.cli import main
+from h3lab.workbench import benchmarks, folder, plans
+from h3lab.workbench.publish import chromium
+from h3lab.workbench.stages import StageBook, run_command
+
+SMALL_SWEEP = {
+    "device": "cpu",
+    "config": "tiny",
+    "layouts": "tp1,tp2",
+    "rows": 32,
+    "modes": ["deterministic", "baseline"],
+}
+
+
+# ---- the registry ---------------------------------------------------------------------------------
+def test_every_benchmark_has_a_table_and_a_reason_where_it_does_not_run():
+    assert {b.name for b in registry.BENCHMARKS} <= set(benchmarks.TABLES)
+    assert len({b.output for b in registry.BENCHMARKS}) == len(registry.BENCHMARKS)  # one file each
+    cpu = {p.bench.name: p for p in registry.plan("cpu", 0)}
+    assert cpu["gemm"].argv is None and cpu["gemm"].skipped == "needs CUDA; this is a CPU node"
+    assert cpu["block_cpu"].argv[:2] == ["-m", "h3lab.bench.block_cpu"]
+    one = {p.bench.name: p for p in registry.plan("h200", 1)}
+    assert one["block_cpu"].skipped == "not run on gpu nodes"
+    assert one["collectives"].skipped == "needs 2 GPUs, one process per GPU; this publish has 1"
+    assert one["layouts"].argv[one["layouts"].argv.index("--layouts") + 1] == "tp1"
+    eight = {p.bench.name: p for p in registry.plan("h200", 8)}
+    assert eight["collectives"].argv[-3:] == ["8", "--device", "cuda"]
+    assert "tp8:2x4" in eight["layouts"].argv[eight["layouts"].argv.index("--layouts") + 1]
+    with pytest.raises(ValueError, match=r"node 'a100'; allowed: \['cpu', 'h100', 'h200', 'b200'\]"):
+        registry.plan("a100", 1)
+    with pytest.raises(ValueError, match="unknown benchmark 'gem'; allowed"):
+        registry.by_name("gem")
+
+
+def test_a_node_that_is_not_this_machine_and_unknown_stages_are_refused(tmp_path, capsys):
+    assert main(["publish", "--node", "h200", "--work", str(tmp_path / "w")]) == 2
+    assert "--node h200, but this machine is a cpu node; allowed: --node cpu" in capsys.readouterr().err
+    assert main(["publish", "--node", "cpu", "--only", "sweep,gems", "--work", str(tmp_path / "w")]) == 2
+    assert "--only ['gems']; allowed: ['sweep', 'chain', 'trajectory', 'block_cpu'" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # refused before anything is written
+    assert main(["publish", "--node", "cpu", "--only", "render", "--work", str(tmp_path / "w2")]) == 2
+    err = capsys.readouterr().err
+    assert "render: sweeps ['sweep', 'chain', 'trajectory'] are not done; allowed: render once every" in err
+
+
+# ---- stages and the folder ------------------------------------------------------------------------
+def test_a_work_folder_has_one_live_owner_and_keeps_done_stages(tmp_path):
+    book = StageBook(tmp_path / "w")
+    book.claim({"node": "cpu"})
+    with pytest.raises(ValueError, match="is in use by pid"):
+        StageBook(tmp_path / "w").claim({"node": "cpu"})
+    calls = []
+    book.run("a", lambda: calls.append(1) or {"state": "done", "output": str(book.attempt("a"))})
+    assert book.state("a")["output"].endswith("a-1")
+    assert book.run("a", lambda: calls.append(2) or {"state": "done"})["kept"] and calls == [1]
+    book.run("a", lambda: calls.append(3) or {"state": "done", "output": str(book.attempt("a"))}, redo=True)
+    assert book.state("a")["output"].endswith("a-2") and calls == [1, 3]  # a new path, never the old one
+    with pytest.raises(RuntimeError):
+        book.run("b", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert book.state("b")["state"] == "failed" and "boom" in book.state("b")["error"]
+    book.release()
+    with pytest.raises(ValueError, match="holds a publish of"):
+        StageBook(tmp_path / "w").claim({"node": "h200"})
+
+
+def test_a_command_past_its_time_is_killed_with_its_group(tmp_path):
+    child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    script = f"import subprocess, sys, time; {child}; time.sleep(60)"
+    start = time.monotonic()
+    res = run_command([sys.executable, "-c", script], tmp_path / "x.log", timeout_s=2)
+    assert res["timed_out"] and time.monotonic() - start < 30
+    left = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
+    assert not left, left  # the child in the same session went with it
+
+
+def test_the_swap_keeps_a_previous_folder_git_does_not_hold(tmp_path):
+    reports = tmp_path / "reports"
+    (reports / "cpu").mkdir(parents=True)
+    (reports / "cpu" / "notes.txt").write_text("mine")
+    built = folder.staging(reports, "cpu")
+    (built / "README.md").write_text("new")
+    kept = folder.swap_in(built, reports / "cpu")
+    assert (reports / "cpu" / "README.md").read_text() == "new" and not built.exists()
+    assert kept is not None and (kept / "notes.txt").read_text() == "mine"  # not in git: never deleted
+    repo = tmp_path / "repo"
+    (repo / "reports" / "cpu").mkdir(parents=True)
+    (repo / "reports" / "cpu" / "README.md").write_text("old")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "old"], check=True)
+    built = folder.staging(repo / "reports", "cpu")
+    (built / "README.md").write_text("new")
+    assert folder.swap_in(built, repo / "reports" / "cpu") is None  # git holds the old one: deleted
+    assert [p.name for p in (repo / "reports").iterdir()] == ["cpu"]
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+@pytest.mark.notebooks
+def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(plans.SWEEPS, "cpu", {"sweep": SMALL_SWEEP | {"accuracy": False}})
+    block = registry.Benchmark(
+        "block_cpu",
+        "h3lab.bench.block_cpu",
+        "block-cpu.json",
+        "the block on CPU",
+        {"cpu": ("--config", "tiny", "--rows", "32", "--repeats", "2")},
+    )
+    monkeypatch.setattr(registry, "BENCHMARKS", (block, registry.by_name("gemm")))
+    reports, work = tmp_path / "reports", tmp_path / "work"
+    argv = ["publish", "--node", "cpu", "--work", str(work), "--reports", str(reports)]
+    assert main(argv) == 0
+    out = reports / "cpu"
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    want = {"README.md", "report.html", "report.json", "env.json", "block-cpu.json", "data/verdicts.parquet"}
+    assert want <= names and not [n for n in names if n.endswith((".py", ".sh", ".log"))]
+    readme = (out / "README.md").read_text()
+    assert "h3lab publish --node cpu" in readme and "`gemm` (needs CUDA; this is a CPU node)" in readme
+    assert len(readme.splitlines()) < 40  # about one screen
+    record = json.loads((out / "report.json").read_text())
+    assert record["deterministic_passed"] == 2 and record["benchmarks"]["block_cpu"] == "ran"
+    page = (out / "report.html").read_text()
+    assert "block_cpu: the block on CPU" in page and "Not run here: needs CUDA" in page
+    assert "h3lab.bench.block_cpu --config tiny --rows 32 --repeats 2 --out block-cpu.json" in page
+    assert [p.name for p in reports.iterdir() if p.name.startswith(".")] == []  # no staging left
+    assert "cpu/report.html" in (reports / "index.html").read_text()
+
+    # a render that fails leaves the published folder as it was, and the sweep is kept, not rerun
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    monkeypatch.setattr("h3lab.workbench.publish.publish", _failing_publish)
+    with pytest.raises(RuntimeError, match="render broke"):
+        main([*argv, "--redo", "render"])
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert [p.name for p in reports.iterdir() if p.name.startswith(".")] == []
+    stages = json.loads((work / "stages.json").read_text())["stages"]
+    assert stages["render"]["state"] == "failed" and stages["sweep"]["attempts"] == 1
+    if chromium() is None:
+        pytest.skip("Chromium not installed (/usr/bin/chromium; Debian: apt-get install -y chromium)")
+    assert (out / "screenshot.png").is_file()
+    dom = subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", (out / "report.html").as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "<table" in dom and dom.count("data:image/png;base64,") >= 2 and "block_cpu" in dom  # heatmap, maps
+
+
+def _failing_publish(*args, **kwargs) -> Path:
+    raise RuntimeError("render broke")
+
+
+@pytest.mark.notebooks
+def test_sigterm_stops_a_notebook_sweep_at_once_and_leaves_no_process(tmp_path):
+    """papermill's wait on the kernel ignores signals; the CLI kills the kernel first (notebooks.execute)."""
+    import psutil
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "h3lab", "workbench", "reproduce", "--out", str(run), "--no-report"]
+    argv += ["-p", "layouts", "tp2", "-p", "rows", "16", "-p", "accuracy", "false", "-p", "modes", "[deterministic]"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (run / "params.json").is_file():  # the kernel is running the sweep's first cells
+        assert proc.poll() is None and time.monotonic() < deadline, "the sweep never started"
+        time.sleep(0.5)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert family  # the kernel, at least
+    start = time.monotonic()
+    proc.terminate()
+    assert proc.wait(timeout=60) == 128 + 15 and time.monotonic() - start < 45
+    assert json.loads((run / "sweep.json").read_text())["status"] == "interrupted"
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def test_every_published_benchmark_record_reads_as_its_table():
+    """The committed records (reports/*/<output>) parse into their report tables, with a machine named."""
+    outputs = {b.output: b.name for b in registry.BENCHMARKS}
+    reports = Path(registry.__file__).parents[2] / "reports"
+    found = [(p, outputs[p.name]) for p in sorted(reports.glob("*/*.json")) if p.name in outputs]
+    assert {name for _, name in found} >= {"block", "gemm", "attention_long", "profile", "collectives"}
+    for path, name in found:
+        record = benchmarks.load(path)
+        table = benchmarks.table(name, record)
+        assert len(table) > 0 and table.notna().any().any(), path
+        assert set(benchmarks.provenance(record, "c")) == {"machine", "commit"}
+
+
+def test_a_run_on_n_gpus_publishes_into_the_folder_with_n():
+    from h3lab.workbench.publish import folder_name
+    from h3lab.workbench.rundata import Sweep
+
+    gpu = {"name": "NVIDIA H200", "memory_gib": 139.8}
+    sweep = lambda env, params: Sweep(Path("r"), env, params, [])  # noqa: E731
+    assert folder_name(sweep({"node_type": "CPU", "gpus": [gpu]}, {"gpus": 0})) == "cpu"  # a CPU sweep on a GPU node
+    assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 8}, {"gpus": 1})) == "h200"
+    assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 8}, {"gpus": 2})) == "h200x2"
+    assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 4}, {})) == "h200x4"  # an `h3lab run` folder
