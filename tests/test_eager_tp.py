@@ -2,7 +2,7 @@
 
 Its sums run in another order than the unsharded block's, in bf16, so it is compared with a
 tolerance: relative L2 below 2e-2, ~4x the bf16 eager block's own error against FP64 at these
-sizes (3.9e-3 to 1.1e-2 at the real shapes, reports/h200/README.md); a wrong shard (swapped
+sizes (`h3lab accuracy --config real` measures it at the real shapes); a wrong shard (swapped
 hidden/gate, a missing all-reduce) gives errors of order 1.
 """
 

@@ -2,8 +2,8 @@
 
 References: h3lab.backend.TorchBackend.unit_reduce_few_rows and mm_few_k (the torch chains).
 Launchers: `unit_mm_few_rows`, `mm_few_k`. The tiled GEMMs (h3lab.triton.gemm, unit_gemm) are
-built for hundreds of rows; at real H3 shapes these two cost 16 of the block's 41 ms of kernel
-time at 4096 rows on the H200 (reports/h200/README.md), so each gets its own kernel:
+built for hundreds of rows; at real H3 shapes they spent a large share of the block's kernel time
+on these two (`python -m h3lab.bench.block_profile` names each kernel's share), so each gets its own kernel:
 
 - d temb = unit tree over units of d_table[:, unit] @ W[unit]: T = 2 rows, K = 96768 (8 units of
   12096), N = 2688, W 0.52 GB bf16. Memory-bound: the tiled kernel ran 42 programs (one per

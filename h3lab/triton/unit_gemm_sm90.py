@@ -15,7 +15,7 @@ increments (a flat index's divisions cost ~500 issue cycles per chunk, as long a
 of cuBLAS in the first version). Measured and left out: the tree under a branch inside one loop over
 all chunks (its chunk loop ran at 0.77-0.82 of cuBLAS with one unit, where Triton's and this
 layout's reach 0.85-0.96) and two accumulators per unit pair (252 registers, 0.52-0.69 with eight
-units); see reports/h200/README.md.
+units); `python -m h3lab.bench.gemm_bench` measures the variants.
 
 Same bits, by construction: per unit the same chain (acc = +0, then wgmma m64nBNk16 over 64-wide
 chunks, pieces in order, chunks ascending; BLOCK_K 64 = 4 k16 steps, as Triton lowers tl.dot), the
