@@ -205,7 +205,29 @@ def collectives(record: dict | list) -> pd.DataFrame:
     return slowest.rename(columns={"median_s": "ms", "bus_bw_gbs": "bus GB/s"}).rename_axis(["MiB", "algorithm"])
 
 
+def train_step(record: dict) -> pd.DataFrame:
+    """Per side (canonical, eager): the training step's median, min and max ms, its phases' medians (ms),
+    peak GiB on CUDA; then the ratio of medians, the loss gap at the first step and whether the
+    canonical step repeated bit for bit."""
+    rows = []
+    for side in record.get("order", ["canonical", "eager"]):
+        r = record[side]
+        rows.append(
+            {"side": side}
+            | {f"{k} ms": r["timed"][f"{k}_s"] * MS for k in ("median", "min", "max")}
+            | {f"{k} ms": v * MS for k, v in r["phases_median_s"].items()}
+            | {"peak GiB": (r.get("memory") or {}).get("peak_gib")}
+        )
+    df = pd.DataFrame(rows).set_index("side")
+    first = (record.get("losses") or [{}])[0]
+    df["canonical / eager"] = [record.get("ratio_median"), None]
+    df["loss gap, first step"] = [first.get("rel_gap"), None]
+    df["repeats bitwise"] = [(record["canonical"].get("repeat") or {}).get("bitwise"), None]
+    return df
+
+
 TABLES: dict[str, Callable[[Any], pd.DataFrame]] = {
+    "train_step": train_step,
     "block": block_gpu,
     "block_long": block_gpu,
     "block_cpu": block_cpu,
