@@ -16,6 +16,32 @@ from h3lab.run.summary import format_summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    _add_problem_arguments(p)
+    _add_launch_arguments(p)
+
+    def handle(a: argparse.Namespace) -> int:
+        req = RunRequest(
+            layouts=tuple(parse_layouts(a.layout)),
+            problem=_problem(a),
+            out=a.out or default_out(),
+            timeout_s=a.timeout,
+            algorithm=a.algorithm,
+            agents=a.agents,
+            nnodes=a.nnodes,
+            node_rank=a.node_rank,
+            rdzv_endpoint=a.rdzv_endpoint,
+            trace=a.trace,
+        )
+        summary = run(req)
+        print(format_summary(summary))
+        print(f"run directory: {req.home}")
+        return 0 if summary["status"] == "passed" else 1
+
+    return handle
+
+
+def _add_problem_arguments(p: argparse.ArgumentParser) -> None:
+    """What a run computes and compares: the layouts, the weights, the task, the rows, the kernels."""
     p.add_argument("--layout", nargs="+", required=True, metavar="L", help=f"{', '.join(ALL_LAYOUTS)} or all")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--synthetic", choices=["tiny", "real"], help="synthetic weights of a named config")
@@ -52,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=CONTRACT_BACKENDS, default="torch")
     p.add_argument("--mode", choices=["deterministic", "baseline"], default="deterministic")
+    p.add_argument("--repeats", type=int, default=1, help="block steps per rank (timing)")
+
+
+def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """Where a run writes, how long each phase may take, and how its processes start."""
     p.add_argument("--out", type=Path, default=None, help="run directory (default runs/run-<time>-<hex>)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per phase: the canonical process, each layout")
     p.add_argument("--algorithm", choices=["auto", "gather_tree", "scatter_tree"], default="auto")
@@ -61,50 +92,31 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default="one",
         help="per-node: one torchrun agent per layout node on 127.0.0.1",
     )
-    p.add_argument("--repeats", type=int, default=1, help="block steps per rank (timing)")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (several machines)")
 
-    def handle(a: argparse.Namespace) -> int:
-        first, last = _block_range(a.blocks, a.block)
-        problem = Problem(
-            synthetic=a.synthetic,
-            checkpoint=str(a.checkpoint) if a.checkpoint else None,
-            block=first,
-            last_block=last,
-            task=_task(a),
-            steps=a.trajectory or a.train_steps or 2,
-            **_train_fields(a),
-            digests=a.digests,
-            weights_seed=a.weights_seed,
-            rows=a.rows,
-            padding=a.padding,
-            seed=a.seed,
-            device=a.device,
-            backend=a.backend,
-            mode=a.mode,
-            repeats=a.repeats,
-        )
-        out = a.out or default_out()
-        req = RunRequest(
-            layouts=tuple(parse_layouts(a.layout)),
-            problem=problem,
-            out=out,
-            timeout_s=a.timeout,
-            algorithm=a.algorithm,
-            agents=a.agents,
-            nnodes=a.nnodes,
-            node_rank=a.node_rank,
-            rdzv_endpoint=a.rdzv_endpoint,
-            trace=a.trace,
-        )
-        summary = run(req)
-        print(format_summary(summary))
-        print(f"run directory: {req.home}")
-        return 0 if summary["status"] == "passed" else 1
 
-    return handle
+def _problem(a: argparse.Namespace) -> Problem:
+    first, last = _block_range(a.blocks, a.block)
+    return Problem(
+        synthetic=a.synthetic,
+        checkpoint=str(a.checkpoint) if a.checkpoint else None,
+        block=first,
+        last_block=last,
+        task=_task(a),
+        steps=a.trajectory or a.train_steps or 2,
+        **_train_fields(a),
+        digests=a.digests,
+        weights_seed=a.weights_seed,
+        rows=a.rows,
+        padding=a.padding,
+        seed=a.seed,
+        device=a.device,
+        backend=a.backend,
+        mode=a.mode,
+        repeats=a.repeats,
+    )
 
 
 def default_out() -> Path:

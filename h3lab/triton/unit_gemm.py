@@ -219,6 +219,9 @@ def unit_mm_kernel(
     AM2: tl.constexpr,
     BM2: tl.constexpr,
 ):
+    # One function on purpose: the tile loop's per-unit accumulator, the tree's pending partials and
+    # the pointer cursors of up to three pieces live across the whole persistent loop (a Triton
+    # helper is inlined anyway); most of its length is the argument list, one name per line.
     FIRST: tl.constexpr = 1 if PENDING_IN_REGS else 0  # lowest tree level kept in scratch
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -361,6 +364,8 @@ def unit_mm(
             a pinned "unit_gemm" entry; an unknown IMPL, or "gluon" on a device or with tiles it
             cannot run (unit_gemm_sm90.check_config).
     """
+    # Long on purpose: every check of the launch's operands (one line each, the allowed value named),
+    # the choice between the Gluon and the Triton kernel, and one launch, in the order they apply.
     if num_units not in UNIT_COUNTS:
         raise ValueError(f"unit_mm: num_units={num_units}; allowed: {list(UNIT_COUNTS)}")
     pieces = list(pieces)

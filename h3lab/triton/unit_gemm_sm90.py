@@ -349,6 +349,9 @@ def unit_mm_sm90_kernel(
     LVL2_SMEM: gl.constexpr,
     num_warps: gl.constexpr,
 ):
+    # One function on purpose: the pipeline's producer and consumer cursors, barriers and per-unit
+    # accumulators live across the whole persistent loop; split into helpers they would be passed
+    # back and forth as tuples of Gluon values (`_step` takes the one piece that stands alone).
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     # wgmma m64nBNk16 per warpgroup, warpgroups stacked along M: Triton's choice for tl.dot here
