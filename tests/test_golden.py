@@ -182,5 +182,6 @@ def test_a_published_set_says_where_it_was_observed_and_matches_the_code(name):
     parts = [p for p in golden.PARTS if p in s]
     assert all(set(o["parts"]) <= set(parts) for o in s["observations"].values())
     assert s["expected_not_observed"] == [n for n in golden.scope(name)[1] if n not in s["observations"]]
-    assert {golden.PROBLEM_KEYS[p]: s[golden.PROBLEM_KEYS[p]] for p in parts} == golden._problems(parts)
+    stored = {golden.PROBLEM_KEYS[p]: golden.problem_record(s[golden.PROBLEM_KEYS[p]]) for p in parts}
+    assert stored == golden._problems(parts)
     assert s["contract"] == golden.CONTRACT_ID

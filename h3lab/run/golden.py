@@ -194,6 +194,14 @@ def _problems(parts: list[str]) -> dict[str, dict[str, Any]]:
     return {PROBLEM_KEYS[p]: problem[p].to_dict() | {"device": None, "backend": None} for p in parts}
 
 
+def problem_record(stored: dict[str, Any]) -> dict[str, Any]:
+    """A set's stored problem as this code's `Problem` reads it: a field added to `Problem` after the
+    set was recorded takes its default (which leaves the problem as it was), so the stored and the
+    current record compare field for field."""
+    as_problem = Problem.from_dict(stored | {"device": "cpu", "backend": "torch"})
+    return as_problem.to_dict() | {"device": None, "backend": None}
+
+
 def _check_same(old: dict[str, Any], new: dict[str, Any], parts: list[str], command: str) -> None:
     """Refuse to record into a published set what differs from it: another contract, another
     problem, or other digests (named at the first differing tensor)."""
@@ -205,7 +213,7 @@ def _check_same(old: dict[str, Any], new: dict[str, Any], parts: list[str], comm
         if part not in old:
             continue
         key = PROBLEM_KEYS[part]
-        if old[key] != new[key]:
+        if problem_record(old[key]) != new[key]:
             raise ValueError(f"{where}: {key} {old[key]} differs from this code's {new[key]}; {fix}")
         differing = [t for t, d in old[part].items() if new[part].get(t) != d]
         if differing or old[part].keys() != new[part].keys():
@@ -233,7 +241,8 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
     if old is not None:
         _check_same(old, new, parts, record_command(backend, device, real=real))
     old = old or {"recorded_on": node, "observations": {}}
-    merged = {k: v for k, v in old.items() if k in PARTS or k in PROBLEM_KEYS.values()} | new
+    # what the set holds stays as it was written (equal to `new` where both have it: `_check_same`)
+    merged = new | {k: v for k, v in old.items() if k in PARTS or k in PROBLEM_KEYS.values()}
     env = capture(device)
     observations = dict(old["observations"])
     seen = set(parts) | set(observations.get(node, {}).get("parts", []))
