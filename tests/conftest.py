@@ -4,6 +4,8 @@ behind (leftovers)."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -108,3 +110,55 @@ def chain_dot(monkeypatch):
         return interpreter.TensorHandle(chain_dot_f32(widened(a), widened(b), d.data), d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+# diffusers parity: a small config and one with odd widths (16 heads of 24, text 40, 5 audio channels)
+MODEL_CONFIGS = {
+    "tiny": H3Config.tiny().replace(num_layers=2),
+    "h16x24": H3Config.tiny().replace(
+        num_layers=3,
+        num_attention_heads=16,
+        attention_head_dim=24,
+        hidden_size=64,
+        ffn_dim=128,
+        text_dim=40,
+        in_channels=6,
+        audio_in_channels=5,
+        freq_dim=16,
+        time_embed_hidden_dim=80,
+        time_embed_dim=48,
+        rope_freq_dim=3,
+        rope_theta=500.0,
+        norm_eps=1e-6,
+        qk_norm_eps=1e-4,
+        final_norm_eps=1e-6,
+    ),
+}
+
+
+def model_in_dtype(model, dtype: torch.dtype):
+    """A copy with every parameter and float buffer in `dtype` (quietly: `.to()` warns about fp32 modules)."""
+    model = copy.deepcopy(model)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
+    return model
+
+
+# the CLI: a run's arguments, and the one line a bad value must give
+RUN = ["run", "--layout", "tp2", "--synthetic", "tiny", "--rows", "8"]
+
+
+def one_line_error(capsys, argv: list[str], *expected: str, rc: int = 2) -> str:
+    """`h3lab ARGV` exits `rc` with one line on stderr, no traceback, holding every `expected` text."""
+    from h3lab.cli import main
+
+    assert main(argv) == rc
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err

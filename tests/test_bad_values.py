@@ -13,22 +13,11 @@ import torch
 
 from h3lab import H3Config, packed_batch
 from h3lab.batch import ROW_FIELDS, PackedBatch
-from h3lab.cli import main
 from h3lab.io.rundir import owner_record
 from h3lab.metrics import compare
 from h3lab.run.launch import MAX_LOCAL_PROCESSES
 from h3lab.run.summary import format_summary
-
-RUN = ["run", "--layout", "tp2", "--synthetic", "tiny", "--rows", "8"]
-
-
-def _one_line_error(capsys, argv: list[str], *expected: str, rc: int = 2) -> str:
-    assert main(argv) == rc
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for text in expected:
-        assert text in err, err
-    return err
+from tests.conftest import RUN, one_line_error
 
 
 @pytest.mark.parametrize(
@@ -49,41 +38,41 @@ def _one_line_error(capsys, argv: list[str], *expected: str, rc: int = 2) -> str
     ],
 )
 def test_a_bad_run_value_is_one_line_and_writes_nothing(capsys, tmp_path, extra, expected):
-    _one_line_error(capsys, [*RUN, *extra, "--out", str(tmp_path / "run")], *expected)
+    one_line_error(capsys, [*RUN, *extra, "--out", str(tmp_path / "run")], *expected)
     assert not (tmp_path / "run").exists()
 
 
 def test_world_sizes_past_one_machine_and_node_counts_out_of_range(capsys, tmp_path):
     out = ["--out", str(tmp_path / "run")]
-    _one_line_error(
+    one_line_error(
         capsys,
         ["run", "--layout", "cp1000", "--synthetic", "tiny", *out],
         "layout cp1000: 1000 processes on this machine",
         f"allowed: at most {MAX_LOCAL_PROCESSES} per machine",
     )
     two_nodes = ["run", "--layout", "tp2:2x1", "--synthetic", "tiny", "--nnodes", "2", *out]
-    _one_line_error(capsys, [*two_nodes, "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "node_rank=2")
-    _one_line_error(capsys, [*two_nodes, "--rdzv-endpoint", "127.0.0.1:99999"], "'127.0.0.1:99999'", "allowed:")
-    _one_line_error(capsys, [*two_nodes, "--rdzv-endpoint", "nohostport"], "'nohostport'", "HOST:PORT")
+    one_line_error(capsys, [*two_nodes, "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "node_rank=2")
+    one_line_error(capsys, [*two_nodes, "--rdzv-endpoint", "127.0.0.1:99999"], "'127.0.0.1:99999'", "allowed:")
+    one_line_error(capsys, [*two_nodes, "--rdzv-endpoint", "nohostport"], "'nohostport'", "HOST:PORT")
     assert not (tmp_path / "run").exists()
 
 
 def test_an_out_that_cannot_be_a_run_folder_is_refused(capsys, tmp_path):
     (tmp_path / "file").write_text("mine")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
-    _one_line_error(capsys, [*RUN, "--out", str(tmp_path / "file")], "is a file, not a folder", "allowed:")
-    _one_line_error(capsys, [*RUN, "--out", str(tmp_path / "dangling")], "is a dangling link", "allowed:")
+    one_line_error(capsys, [*RUN, "--out", str(tmp_path / "file")], "is a file, not a folder", "allowed:")
+    one_line_error(capsys, [*RUN, "--out", str(tmp_path / "dangling")], "is a dangling link", "allowed:")
     assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "nowhere").exists()
     # sysfs refuses new folders even to root: a place no run can write
-    _one_line_error(capsys, [*RUN, "--out", "/sys/h3lab-run"], "'/sys/h3lab-run': cannot create it", "writable")
+    one_line_error(capsys, [*RUN, "--out", "/sys/h3lab-run"], "'/sys/h3lab-run': cannot create it", "writable")
     readonly = tmp_path / "readonly"
     readonly.mkdir(mode=0o555)
     if os.geteuid() != 0:  # root writes into mode 0o555 folders anyway: sysfs above covers it
-        _one_line_error(capsys, [*RUN, "--out", str(readonly / "run")], "cannot create it", "writable")
+        one_line_error(capsys, [*RUN, "--out", str(readonly / "run")], "cannot create it", "writable")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
-    _one_line_error(capsys, [*RUN, "--out", str(busy)], "is not empty (holds notes.txt)", "allowed:")
+    one_line_error(capsys, [*RUN, "--out", str(busy)], "is not empty (holds notes.txt)", "allowed:")
     assert [p.name for p in busy.iterdir()] == ["notes.txt"]
 
 
@@ -93,9 +82,9 @@ def test_a_config_that_is_not_an_object_is_refused(capsys, tmp_path):
     (ckpt / "config.json").write_text("[1, 2]")
     (ckpt / "diffusion_pytorch_model.safetensors").write_bytes(b"")
     argv = ["run", "--layout", "tp2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "run")]
-    _one_line_error(capsys, argv, "holds a JSON list", "allowed: a JSON object of config keys")
+    one_line_error(capsys, argv, "holds a JSON list", "allowed: a JSON object of config keys")
     (ckpt / "config.json").write_text("{not json")
-    _one_line_error(capsys, argv, "not JSON", "allowed: a JSON object")
+    one_line_error(capsys, argv, "not JSON", "allowed: a JSON object")
     assert not (tmp_path / "run").exists()
 
 
@@ -110,7 +99,7 @@ def test_report_on_an_unfinished_run_names_its_state(capsys, tmp_path):
         summary = {"status": status, "owner": owner, "error": "KeyboardInterrupt", "request": {"problem": {}}}
         (run / "summary.json").write_text(json.dumps(summary | {"layouts": {}}))
         argv = ["report", str(run), "--out", str(tmp_path / "report"), "--no-screenshot"]
-        _one_line_error(capsys, argv, expected, "allowed: a finished run (passed or failed)")
+        one_line_error(capsys, argv, expected, "allowed: a finished run (passed or failed)")
     assert not (tmp_path / "report").exists()
 
 

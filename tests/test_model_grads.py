@@ -25,11 +25,12 @@ from h3lab.dist.seqshard import SeqShard
 from h3lab.model import InMemoryWeights, SyntheticWeights, model_inputs, shuffle_rows, transformer_forward
 from h3lab.model.backward import check_blocks, model_backward, model_forward
 from h3lab.model.head import ModelOutput
+from h3lab.reference.parity import model_velocity
 from h3lab.run.trace import TraceRecorder
 from h3lab.train.grads import model_grads
 from h3lab.train.objective import FlowObjective
-from tests.conftest import assert_bitwise, random_diffusers_model
-from tests.test_transformer import CONFIGS, _as_dtype
+from tests.conftest import MODEL_CONFIGS as CONFIGS
+from tests.conftest import assert_bitwise, model_in_dtype, random_diffusers_model
 
 GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-6
 TINY3 = H3Config.tiny().replace(num_layers=3)
@@ -41,23 +42,11 @@ def _diffusers_grads(model, sample, objective: FlowObjective) -> tuple[torch.Ten
     """The same objective written plainly (mean squared error of the generated rows per modality, weighted),
     through diffusers' forward and autograd."""
     i = sample.inputs
-    video, audio = model(
-        hidden_states=i.video_rows[None],
-        audio_hidden_states=i.audio_rows[None],
-        encoder_hidden_states=i.text_rows[None],
-        timestep=i.timestep,
-        timestep_indices=i.timestep_indices,
-        token_tags=i.token_tags,
-        position_ids=i.position_ids,
-        video_indices=i.video_indices,
-        audio_indices=i.audio_indices,
-        text_indices=i.text_indices,
-        return_dict=False,
-    )
+    video, audio = model_velocity(model, i)
     nv, na = i.num_condition_video_rows, i.num_condition_audio_rows
     w = objective.weights
-    loss = w["video"] * F.mse_loss(video[0][nv:], sample.target.video[nv:])
-    loss = loss + w["audio"] * F.mse_loss(audio[0][na:], sample.target.audio[na:])
+    loss = w["video"] * F.mse_loss(video[nv:], sample.target.video[nv:])
+    loss = loss + w["audio"] * F.mse_loss(audio[na:], sample.target.audio[na:])
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -65,7 +54,7 @@ def _diffusers_grads(model, sample, objective: FlowObjective) -> tuple[torch.Ten
 @pytest.mark.parametrize(("name", "seed"), [("tiny", 0), ("h16x24", 1)])
 def test_every_gradient_matches_diffusers_autograd_in_float32(name, seed):
     config = CONFIGS[name]
-    model = _as_dtype(random_diffusers_model(config, seed), torch.float32)
+    model = model_in_dtype(random_diffusers_model(config, seed), torch.float32)
     weights = InMemoryWeights(config, {k: p.detach().clone() for k, p in model.named_parameters()})
     inputs = model_inputs(config, seed=1000 + seed)
     ours = model_grads(weights, inputs, OBJECTIVE, seed=seed, blocks=range(config.num_layers))

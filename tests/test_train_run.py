@@ -29,7 +29,7 @@ from h3lab.triton.configs import interpreting
 from h3lab.units import REPLICATED, UNIT_GRAD_FIELDS, unit_slice, unit_weights
 from h3lab.weights import synthetic_block
 from h3lab.workbench.tables import train_step_table
-from tests.test_bad_values import RUN, _one_line_error
+from tests.conftest import RUN, one_line_error
 
 LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
 # 4 blocks, 2 steps; 7 text rows pack 91 rows, which the 8 row shards of tp4xcp2+sp pad to 96; the rows
@@ -165,7 +165,7 @@ def test_unit_names_of_steps_and_weights_assemble_and_slice_without_taking_non_b
     ],
 )
 def test_a_bad_training_value_is_one_line_and_writes_nothing(capsys, tmp_path, extra, expected):
-    _one_line_error(capsys, [*RUN, *extra, "--out", str(tmp_path / "run")], *expected)
+    one_line_error(capsys, [*RUN, *extra, "--out", str(tmp_path / "run")], *expected)
     assert not (tmp_path / "run").exists()
 
 

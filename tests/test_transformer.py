@@ -21,7 +21,6 @@ and 1: tiny video 0.79 / audio 0.85, h16x24 0.85 / 0.80. Absolute, tiny seed 0: 
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import json
 import math
@@ -35,7 +34,6 @@ from diffusers.models.embeddings import get_timestep_embedding
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
 from h3lab.comm import LocalComm
-from h3lab.config import H3Config
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.io.checkpoint import synthesize_checkpoint
@@ -57,63 +55,20 @@ from h3lab.model import (
     transformer_forward,
 )
 from h3lab.model.packing import layout_positions
-from tests.conftest import assert_bitwise, random_diffusers_model
+from h3lab.reference.parity import model_velocity
+from tests.conftest import MODEL_CONFIGS, assert_bitwise, model_in_dtype, random_diffusers_model
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
-CONFIGS = {
-    "tiny": H3Config.tiny().replace(num_layers=2),
-    "h16x24": H3Config.tiny().replace(
-        num_layers=3,
-        num_attention_heads=16,
-        attention_head_dim=24,
-        hidden_size=64,
-        ffn_dim=128,
-        text_dim=40,
-        in_channels=6,
-        audio_in_channels=5,
-        freq_dim=16,
-        time_embed_hidden_dim=80,
-        time_embed_dim=48,
-        rope_freq_dim=3,
-        rope_theta=500.0,
-        norm_eps=1e-6,
-        qk_norm_eps=1e-4,
-        final_norm_eps=1e-6,
-    ),
-}
+CONFIGS = MODEL_CONFIGS
 OUT_RTOL = 1e-5
 BF16_SEEDS = (0, 1)
 TINY = CONFIGS["tiny"]
 
 
-def _as_dtype(model: MiniMaxH3Transformer3DModel, dtype: torch.dtype) -> MiniMaxH3Transformer3DModel:
-    """A copy with every parameter and float buffer in `dtype` (quietly: `.to()` warns about fp32 modules)."""
-    model = copy.deepcopy(model)
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-    for module in model.modules():
-        for name, b in module._buffers.items():
-            if b is not None and b.is_floating_point():
-                module._buffers[name] = b.to(dtype)
-    return model
-
-
 def _diffusers(model: MiniMaxH3Transformer3DModel, inputs: ModelInputs) -> dict[str, torch.Tensor]:
     with torch.no_grad():
-        video, audio = model(
-            hidden_states=inputs.video_rows[None],
-            audio_hidden_states=inputs.audio_rows[None],
-            encoder_hidden_states=inputs.text_rows[None],
-            timestep=inputs.timestep,
-            timestep_indices=inputs.timestep_indices,
-            token_tags=inputs.token_tags,
-            position_ids=inputs.position_ids,
-            video_indices=inputs.video_indices,
-            audio_indices=inputs.audio_indices,
-            text_indices=inputs.text_indices,
-            return_dict=False,
-        )
-    return {"video": video[0], "audio": audio[0]}
+        video, audio = model_velocity(model, inputs)
+    return {"video": video, "audio": audio}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +91,7 @@ def test_fp32_matches_diffusers_through_save_pretrained(saved, name, seed):
     model, folder = saved(name, seed)
     inputs = model_inputs(CONFIGS[name], seed=1000 + seed)
     ours = transformer_forward(CheckpointWeights(folder, dtype=torch.float32), inputs)
-    ref = _diffusers(_as_dtype(model, torch.float32), inputs)
+    ref = _diffusers(model_in_dtype(model, torch.float32), inputs)
     for k in ("video", "audio"):
         got = getattr(ours, k)
         assert got.dtype == ref[k].dtype == torch.float32 and got.shape == ref[k].shape, k
@@ -152,7 +107,7 @@ def test_bf16_error_is_no_worse_than_diffusers_bf16(saved, name):
         inputs = model_inputs(CONFIGS[name], seed=100 + seed)
         ours = transformer_forward(CheckpointWeights(folder), inputs)
         theirs = _diffusers(model, inputs)
-        fp64 = _diffusers(_as_dtype(model, torch.float64), inputs)
+        fp64 = _diffusers(model_in_dtype(model, torch.float64), inputs)
         for k, acc in sq.items():
             assert getattr(ours, k).dtype == theirs[k].dtype == torch.float32, k  # the heads are float32 on both
             acc[0] += error_stats(getattr(ours, k), fp64[k])["rel_l2"] ** 2

@@ -35,7 +35,7 @@ from h3lab.config import H3Config, model_param_shapes
 from h3lab.model.head import ModelOutput
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.weights import ModelWeights
-from h3lab.reference.parity import _diffusers_module
+from h3lab.reference.parity import diffusers_module, model_velocity
 
 BLOCK_PREFIX = "transformer_blocks."
 PHASES = ("forward", "backward", "clip", "update")  # `mark` receives each name as its phase ends
@@ -83,7 +83,7 @@ class EagerTrainer:
         if len(devices) != 1:
             raise ValueError(f"tensors on devices {sorted(map(str, devices))}; allowed: one device")
         self.device = devices.pop()
-        dm = _diffusers_module()
+        dm = diffusers_module()
         with torch.device("meta"):  # no init, no memory: every parameter is assigned below
             model = dm.MiniMaxH3Transformer3DModel(**config.to_dict())
         try:
@@ -111,7 +111,7 @@ class EagerTrainer:
         for p in self.params:
             p.grad = None
         with torch.enable_grad():
-            video, audio = self._forward(inputs)
+            video, audio = model_velocity(self.model, inputs)
             per = {
                 "video": _mse(video, target.video, inputs.num_condition_video_rows),
                 "audio": _mse(audio, target.audio, inputs.num_condition_audio_rows),
@@ -134,22 +134,6 @@ class EagerTrainer:
     def named_parameters(self) -> dict[str, Tensor]:
         """The model's parameters (after a step: the masters rounded to each parameter's dtype)."""
         return {k: p.detach() for k, p in self.model.named_parameters()}
-
-    def _forward(self, i: ModelInputs) -> tuple[Tensor, Tensor]:
-        video, audio = self.model(
-            hidden_states=i.video_rows[None],
-            audio_hidden_states=i.audio_rows[None],
-            encoder_hidden_states=i.text_rows[None],
-            timestep=i.timestep,
-            timestep_indices=i.timestep_indices,
-            token_tags=i.token_tags,
-            position_ids=i.position_ids,
-            video_indices=i.video_indices,
-            audio_indices=i.audio_indices,
-            text_indices=i.text_indices,
-            return_dict=False,
-        )
-        return video[0], audio[0]
 
 
 def _mse(pred_NC: Tensor, target_NC: Tensor, num_condition: int) -> Tensor:

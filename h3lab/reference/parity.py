@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from h3lab.batch import PackedBatch
+from h3lab.model.inputs import ModelInputs
 from h3lab.result import BlockResult
 from h3lab.weights import BlockWeights
 
@@ -28,13 +29,13 @@ DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 def diffusers_available() -> bool:
     """True when diffusers (the `parity` extra) can be imported."""
     try:
-        _diffusers_module()
+        diffusers_module()
     except ImportError:
         return False
     return True
 
 
-def _diffusers_module():
+def diffusers_module():
     try:
         from diffusers.models.transformers import transformer_minimax_h3
     except ImportError as err:
@@ -43,6 +44,25 @@ def _diffusers_module():
             "install the parity extra: pip install -e '.[parity]'"
         ) from err
     return transformer_minimax_h3
+
+
+def model_velocity(model: torch.nn.Module, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' `MiniMaxH3Transformer3DModel` on one packed request: (video [Nv, Cv], audio [Na, Ca]),
+    in the order of `inputs.video_indices` / `audio_indices`; autograd records it where grad is enabled."""
+    video, audio = model(
+        hidden_states=inputs.video_rows[None],
+        audio_hidden_states=inputs.audio_rows[None],
+        encoder_hidden_states=inputs.text_rows[None],
+        timestep=inputs.timestep,
+        timestep_indices=inputs.timestep_indices,
+        token_tags=inputs.token_tags,
+        position_ids=inputs.position_ids,
+        video_indices=inputs.video_indices,
+        audio_indices=inputs.audio_indices,
+        text_indices=inputs.text_indices,
+        return_dict=False,
+    )
+    return video[0], audio[0]
 
 
 def diffusers_block(weights: BlockWeights, batch: PackedBatch, *, dtype: torch.dtype) -> BlockResult:
@@ -69,7 +89,7 @@ def diffusers_block(weights: BlockWeights, batch: PackedBatch, *, dtype: torch.d
             f"batch has hidden {batch.hidden_states.shape[1]}, time_embed_dim {batch.temb.shape[1]}; the "
             f"weights' config expects hidden_size={c.hidden_size}, time_embed_dim={c.time_embed_dim}"
         )
-    m = _diffusers_module()
+    m = diffusers_module()
     block = m.MiniMaxH3TransformerBlock(
         c.hidden_size,
         c.num_attention_heads,
