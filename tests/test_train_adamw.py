@@ -11,28 +11,15 @@ import pytest
 import torch
 
 from h3lab.comm import LocalComm
-from h3lab.config import NUM_UNITS, H3Config
+from h3lab.config import NUM_UNITS
 from h3lab.ops.fixed import round_to
 from h3lab.train.adamw import AdamW, AdamWHyper, NonFiniteGradError, PieceState, StepScalars, adamw_update
 from h3lab.train.pieces import Piece, block_grad_pieces, block_weight_pieces, piece_label
 from h3lab.units import unit_weights
 from tests.conftest import assert_bitwise
-from tests.train_ranks import for_units, model_weights, random_grads, run_ranks
+from tests.train_ranks import NARROW, for_units, model_weights, random_grads, run_ranks
 
-# every structural feature of tiny at ~1/40 of its elements: 2 blocks, a refiner block, units of 9 SwiGLU
-# columns and 81 AdaLN rows (81 x 20 = 1620 elements: two row blocks, the last padded), odd widths
-CONFIG = H3Config.tiny().replace(
-    attention_head_dim=16,
-    rope_freq_dim=2,
-    hidden_size=36,
-    ffn_dim=72,
-    text_dim=24,
-    freq_dim=16,
-    time_embed_hidden_dim=40,
-    time_embed_dim=20,
-    num_layers=2,
-    num_refiner_layers=1,
-)
+CONFIG = NARROW.replace(num_layers=2)
 ALL = range(NUM_UNITS)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from h3lab.comm import LocalComm
-from h3lab.config import H3Config, model_param_shapes
+from h3lab.config import model_param_shapes
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.model import InMemoryWeights, ModelInputs, SyntheticWeights, model_inputs, shuffle_rows
@@ -19,20 +19,9 @@ from h3lab.train.pieces import block_weight_pieces, non_block_pieces
 from h3lab.train.step import PHASES, Trainer, TrainStep, derived_seed, step_seed
 from h3lab.units import unit_weights
 from tests.conftest import assert_bitwise
+from tests.train_ranks import NARROW
 
-# tiny's structure at a fraction of its width (tests/test_train_adamw.py): a step takes a second, not ten
-CONFIG = H3Config.tiny().replace(
-    attention_head_dim=16,
-    rope_freq_dim=2,
-    hidden_size=36,
-    ffn_dim=72,
-    text_dim=24,
-    freq_dim=16,
-    time_embed_hidden_dim=40,
-    time_embed_dim=20,
-    num_layers=3,
-    num_refiner_layers=1,
-)
+CONFIG = NARROW.replace(num_layers=3)
 BLOCKS = (1, 2)
 HYPER = AdamWHyper(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
 SEED = 31
