@@ -9,12 +9,15 @@ the command as a user runs it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
 from h3lab.bench import registry
 from h3lab.cli import main
@@ -82,14 +85,42 @@ def test_a_work_folder_has_one_live_owner_and_keeps_done_stages(tmp_path):
         StageBook(tmp_path / "w").claim({"node": "h200"})
 
 
+def _alive_with(marker: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        if marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p.pid)
+    return found
+
+
+def _leader(marker: str, *, child_ignores_sigterm: bool, leader_waits: bool) -> list[str]:
+    """A command that starts a child sleeping under `marker` (ignoring SIGTERM, or not) and then sleeps
+    itself or exits at once, leaving the child behind."""
+    ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " if child_ignores_sigterm else ""
+    child = f"{ignore}import time; time.sleep(120)  # {marker}"
+    leader = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(0.5)"
+    return [sys.executable, "-c", leader + ("; time.sleep(120)" if leader_waits else "")]
+
+
 def test_a_command_past_its_time_is_killed_with_its_group(tmp_path):
-    child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
-    script = f"import subprocess, sys, time; {child}; time.sleep(60)"
+    """The leader ends at SIGTERM; its child ignores SIGTERM and still goes (SIGKILL to the group)."""
+    marker = f"h3lab-stage-test-{os.getpid()}-timeout"
     start = time.monotonic()
-    res = run_command([sys.executable, "-c", script], tmp_path / "x.log", timeout_s=2)
-    assert res["timed_out"] and time.monotonic() - start < 30
-    left = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
-    assert not left, left  # the child in the same session went with it
+    res = run_command(_leader(marker, child_ignores_sigterm=True, leader_waits=True), tmp_path / "x.log", timeout_s=3)
+    assert res["timed_out"] and time.monotonic() - start < 40
+    assert not _alive_with(marker)
+
+
+def test_a_command_that_exits_leaves_no_process_of_its_group(tmp_path):
+    marker = f"h3lab-stage-test-{os.getpid()}-exit"
+    res = run_command(
+        _leader(marker, child_ignores_sigterm=False, leader_waits=False), tmp_path / "y.log", timeout_s=60
+    )
+    assert res["returncode"] == 0 and not res["timed_out"]
+    deadline = time.monotonic() + 5  # SIGKILL is delivered at once; the kernel may take a moment to reap
+    while _alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive_with(marker)
 
 
 def test_the_swap_keeps_a_previous_folder_git_does_not_hold(tmp_path):
@@ -215,3 +246,13 @@ def test_a_run_on_n_gpus_publishes_into_the_folder_with_n():
     assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 8}, {"gpus": 1})) == "h200"
     assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 8}, {"gpus": 2})) == "h200x2"
     assert folder_name(sweep({"node_type": "H200", "gpus": [gpu] * 4}, {})) == "h200x4"  # an `h3lab run` folder
+
+
+def test_a_gpu_publish_narrows_the_visible_gpus_to_its_count(monkeypatch):
+    """The benchmarks of `--gpus N` see the first N GPUs: of CUDA_VISIBLE_DEVICES where it is set, else
+    of every GPU torch sees (the usual case on a GPU node)."""
+    from h3lab.workbench.sweep import first_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert first_gpus(2, None) == "0,1" and first_gpus(2, "") == "0,1"
+    assert first_gpus(1, "3,1,2") == "3" and first_gpus(8, "5,6") == "5,6"

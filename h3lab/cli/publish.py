@@ -125,6 +125,7 @@ def _sweep(book, name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 def _bench(book, planned, gpus: int) -> dict[str, Any]:
     from h3lab.workbench.stages import log_tail, run_command
+    from h3lab.workbench.sweep import first_gpus
 
     b = planned.bench
     if planned.argv is None:
@@ -132,8 +133,7 @@ def _bench(book, planned, gpus: int) -> dict[str, Any]:
     out = book.attempt(b.name, "" if b.record_in else ".json")
     env = dict(os.environ)
     if gpus:  # the first `gpus` of the GPUs this process sees
-        visible = env.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join((visible.split(",") if visible else map(str, range(gpus)))[:gpus])
+        env["CUDA_VISIBLE_DEVICES"] = first_gpus(gpus, env.get("CUDA_VISIBLE_DEVICES"))
     res = run_command(
         [sys.executable, *planned.argv, "--out", str(out)], out.with_suffix(".log"), env=env, timeout_s=b.timeout_s
     )

@@ -110,8 +110,9 @@ class StageBook:
 
 
 def run_command(argv: list[str], log: Path, *, timeout_s: float, env: dict[str, str] | None = None) -> dict:
-    """Run `argv` in its own session, stdout and stderr to `log`; kill its whole group on a timeout or
-    on any exception here (Ctrl-C, a signal) before returning or raising.
+    """Run `argv` in its own session, stdout and stderr to `log`; end its whole process group before
+    returning or raising: on a timeout or any exception here (Ctrl-C, a signal) SIGTERM, then SIGKILL;
+    after a normal exit SIGKILL to whatever the command left running (a stage's processes end with it).
 
     Returns:
         {"returncode": int, "timed_out": bool, "log": str}
@@ -127,18 +128,23 @@ def run_command(argv: list[str], log: Path, *, timeout_s: float, env: dict[str, 
         except BaseException:
             _kill_group(proc)
             raise
+        _signal_group(proc, signal.SIGKILL)  # the group outlives its leader where a member is still running
     return {"returncode": rc, "timed_out": timed_out, "log": str(log)}
 
 
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM to the group, 10 s for the leader to end, then SIGKILL to every member still there."""
+    _signal_group(proc, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10.0)
+    _signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10.0)
 
 
 def log_tail(path: str | Path, lines: int = 5) -> str:

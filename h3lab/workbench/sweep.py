@@ -119,16 +119,25 @@ def sweep_problem(params: dict[str, Any], mode: str, seed: int, *, task: str | N
     )
 
 
+def first_gpus(count: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES naming the first `count` of the GPUs `visible` names (None or "": every GPU
+    torch sees)."""
+    if visible:
+        ids = visible.split(",")
+    else:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    return ",".join(ids[:count])
+
+
 @contextmanager
 def visible_gpus(count: int) -> Iterator[None]:
     """CUDA_VISIBLE_DEVICES narrowed to the first `count` visible GPUs for the processes started inside
     (0: left as it is); this process keeps the devices it already opened."""
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     if count:
-        import torch
-
-        visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:count])
+        os.environ["CUDA_VISIBLE_DEVICES"] = first_gpus(count, before)
     try:
         yield
     finally:
