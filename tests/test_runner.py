@@ -108,7 +108,10 @@ def test_a_failing_rank_is_named_and_nothing_is_left_behind(tmp_path, monkeypatc
     assert rec["failure"]["log"].endswith("layouts/tp4/rank3.log")
     assert rec["launch"]["timed_out"] == (kind == "hang")
     assert not leftovers(rec["launch"]["token"])
-    if kind != "hang":
+    if kind != "hang":  # the other ranks, waiting in a collective for rank 3, took torchrun's SIGTERM at once
+        for r in range(3):
+            status = json.loads((tmp_path / "run" / "layouts" / "tp4" / f"rank{r}.status.json").read_text())
+            assert status["state"] == "terminated" and status["signal"] == signal.SIGTERM, (r, status)
         return
     monkeypatch.delenv("H3LAB_FAULT")  # the next run is unaffected, after the fault that outlives its phase longest
     again = run(

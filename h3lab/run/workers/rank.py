@@ -67,17 +67,21 @@ def _start_heartbeat(path: Path) -> None:
 
 def _take_sigterm_in_a_thread(on_term: Callable[[int, object], None]) -> None:
     """SIGTERM (torchrun stopping its ranks after one failed, or the runner's sweep) runs `on_term` at
-    once, also while the main thread is blocked in a collective. Python runs a signal handler in the
-    main thread between bytecodes only, so a rank waiting in gloo's C++ would take it when the
-    collective returned, or never: torchrun would wait its grace period and SIGKILL it. So SIGTERM is
-    blocked in this thread (threads started later inherit the mask: torch's among them) and one
-    thread takes it with sigwait. A thread started before this call may still receive it: the Python
-    handler, also `on_term`, covers that case as before."""
+    once, also while the main thread is blocked in a collective. Python runs a handler in the main
+    thread between bytecodes only, so a rank waiting in gloo's C++ took SIGTERM when the collective
+    returned, or never: torchrun waited its grace period and sent SIGKILL. Python's C-level handler
+    also writes the signal's number to the wakeup fd, whichever thread the signal lands on; a thread
+    reading that fd runs `on_term`. No signal mask changes, so processes the rank starts (a compiler)
+    take SIGTERM as usual."""
     signal.signal(signal.SIGTERM, on_term)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
     def wait() -> None:
-        on_term(signal.sigwait({signal.SIGTERM}), None)
+        while True:
+            if signal.SIGTERM in os.read(read_fd, 64):
+                on_term(signal.SIGTERM, None)
 
     threading.Thread(target=wait, daemon=True, name="h3lab-sigterm").start()
 
