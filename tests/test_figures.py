@@ -236,10 +236,15 @@ def test_verdict_table_headlines_the_percentile_and_the_drift_table_keeps_the_ma
     assert table.loc["tp2", "deterministic"] == "passed 15/15"
     assert table.loc["tp2", "baseline"] == "mismatch 0/15: max |a-b| 2.1e-02 of RMS, 2 sign flips"  # not the max ULP
     assert table.loc["tp8", "baseline"] == "mismatch 14/15, digests differ"
-    drift = drift_table(_verdicts())
-    assert list(drift.index) == [("baseline", "tp2", "out"), ("baseline", "tp2", "dx")]
-    assert drift.loc[("baseline", "tp2", "out"), "max ULP"] == 31000  # the maximum, one table away
-    assert drift.loc[("baseline", "tp2", "out"), "p99 ULP"] == 3
+    block = _verdicts().assign(problem="block 0")
+    chain = _verdicts().assign(problem="blocks 0-3")
+    chain.loc[chain["tensor"].eq("out"), "max_ulp"] = 5  # another problem's out: kept apart, not maxed in
+    drift = drift_table(pd.concat([block, chain], ignore_index=True))
+    out, dx = ("CPU", "block 0", "baseline", "tp2", "out"), ("CPU", "block 0", "baseline", "tp2", "dx")
+    assert list(drift.index)[:2] == [out, dx] and len(drift) == 4
+    assert drift.loc[out, "max ULP"] == 31000  # the maximum, one table away
+    assert drift.loc[out, "p99 ULP"] == 3
+    assert drift.loc[("CPU", "blocks 0-3", "baseline", "tp2", "out"), "max ULP"] == 5
 
 
 def test_a_summary_kept_without_its_files_still_gives_every_verdict(tmp_path):

@@ -235,13 +235,15 @@ DRIFT_COLUMNS = {
 
 
 def drift_table(verdicts: pd.DataFrame) -> pd.DataFrame:
-    """Per mode, layout and tensor whose bits differ: how many elements, the sign flips, the ULP
-    percentiles, the error at the tensor's RMS, and the maximum ULP distance (worst over seeds)."""
+    """Per node type, problem, mode, layout and tensor whose bits differ: how many elements, the sign
+    flips, the ULP percentiles, the error at the tensor's RMS, and the maximum ULP distance (worst over
+    seeds; one problem's tensors never mix with another's)."""
     differs = verdicts[verdicts["bitwise_equal"].eq(False).fillna(False).astype(bool)]
     cols = [c for c in DRIFT_COLUMNS if c in differs]
     if differs.empty:
         return pd.DataFrame(columns=list(DRIFT_COLUMNS.values()))
-    table = differs.groupby(["mode", "layout", "tensor"], sort=False)[cols].max()
+    keys = [k for k in ("node_type", "problem", "mode", "layout", "tensor") if k in differs]
+    table = differs.groupby(keys, sort=False)[cols].max()
     return table.rename(columns=DRIFT_COLUMNS)
 
 
