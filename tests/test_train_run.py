@@ -162,10 +162,13 @@ def test_unit_names_of_steps_and_weights_assemble_and_slice_without_taking_non_b
         (["--train-steps", "1", "--weight-decay", "nan"], ("weight_decay nan not allowed", "allowed")),
         (["--train-steps", "1", "--max-grad-norm", "0"], ("max_grad_norm 0.0 not allowed", "allowed: a number in")),
         (["--train-steps", "1", "--blocks", "3-1"], ("blocks 3-1", "allowed: A-B with A <= B")),
+        (["--train-steps", "1", "--rows", "64"], ("--rows with --trajectory or --train-steps", "allowed: --text-rows")),
+        (["--trajectory", "1", "--padding", "2"], ("--padding with --trajectory", "allowed: --text-rows")),
     ],
 )
 def test_a_bad_training_value_is_one_line_and_writes_nothing(capsys, tmp_path, extra, expected):
-    one_line_error(capsys, [*RUN, *extra, "--out", str(tmp_path / "run")], *expected)
+    run = [a for a in RUN if a not in ("--rows", "8")]  # a request packed from its streams has no --rows
+    one_line_error(capsys, [*run, *extra, "--out", str(tmp_path / "run")], *expected)
     assert not (tmp_path / "run").exists()
 
 

@@ -72,8 +72,8 @@ def _add_problem_arguments(p: argparse.ArgumentParser) -> None:
         "and scalars as tensors (for runs too big to store them)",
     )
     p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
-    p.add_argument("--rows", type=int, default=264)
-    p.add_argument("--padding", type=int, default=0, help="padding rows inside the batch")
+    p.add_argument("--rows", type=int, default=None, help="packed rows of a block's or a chain's batch (default 264)")
+    p.add_argument("--padding", type=int, default=None, help="padding rows inside that batch (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the packed batch")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backend", choices=CONTRACT_BACKENDS, default="torch")
@@ -109,8 +109,7 @@ def _problem(a: argparse.Namespace) -> Problem:
         **_train_fields(a),
         digests=a.digests,
         weights_seed=a.weights_seed,
-        rows=a.rows,
-        padding=a.padding,
+        **_batch_fields(a),
         seed=a.seed,
         device=a.device,
         backend=a.backend,
@@ -180,6 +179,18 @@ def _train_fields(a: argparse.Namespace) -> dict:
         raise ValueError(f"--text-rows {a.text_rows} without --trajectory or --train-steps; allowed: one of them")
     fields = {_TRAIN_FLAGS[flag]: v for flag, v in given.items()}
     return fields | ({"text_rows": a.text_rows} if a.text_rows is not None else {})
+
+
+def _batch_fields(a: argparse.Namespace) -> dict:
+    """--rows and --padding: a block's or a chain's batch. A trajectory or training request is packed
+    from its streams (--text-rows), so there they are refused, never ignored."""
+    given = {flag: v for flag, v in (("--rows", a.rows), ("--padding", a.padding)) if v is not None}
+    if given and (a.trajectory is not None or a.train_steps is not None):
+        raise ValueError(
+            f"{', '.join(given)} with --trajectory or --train-steps; allowed: --text-rows for the request's "
+            "text rows (its video and audio rows come from the packing)"
+        )
+    return {"rows": 264 if a.rows is None else a.rows, "padding": 0 if a.padding is None else a.padding}
 
 
 def _block_range(blocks: str | None, block: int) -> tuple[int, int | None]:

@@ -50,14 +50,16 @@ class RunnerRun:
     @property
     def problem_label(self) -> str:
         """What was compared, in words: 'block 0, 264 rows, synthetic real', 'blocks 0-49, 264 rows,
-        checkpoint of the tiny config', 'trajectory of 2 steps, blocks 0-3, synthetic tiny' (the report
-        groups its tables and figures by it)."""
+        checkpoint of the tiny config', 'trajectory of 2 steps, blocks 0-3, synthetic tiny', 'training,
+        2 steps, blocks 0-3, synthetic tiny' (the report groups its tables and figures by it)."""
         p = self.summary["request"]["problem"]
         weights = f"synthetic {p['synthetic']}" if p.get("synthetic") else _checkpoint_label(p["checkpoint"])
         blocks = f"blocks {p['block']}-{p.get('last_block')}"
         task = p.get("task", "block")
         if task == "trajectory":
             return f"trajectory of {p.get('steps')} steps, {blocks}, {weights}"
+        if task == "train":
+            return f"training, {p.get('steps')} steps, {blocks}, {weights}"
         return f"{blocks if task == 'chain' else 'block ' + str(p['block'])}, {p['rows']} rows, {weights}"
 
     @property
