@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from h3lab import canonical_block, metrics
@@ -42,6 +43,8 @@ def test_the_split_chain_is_canonical_blocks_by_hand_from_a_separate_gradient():
     assert set(fwd.inputs) == {0, 1} and fwd.blocks == (0, 1)
     split = chain_backward(weights, batch, LocalComm(), fwd, g)
     assert not fwd.inputs  # each block's input rows are taken off as its backward runs
+    with pytest.raises(ValueError, match=r"used by a backward already .*; allowed: one backward per chain_forward"):
+        chain_backward(weights, batch, LocalComm(), fwd, g)
     b0 = canonical_block(weights.block(0), dataclasses.replace(batch, grad_out=torch.zeros_like(g)))
     b1 = canonical_block(weights.block(1), dataclasses.replace(batch, hidden_states=b0.out, grad_out=g))
     b0 = canonical_block(weights.block(0), dataclasses.replace(batch, grad_out=b1.dx))

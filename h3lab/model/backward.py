@@ -136,8 +136,11 @@ def model_backward(forward: ModelForward, d_output: ModelOutput) -> ModelGradien
     `trace` (the forward's) sees the backward ops of every block and `d.stack.out` (the stack's
     upstream gradient, all rows), `d.stack.in` (the gradient at its input, gathered), `d.temb`.
 
+    The forward record is used up (its chain's stored inputs go as the blocks are done): one
+    backward per `model_forward`.
+
     Raises:
-        ValueError: `d_output` of another shape or dtype than the output.
+        ValueError: `d_output` of another shape or dtype than the output; a forward used already.
     """
     f, tr, start = forward, forward.trace or _no_trace, time.perf_counter()
     emb = f.emb

@@ -87,7 +87,15 @@ def chain_backward(
     its block is done) on `batch`'s row metadata, then its backward. `trace` sees the backward ops
     (`d.*`, `dx`) as `block{i}.{op}`; the recomputed forward is not traced twice. `keep(i, step)`
     reduces what is kept of block i (e.g. digests instead of 1.3 GB of real weight gradients).
+
+    Raises:
+        ValueError: `forward` was used by a backward already (its stored inputs are gone).
     """
+    if set(forward.inputs) != set(forward.blocks):
+        raise ValueError(
+            "this chain forward was used by a backward already (each block's input goes once its block is done); "
+            "allowed: one backward per chain_forward"
+        )
     g, per_block, bwd_s = grad_out, {}, 0.0
     for i in reversed(forward.blocks):
         b_i = dataclasses.replace(batch, hidden_states=forward.inputs.pop(i), grad_out=g)
