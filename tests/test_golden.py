@@ -167,10 +167,14 @@ def test_record_refuses_other_digests_unless_told_to_replace_the_set(monkeypatch
     assert "golden set 'sm90': this machine's block differ, first at dx" in err and "--record --replace" in err
     assert (sets / "sm90.json").read_bytes() == before
     assert main(["verify", "--replace"]) == 2
-    assert main(["verify", "--device", "cuda", "--backend", "triton", "--record", "--replace"]) == 0
+    # the set holds the real-shape problem: a replacement recomputes it too, never drops it
+    assert main(["verify", "--device", "cuda", "--backend", "triton", "--record", "--replace"]) == 2
+    assert "holds the real-shape problem" in capsys.readouterr().err
+    assert (sets / "sm90.json").read_bytes() == before
+    assert main(["verify", "--device", "cuda", "--backend", "triton", "--record", "--real", "--replace"]) == 0
     replaced = json.loads((sets / "sm90.json").read_text())
     assert replaced["recorded_on"] == "H100" and list(replaced["observations"]) == ["H100"]
-    assert replaced["block"]["dx"] == "0" * 64 and "real" not in replaced  # parts not recomputed are gone
+    assert replaced["block"]["dx"] == "0" * 64 and replaced["real"] == sm90["real"]
     assert replaced["expected_not_observed"] == ["H200"]
 
 

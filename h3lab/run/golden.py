@@ -236,8 +236,14 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
     name = set_name(backend, device)
     node = node_type(device)
     parts = ["block", "trajectory"] + (["real"] if real else [])
+    published = load_set(name)
+    if replace_set and published is not None and "real" in published and not real:
+        raise ValueError(
+            f"golden set {name!r} holds the real-shape problem and --replace rewrites the whole set; "
+            f"allowed: {record_command(backend, device, real=True)} --replace"
+        )
     new = {"contract": CONTRACT_ID, **_problems(parts), **compute(backend, device, parts)}
-    old = None if replace_set else load_set(name)
+    old = None if replace_set else published
     if old is not None:
         _check_same(old, new, parts, record_command(backend, device, real=real))
     old = old or {"recorded_on": node, "observations": {}}
