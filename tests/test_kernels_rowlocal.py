@@ -534,33 +534,6 @@ def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
         _same(got[k], want[k].cpu(), k)
 
 
-def test_the_unverified_sm100_file_serves_every_launcher_of_a_block_step():
-    """kernels/sm100.json pins what every launcher of a block step reads (a missing key would raise),
-    and the backend says it is not verified. Under the interpreter its tiles change no bits, so the
-    step equals sm90's byte for byte; whether a B200 gives sm90's bits, only a B200 can say."""
-    if CUDA:
-        pytest.skip("the interpreter names the node type; a GPU runs its own node's file")
-    from h3lab import H3Config, packed_batch, synthetic_block
-    from h3lab.block import block_step
-    from h3lab.comm import LocalComm
-    from h3lab.units import unit_weights
-
-    c = H3Config.tiny()
-    b = packed_batch(c, 17, seed=4, padding=3, dtype=F32)  # the interpreter's attention takes FP32
-    uw = unit_weights(synthetic_block(c, 0, seed=5))
-    with pytest.warns(UserWarning, match=r"kernels/sm100.json is not verified: its configurations compile for sm100"):
-        sm100 = TritonBackend(DEV, node="sm100")
-    got = block_step(uw, b, LocalComm(), backend=sm100)
-    want = block_step(uw, b, LocalComm(), backend=TritonBackend(DEV, node="sm90"))
-    for name, g, w in (("out", got.out, want.out), ("dx", got.dx, want.dx), ("dtemb", got.dtemb, want.dtemb)):
-        _same(g, w, name)
-    for k in want.dw_replicated:
-        _same(got.dw_replicated[k], want.dw_replicated[k], k)
-    for k, per_unit in want.dw_units.items():
-        for u, w in per_unit.items():
-            _same(got.dw_units[k][u], w, f"{k}.{u}")
-
-
 def test_index_checks_outside_a_block_see_writes_that_keep_the_version():
     """Outside index_cache() nothing is cached: a write through .data (no version bump) is still caught."""
     x = torch.randn(5, 4, device=DEV)

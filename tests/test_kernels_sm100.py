@@ -66,3 +66,17 @@ def test_every_pinned_sm100_kernel_compiles_for_sm100():
 def test_compile_pinned_refuses_a_node_without_a_target():
     with pytest.raises(ValueError, match=r"node 'sm80'; allowed: \['sm100', 'sm90'\]"):
         compile_pinned.compile_variant(compile_pinned.variants("sm100")[0], "sm80")
+
+
+def test_a_backend_on_the_unverified_file_says_so(monkeypatch):
+    """Every launch on sm100.json runs configurations no B200 has checked: the backend warns once, at
+    construction, naming the file (kernels/README.md says what a B200 user gets)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the backend reads its own node's file; this names sm100 under the interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as every interpreter test module sets it on a CPU
+    from h3lab.triton.backend import TritonBackend
+
+    with pytest.warns(UserWarning, match=r"kernels/sm100.json is not verified"):
+        TritonBackend("cpu", node="sm100")
