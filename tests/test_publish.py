@@ -146,9 +146,8 @@ def test_the_swap_keeps_a_previous_folder_git_does_not_hold(tmp_path):
 
 
 # ---- end to end -----------------------------------------------------------------------------------
-@pytest.mark.notebooks
-def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(plans.SWEEPS, "cpu", {"sweep": SMALL_SWEEP | {"accuracy": False}})
+def _small_publish(mp: pytest.MonkeyPatch) -> None:
+    """A small sweep, the CPU block benchmark and one CUDA benchmark that must be skipped with its reason."""
     block = registry.Benchmark(
         "block_cpu",
         "h3lab.bench.block_cpu",
@@ -156,10 +155,27 @@ def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(tmp_path, monkey
         "the block on CPU",
         {"cpu": ("--config", "tiny", "--rows", "32", "--repeats", "2")},
     )
-    monkeypatch.setattr(registry, "BENCHMARKS", (block, registry.by_name("gemm")))
-    reports, work = tmp_path / "reports", tmp_path / "work"
+    mp.setitem(plans.SWEEPS, "cpu", {"sweep": SMALL_SWEEP | {"accuracy": False}})
+    mp.setattr(registry, "BENCHMARKS", (block, registry.by_name("gemm")))
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """`h3lab publish --node cpu` of `_small_publish` into a temporary folder: (exit status, reports,
+    work, argv). The registry and plans are patched for that call only."""
+    tmp = tmp_path_factory.mktemp("publish")
+    reports, work = tmp / "reports", tmp / "work"
     argv = ["publish", "--node", "cpu", "--work", str(work), "--reports", str(reports)]
-    assert main(argv) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        _small_publish(mp)
+        rc = main(argv)
+    return rc, reports, work, argv
+
+
+@pytest.mark.notebooks
+def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(published, monkeypatch):
+    rc, reports, work, argv = published
+    assert rc == 0
     out = reports / "cpu"
     names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     want = {"README.md", "report.html", "report.json", "env.json", "block-cpu.json", "data/verdicts.parquet"}
@@ -177,6 +193,7 @@ def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(tmp_path, monkey
 
     # a render that fails leaves the published folder as it was, and the sweep is kept, not rerun
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _small_publish(monkeypatch)
     monkeypatch.setattr("h3lab.workbench.publish.publish", _failing_publish)
     with pytest.raises(RuntimeError, match="render broke"):
         main([*argv, "--redo", "render"])
@@ -184,9 +201,15 @@ def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(tmp_path, monkey
     assert [p.name for p in reports.iterdir() if p.name.startswith(".")] == []
     stages = json.loads((work / "stages.json").read_text())["stages"]
     assert stages["render"]["state"] == "failed" and stages["sweep"]["attempts"] == 1
+
+
+@pytest.mark.notebooks
+def test_the_published_page_renders_in_chromium(published):
     if chromium() is None:
-        pytest.skip("Chromium not installed (/usr/bin/chromium; Debian: apt-get install -y chromium)")
-    assert (out / "screenshot.png").is_file()
+        pytest.skip("Chromium not installed (/usr/bin/chromium; Debian: apt-get install -y chromium; .ci/run does)")
+    rc, reports, _, _ = published
+    out = reports / "cpu"
+    assert rc == 0 and (out / "screenshot.png").is_file()
     dom = subprocess.run(
         [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", (out / "report.html").as_uri()],
         capture_output=True,
