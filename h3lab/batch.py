@@ -14,6 +14,7 @@ in active rows, temb and position_ids must be finite; padding rows may hold anyt
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,18 @@ def check_seed(seed: object, name: str = "seed") -> int:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"{name}={seed!r}; allowed: an int in [0, 2**64 - 1] (torch.Generator's seeds)")
     return seed
+
+
+def derived_seed(seed: int, what: str) -> int:
+    """The seed of `what` (e.g. "step3", "rows", a parameter's name) in a run seeded `seed`: the first 8
+    bytes, little-endian, of sha256(f"h3lab:{seed}:{what}"). sha256, not hash(): stable across
+    processes and Python versions; streams of one run do not repeat each other, nor another seed's.
+
+    Raises:
+        ValueError: a seed outside [0, 2**64 - 1].
+    """
+    check_seed(seed)
+    return int.from_bytes(hashlib.sha256(f"h3lab:{seed}:{what}".encode()).digest()[:8], "little")
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

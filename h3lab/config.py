@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 NUM_UNITS = 8  # canonical reduction units of the contract (h3lab.contract re-exports this)
+BLOCK_PREFIX = "transformer_blocks."  # a block parameter's diffusers name: BLOCK_PREFIX + "{i}." + its name
 NUM_MODALITIES = 3  # 0 video, 1 text, 2 audio: one AdaLN table row per (timestep, modality)
 NUM_ADALN_CHUNKS = 6  # shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
 

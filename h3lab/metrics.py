@@ -234,6 +234,14 @@ def compare(a: Tensor, b: Tensor, name: str | None = None) -> Comparison:
     )
 
 
+def sign_flips(a: Tensor, b: Tensor, differs: Tensor) -> Tensor:
+    """Where bits differ and the values lie on two sides of zero (one of them may be zero): their ULP
+    distance counts every float around zero and says nothing about size. +0 against -0 is not a flip
+    (0 ULP, a byte difference only), nor is a NaN."""
+    same_side = ((a > 0) & (b > 0)) | ((a < 0) & (b < 0)) | ((a == 0) & (b == 0))
+    return differs & ~same_side & ~a.isnan() & ~b.isnan()
+
+
 def drift_stats(a_N: Tensor, b_N: Tensor, differs_N: Tensor, dist_N: Tensor) -> dict[str, Any]:
     """How far differing bits drift, readable where the maximum ULP is not (the module's docstring).
 
@@ -246,9 +254,7 @@ def drift_stats(a_N: Tensor, b_N: Tensor, differs_N: Tensor, dist_N: Tensor) -> 
         The `Comparison` fields sign_flips, ulp_p50, ulp_p99, max_abs_diff, ref_rms, max_ulp_at_rms.
     """
     nan_N = a_N.isnan() | b_N.isnan()
-    same_sign_N = ((a_N > 0) & (b_N > 0)) | ((a_N < 0) & (b_N < 0))
-    both_zero_N = (a_N == 0) & (b_N == 0)  # +0 against -0: 0 ULP, a byte difference only
-    flips_N = differs_N & ~nan_N & ~same_sign_N & ~both_zero_N
+    flips_N = sign_flips(a_N, b_N, differs_N)
     readable_N = dist_N[differs_N & ~nan_N & ~flips_N]
     finite_N = a_N.isfinite() & b_N.isfinite()
     diff_N = (a_N[finite_N].to(torch.float64) - b_N[finite_N].to(torch.float64)).abs()

@@ -6,13 +6,13 @@ from the outside (h3lab.sharding) and never change its tensors.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from h3lab.batch import derived_seed
 from h3lab.config import H3Config, block_param_shapes, model_param_shapes, param_dtype
 
 
@@ -57,8 +57,7 @@ class BlockWeights(Mapping[str, Tensor]):
 
 
 def _tensor_seed(seed: int, name: str) -> int:
-    # sha256, not hash(): stable across processes and Python versions, independent of tensor order
-    return int.from_bytes(hashlib.sha256(f"h3lab:{seed}:{name}".encode()).digest()[:8], "little") >> 1
+    return derived_seed(seed, name) >> 1  # independent of tensor order; 63 bits, as the weights were always drawn
 
 
 def synthetic_tensor(config: H3Config, name: str, seed: int, device: torch.device | str = "cpu") -> Tensor:

@@ -40,10 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         from h3lab.io.rundir import read_record
         from h3lab.workbench import plans
         from h3lab.workbench.notebooks import NotebookError
+        from h3lab.workbench.publish import published_folder
         from h3lab.workbench.stages import StageBook
 
         gpus = _gpus(a.node, a.gpus)
-        folder = a.node if gpus <= 1 else f"{a.node}x{gpus}"
+        folder = published_folder(a.node, gpus)
         benches = {p.bench.name: p for p in plan(a.node, gpus)}
         sweeps = plans.sweeps(a.node)
         names = [*sweeps, *benches, "render"]

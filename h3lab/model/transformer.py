@@ -55,14 +55,15 @@ def run_blocks(
         w = weights.block(i)
         if w["norm1.weight"].device != batch.device:
             w = w.to(batch.device)
-        tr = None if trace is None else _prefixed(trace, f"block{i}.")
+        tr = None if trace is None else prefixed(trace, f"block{i}.")
         step = block_step(unit_weights(w, comm.units), batch, comm, backend=backend, backward=False, trace=tr)
         batch = dataclasses.replace(batch, hidden_states=step.out)
         del w, step  # one block's weights alive at a time
     return batch
 
 
-def _prefixed(trace: Trace, prefix: str) -> Trace:
+def prefixed(trace: Trace, prefix: str) -> Trace:
+    """`trace` seeing every name with `prefix` in front (`block3.`, `step1.`)."""
     return lambda name, t, space: trace(prefix + name, t, space)
 
 

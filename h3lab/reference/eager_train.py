@@ -31,13 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from h3lab.config import H3Config, model_param_shapes
+from h3lab.config import BLOCK_PREFIX, H3Config, model_param_shapes
 from h3lab.model.head import ModelOutput
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.weights import ModelWeights
 from h3lab.reference.parity import diffusers_module, model_velocity
 
-BLOCK_PREFIX = "transformer_blocks."
 PHASES = ("forward", "backward", "clip", "update")  # `mark` receives each name as its phase ends
 
 

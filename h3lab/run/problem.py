@@ -139,8 +139,8 @@ class Problem:
 
     def model_inputs(self, device: torch.device | str = "cpu") -> ModelInputs:
         """The request of a trajectory or a training run: `model_inputs` from `seed`, rows in `row_order`."""
+        from h3lab.batch import derived_seed
         from h3lab.model.packing import model_inputs, shuffle_rows
-        from h3lab.train.step import derived_seed
 
         inputs = model_inputs(self.config(), seed=self.seed, num_text=self.text_rows)
         if self.row_order == "shuffled":

@@ -22,16 +22,14 @@ from torch import Tensor
 
 from h3lab.block import Trace
 from h3lab.comm import BlockComm
-from h3lab.config import NUM_UNITS
+from h3lab.config import BLOCK_PREFIX, NUM_UNITS
 from h3lab.model.backward import model_backward, model_forward
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.transformer import RowsShard
 from h3lab.model.weights import ModelWeights
 from h3lab.train.objective import FlowObjective
-from h3lab.train.pieces import Piece, block_grad_pieces
+from h3lab.train.pieces import Piece, block_grad_pieces, piece_label
 from h3lab.units import assemble_unit_grads
-
-BLOCK_PREFIX = "transformer_blocks."
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,15 +45,7 @@ class ModelGrads:
     def tensors(self, prefix: str = "") -> dict[str, Tensor]:
         """Every tensor under the flat name a rank reports (see the module docstring), `prefix` first."""
         out = {f"{prefix}loss": self.loss} | {f"{prefix}loss.{m}": v for m, v in self.loss_per_modality.items()}
-        for name, t in self.replicated.items():
-            if name.startswith(BLOCK_PREFIX):
-                i, param = name.removeprefix(BLOCK_PREFIX).split(".", 1)
-                out[f"{prefix}block{i}.dw.{param}"] = t
-            else:
-                out[f"{prefix}dw.{name}"] = t
-        for i, grads in self.units.items():
-            out |= {f"{prefix}block{i}.dw.{g}@u{u}": t for g, per in grads.items() for u, t in per.items()}
-        return out
+        return out | {prefix + piece_label(p, "dw"): t for p, t in self.pieces().items()}
 
     def pieces(self) -> dict[Piece, Tensor]:
         """Every gradient this rank holds by piece (h3lab.train.pieces): what `AdamW.step` reads."""

@@ -15,20 +15,19 @@ the update (the same names with `w.` for `dw.`).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from h3lab.batch import check_seed
+from h3lab.batch import check_seed, derived_seed
 from h3lab.block import Trace
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.config import model_param_shapes
 from h3lab.model.backward import check_blocks
 from h3lab.model.inputs import ModelInputs
-from h3lab.model.transformer import RowsShard
+from h3lab.model.transformer import RowsShard, prefixed
 from h3lab.model.weights import InMemoryWeights, ModelWeights
 from h3lab.train.adamw import AdamW, AdamWHyper
 from h3lab.train.grads import model_grads
@@ -37,17 +36,6 @@ from h3lab.train.pieces import Piece, block_weight_pieces, non_block_pieces, pie
 from h3lab.units import unit_weights
 
 PHASES = ("forward_s", "backward_s", "clip_s", "update_s")
-
-
-def derived_seed(seed: int, what: str) -> int:
-    """The seed of `what` (e.g. "step3", "rows") in a run seeded `seed`: the first 8 bytes, little-endian,
-    of sha256(f"h3lab:{seed}:{what}"). Streams of one run do not repeat each other, nor another seed's.
-
-    Raises:
-        ValueError: a seed outside [0, 2**64 - 1].
-    """
-    check_seed(seed)
-    return int.from_bytes(hashlib.sha256(f"h3lab:{seed}:{what}".encode()).digest()[:8], "little")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -132,7 +120,7 @@ class Trainer:
         """
         if isinstance(k, bool) or k != self.steps_taken + 1:
             raise ValueError(f"step {k!r}; allowed: {self.steps_taken + 1}, the next step (steps run in order from 1)")
-        tr = None if trace is None else _prefixed(trace, f"step{k}.")
+        tr = None if trace is None else prefixed(trace, f"step{k}.")
         g = model_grads(
             self.weights,
             self.inputs,
@@ -161,10 +149,6 @@ class Trainer:
             weights=dict(self.optimizer.weights),
             timings=timings,
         )
-
-
-def _prefixed(trace: Trace, prefix: str) -> Trace:
-    return lambda name, t, space: trace(prefix + name, t, space)
 
 
 def _traced_grads(grads: dict[Piece, Tensor], units: range, trace: Trace) -> dict[Piece, Tensor]:

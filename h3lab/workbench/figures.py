@@ -30,7 +30,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap, to_rgba
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from h3lab.metrics import NAN_MISMATCH, bit_pattern, error_stats, ulp_map
+from h3lab.metrics import NAN_MISMATCH, bit_pattern, error_stats, sign_flips, ulp_map
 
 IDENTICAL = to_rgba("#d9d9d9")  # neutral grey: bit-identical, and nothing else
 FAILED = to_rgba("#3b3b3b")  # no result: the layout failed or the value is missing
@@ -208,8 +208,7 @@ def _element_values(t: Tensor, ref: Tensor) -> tuple[np.ndarray, np.ndarray]:
     ulp = ulp_map(a, b).to(torch.float64)
     ulp = torch.where(ulp == NAN_MISMATCH, float(ULP_EDGES[-2]), ulp)
     differs = bit_pattern(a) != bit_pattern(b)
-    same_side = ((a > 0) & (b > 0)) | ((a < 0) & (b < 0)) | ((a == 0) & (b == 0))
-    flips = differs & ~same_side & ~a.isnan() & ~b.isnan()
+    flips = sign_flips(a, b, differs)
     ulp = torch.where(differs & ~flips, ulp.clamp(min=1), torch.where(flips, 1.0, 0.0))
     shape = (ulp.shape[0], -1) if ulp.dim() >= 2 else (1, -1)
     return ulp.reshape(shape).numpy(), flips.reshape(shape).numpy().astype(np.float64)

@@ -155,8 +155,12 @@ def folder_name(sweep: Sweep) -> str:
 
     N is the sweep's `gpus` (params.json), else the GPUs its environment record lists.
     """
-    gpus = sweep.params.get("gpus") or len(sweep.env.get("gpus") or [])
-    node = sweep.node_type.lower()
+    return published_folder(sweep.node_type, sweep.params.get("gpus") or len(sweep.env.get("gpus") or []))
+
+
+def published_folder(node: str, gpus: int) -> str:
+    """reports/<node type> for a CPU or one GPU, <node type>x<N> for N > 1 GPUs (cpu, h200, h200x2)."""
+    node = node.lower()
     return node if node == "cpu" or gpus <= 1 else f"{node}x{gpus}"
 
 
