@@ -5,7 +5,7 @@ is a call into this package:
   params     the notebooks' parameters, validated in their first cell (ValueError naming the allowed set)
   sweep      a run directory runs/<id>/: env.json, the checkpoint, one runner run per mode and seed
   rundata    reading run directories back: summaries, tensors, the FP64 oracle of a run's problem
-  tables     pandas frames of verdicts, per-rank timings and collectives; parquet; timing tables
+  tables     pandas frames of verdicts, per-rank records and collectives; parquet; the terminal summary
   figures    the layout x tensor heatmaps and per-element ULP maps (discrete power-of-two bins)
   benchmarks benchmark records as the report's speed tables, with the machine and commit of each
   views      what a notebook cell displays: headings, styled tables and figures per node type and problem
