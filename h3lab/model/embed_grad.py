@@ -50,8 +50,11 @@ def embed_backward(
         ValueError: a gradient of another shape or dtype than what `embed` made.
     """
     c, S, T = weights.config, inputs.num_rows, inputs.timestep.shape[0]
-    if tuple(d_hidden_SD.shape) != (S, c.hidden_size):
-        raise ValueError(f"d_hidden_SD has shape {list(d_hidden_SD.shape)}; allowed: [{S}, {c.hidden_size}]")
+    act = weights.tensor("context_embedder.weight").dtype  # the sequence's dtype, as `embed` sets it
+    if tuple(d_hidden_SD.shape) != (S, c.hidden_size) or d_hidden_SD.dtype != act:
+        raise ValueError(
+            f"d_hidden_SD: {d_hidden_SD.dtype} {list(d_hidden_SD.shape)}; allowed: {act} [{S}, {c.hidden_size}]"
+        )
     if tuple(dtemb_TE.shape) != (T, c.time_embed_dim) or dtemb_TE.dtype != F32:
         raise ValueError(
             f"dtemb_TE: {dtemb_TE.dtype} {list(dtemb_TE.shape)}; allowed: torch.float32 [{T}, {c.time_embed_dim}]"
