@@ -33,7 +33,7 @@ from tests.conftest import RUN, one_line_error
 
 LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
 # 4 blocks, 2 steps; 7 text rows pack 91 rows, which the 8 row shards of tp4xcp2+sp pad to 96; the rows
-# out of key order; lr and weight decay other than the defaults, the norm clipped (it is ~10 here)
+# out of key order; lr and weight decay other than the defaults, and a global norm above the clip's 1
 TRAIN = Problem(
     task="train", block=0, last_block=3, steps=2, text_rows=7, row_order="shuffled", seed=23, lr=3e-4, weight_decay=0.05
 )

@@ -22,8 +22,8 @@ from h3lab.units import unit_weights
 from h3lab.weights import synthetic_block, synthetic_tensor
 
 # every structural feature of tiny at ~1/40 of its elements: a refiner block, units of 9 SwiGLU columns
-# and 81 AdaLN rows (81 x 20 = 1620 elements: two clip row blocks, the last padded), odd widths; a
-# training step takes about a second here, not ten
+# and 81 AdaLN rows (81 x 20 = 1620 elements: two clip row blocks, the last padded), odd widths; small
+# enough that a training step of it is cheap on a CPU
 NARROW = H3Config.tiny().replace(
     attention_head_dim=16,
     rope_freq_dim=2,

@@ -5,17 +5,14 @@ it h3lab.backend.TorchBackend.unit_reduce. Launcher: h3lab.triton.unit_gemm.unit
 pinned config says "IMPL": "gluon" and the operands allow TMA (see `supports`).
 
 Why a second kernel. The Triton kernel computes each unit's chain in its own software-pipelined
-loop, so at each of the 8 unit boundaries its loads drain and restart (14 chunks per unit for
-to_out): on the H200 it lost 13-26% between one unit and eight, and ran at 0.53-0.82 of cuBLAS at
-M = 4096. Triton's pipeliner gives up on one loop over all chunks (the tree insert reads the
-accumulator, so every wgmma is waited for and no load runs ahead). Here the pipeline is written
-out: a producer cursor issues the TMA loads STAGES-1 chunks ahead of the wgmma that consumes them,
-through unit and tile boundaries; only the accumulator waits at a unit's end. The cursors move by
-increments (a flat index's divisions cost ~500 issue cycles per chunk, as long as its wgmma: 0.32-0.44
-of cuBLAS in the first version). Measured and left out: the tree under a branch inside one loop over
-all chunks (its chunk loop ran at 0.77-0.82 of cuBLAS with one unit, where Triton's and this
-layout's reach 0.85-0.96) and two accumulators per unit pair (252 registers, 0.52-0.69 with eight
-units); `python -m h3lab.bench.gemm_bench` measures the variants.
+loop, so at each of the 8 unit boundaries its loads drain and restart. Triton's pipeliner gives up
+on one loop over all chunks (the tree insert reads the accumulator, so every wgmma is waited for and
+no load runs ahead). Here the pipeline is written out: a producer cursor issues the TMA loads
+STAGES-1 chunks ahead of the wgmma that consumes them, through unit and tile boundaries; only the
+accumulator waits at a unit's end. The cursors move by increments, never by dividing a flat index
+(its divisions cost about as many issue cycles per chunk as its wgmma). Tried and left out: the tree
+under a branch inside one loop over all chunks, and two accumulators per unit pair (register
+pressure); `python -m h3lab.bench.gemm_bench` measures the kernels against cuBLAS.
 
 Same bits, by construction: per unit the same chain (acc = +0, then wgmma m64nBNk16 over 64-wide
 chunks, pieces in order, chunks ascending; BLOCK_K 64 = 4 k16 steps, as Triton lowers tl.dot), the
