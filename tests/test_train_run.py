@@ -186,7 +186,7 @@ def test_a_flip_fault_names_its_rank_op_and_index(monkeypatch):
     monkeypatch.setenv("H3LAB_FAULT", "flip:1:step1.block1.dw.ff.gate:17")
     assert faults.planted_flip("1") == ("step1.block1.dw.ff.gate", 17) and faults.planted_flip("0") is None
     assert faults.inject("1") is None  # the trace plants it, not inject
-    for bad in ("flip:1:op", "flip:1::3", "flip:1:op:-3", "flip:1:op:3:4"):
+    for bad in ("flip:1:op", "flip:1::3", "flip:1:op:-3", "flip:1:op:3:4", "flip:one:op:3"):
         monkeypatch.setenv("H3LAB_FAULT", bad)
         with pytest.raises(ValueError, match=r"allowed: flip:<rank>:<traced op>:<flat index>"):
             faults.planted_flip("1")

@@ -88,6 +88,7 @@ def _not_ready(book, sweeps: dict, benches: dict, partial: bool) -> str:
 
 def _gpus(node: str, gpus: int | None) -> int:
     """The GPUs of this publish, checked against the machine: this must be a `node` node."""
+    from h3lab.bench.registry import NODE_TYPES
     from h3lab.io.env import node_type
 
     if node == "cpu":
@@ -98,6 +99,11 @@ def _gpus(node: str, gpus: int | None) -> int:
 
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     here = node_type("cuda").lower() if seen else "cpu"
+    if here not in NODE_TYPES:
+        raise ValueError(
+            f"--node {node}, but this machine's GPU is {here!r}, a node type publish has no folder for; "
+            f"allowed: a node of {list(NODE_TYPES)} (h3lab verify prints this machine's digests)"
+        )
     if here != node:
         raise ValueError(f"--node {node}, but this machine is a {here} node; allowed: --node {here}")
     if gpus is not None and not 1 <= gpus <= seen:

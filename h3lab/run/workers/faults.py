@@ -57,7 +57,7 @@ def planted_flip(who: str) -> tuple[str, int] | None:
     if kind != "flip":
         return None
     parts = rest.split(":")
-    if len(parts) != 3 or not parts[1] or not parts[2].isdigit():
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1] or not parts[2].isdigit():
         raise ValueError(f"{FAULT_VAR}=flip:{rest}; allowed: flip:<rank>:<traced op>:<flat index>")
     target, op, index = parts
     return (op, int(index)) if target == who else None
