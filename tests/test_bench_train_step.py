@@ -26,6 +26,7 @@ import torch
 from h3lab.bench import train_step
 from h3lab.config import H3Config
 from h3lab.model import SyntheticWeights, model_inputs
+from h3lab.model.packing import request_of_rows
 from h3lab.reference.eager_train import EagerTrainer, depth_state
 from h3lab.train.objective import FlowObjective
 from tests.conftest import assert_bitwise
@@ -96,13 +97,13 @@ def test_the_canonical_first_step_is_repeatable(record):
 
 @pytest.mark.parametrize("rows", [62, 63, 95, 200])
 def test_a_request_has_exactly_the_rows_asked_for(rows):
-    r = train_step.request(TINY, rows, seed=3)
+    r = request_of_rows(TINY, rows, seed=3)
     assert r.num_rows == rows and r.text_rows.shape[0] == 12 + rows % 2
     assert r.num_condition_video_rows == 24 and r.audio_rows.shape[0] >= 2
 
 
 def test_the_request_of_96_rows_is_model_inputs_own():
-    default, ours = model_inputs(TINY, seed=3), train_step.request(TINY, 96, seed=3)
+    default, ours = model_inputs(TINY, seed=3), request_of_rows(TINY, 96, seed=3)
     assert ours.num_condition_video_rows == default.num_condition_video_rows
     for k, t in default.tensors().items():
         assert_bitwise(ours.tensors()[k], t, k)
@@ -124,7 +125,7 @@ def test_the_eager_baseline_keeps_fp32_masters_of_its_bf16_parameters():
         loss_weights=objective.weights,
     )
     assert trainer.optimizer.defaults["foreach"] is True  # CPU; fused on CUDA
-    sample = objective.sample(train_step.request(TINY, 62, seed=5), 6)
+    sample = objective.sample(request_of_rows(TINY, 62, seed=5), 6)
     before = {k: t.clone() for k, t in trainer.named_parameters().items()}
     trainer.step(sample.inputs, sample.target)
     after = trainer.named_parameters()

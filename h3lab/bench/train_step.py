@@ -46,7 +46,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -56,13 +55,14 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
+from h3lab.bench.step_timing import StepClock, run_side
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.io.env import capture as capture_env
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import digest
 from h3lab.model.backward import check_blocks
 from h3lab.model.inputs import ModelInputs
-from h3lab.model.packing import AUDIO_CHANNELS, model_inputs
+from h3lab.model.packing import min_request_rows, request_of_rows
 from h3lab.model.weights import SyntheticWeights
 from h3lab.reference.eager_train import PHASES as EAGER_PHASES
 from h3lab.reference.eager_train import EagerTrainer, depth_state
@@ -73,40 +73,6 @@ from h3lab.train.step import Trainer, TrainStep, step_seed
 
 BENCH_FORMAT = "h3lab-bench-train-step-v1"
 PROG = "python -m h3lab.bench.train_step"
-TEXT_ROWS = 12  # model_inputs' default; one more for an odd row count
-LATENT_HW = (8, 12)  # model_inputs' default latent frame: 24 rows of patch 1x2x2
-GIB = 2**30
-
-
-def _frame_rows(config: H3Config) -> int:
-    _, ph, pw = config.patch_size
-    return (LATENT_HW[0] // ph) * (LATENT_HW[1] // pw)
-
-
-def min_rows(config: H3Config) -> int:
-    """The fewest packed rows `request` builds: text, a keyframe, one target frame, one audio latent."""
-    return TEXT_ROWS + 2 * _frame_rows(config) + AUDIO_CHANNELS
-
-
-def request(config: H3Config, rows: int, seed: int) -> ModelInputs:
-    """A request of exactly `rows` packed rows in `model_inputs`' layout (its default at 96 rows): 12 text
-    rows (13 when `rows` is odd), one keyframe, as many target frames as leave room for at least one
-    audio latent, and audio latents (2 rows each) filling the rest.
-
-    Raises:
-        ValueError: fewer rows than `min_rows(config)`.
-    """
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < min_rows(config):
-        raise ValueError(f"rows={rows!r}; allowed: an int >= {min_rows(config)} (text, keyframe, a frame, audio)")
-    per_frame, text = _frame_rows(config), TEXT_ROWS + rows % 2
-    rest = rows - text - per_frame  # even; frames and audio share it
-    frames = (rest - AUDIO_CHANNELS) // per_frame
-    audio = (rest - frames * per_frame) // AUDIO_CHANNELS
-    inputs = model_inputs(
-        config, seed=seed, num_text=text, num_frames=frames, latent_hw=LATENT_HW, num_audio_latents=audio
-    )
-    assert inputs.num_rows == rows, (inputs.num_rows, rows)
-    return inputs
 
 
 def parse_blocks(text: str, num_layers: int) -> tuple[int, ...]:
@@ -149,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     config = H3Config.named(a.config)
     a.blocks = parse_blocks(a.blocks, config.num_layers)
-    if a.rows < min_rows(config):
-        raise ValueError(f"--rows {a.rows}; allowed: >= {min_rows(config)} (text, a keyframe, a frame, audio)")
+    if a.rows < min_request_rows(config):
+        raise ValueError(f"--rows {a.rows}; allowed: >= {min_request_rows(config)} (text, a keyframe, a frame, audio)")
     for name in ("steps", "warmup"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name} {getattr(a, name)}; allowed: >= 1 (a warm-up step compiles and allocates)")
@@ -171,83 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-class StepClock:
-    """One step's seconds and its phases' (`mark` as each ends): CUDA events on a GPU, the wall clock on
-    a CPU. `start` waits for the device first, so a step never pays for work queued before it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._marks: list[tuple[str, Any]] = []
-
-    def _now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self._marks = [("", self._now())]
-
-    def mark(self, phase: str) -> None:
-        self._marks.append((phase, self._now()))
-
-    def stop(self) -> tuple[float, dict[str, float]]:
-        """(seconds from `start` to now, {phase: seconds since the mark before it})."""
-        self._marks.append(("", self._now()))
-        if self.cuda:
-            torch.cuda.synchronize()
-
-        def span(a: Any, b: Any) -> float:
-            return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-        (_, first), (_, last) = self._marks[0], self._marks[-1]
-        pairs = zip(self._marks[:-2], self._marks[1:-1], strict=True)
-        return span(first, last), {name: span(a, b) for (_, a), (name, b) in pairs}
-
-
-def spread(seconds: list[float]) -> dict[str, float]:
-    """Median, min, max and quartiles (statistics.quantiles, inclusive: inside [min, max])."""
-    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive") if len(seconds) > 1 else seconds * 3
-    return {
-        "median_s": statistics.median(seconds),
-        "min_s": min(seconds),
-        "max_s": max(seconds),
-        "q1_s": q1,
-        "q3_s": q3,
-    }
-
-
 def step_digest(step: TrainStep) -> str:
     """sha256 over every tensor the step reports, by name in its order (each by `h3lab.metrics.digest`)."""
     h = hashlib.sha256()
     for name, t in step.tensors().items():
         h.update(f"{name}={digest(t)};".encode())
     return h.hexdigest()
-
-
-StepFn = Callable[[int, StepClock], dict[str, Any]]  # (step k, clock) -> the step's record, clock started
-
-
-def run_side(step: StepFn, warmup: int, steps: int, device: torch.device) -> dict[str, Any]:
-    """Steps 1..warmup untimed, then `steps` timed ones: their records, spread, phase medians, memory."""
-    clock = StepClock(device)
-    rows = [step(k, clock) | {"warmup": True} for k in range(1, warmup + 1)]
-    memory: dict[str, Any] = {"note": "CUDA only"}
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    timed = [step(k, clock) | {"warmup": False} for k in range(warmup + 1, warmup + steps + 1)]
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated()
-        memory = {"before_timed_gib": before / GIB, "peak_gib": peak / GIB, "peak_extra_gib": (peak - before) / GIB}
-    phases = {p: statistics.median(r["phases"][p] for r in timed) for p in timed[0]["phases"]}
-    return {"steps": rows + timed, "timed": spread([r["seconds"] for r in timed]), "phases_median_s": phases} | {
-        "memory": memory
-    }
 
 
 def _losses(loss: Tensor, per_modality: dict[str, Tensor], grad_norm: Tensor) -> dict[str, float]:
@@ -362,7 +257,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
     record = _header(a) | {"status": "running"}
     write_json(a.out, record)
     weights = SyntheticWeights(config, seed=a.seed, device=a.device, generator=a.device)
-    inputs = request(config, a.rows, a.seed + 1).to(a.device)
+    inputs = request_of_rows(config, a.rows, a.seed + 1).to(a.device)
     record["rows"] = inputs.num_rows
     record["canonical"] = canonical_side(a, weights, inputs)
     write_json(a.out, record)

@@ -180,3 +180,41 @@ def shuffle_rows(inputs: ModelInputs, seed: int) -> ModelInputs:
         text_rows=inputs.text_rows[qt],
         text_indices=new_pos[inputs.text_indices[qt]],
     )
+
+
+REQUEST_TEXT_ROWS = 12  # model_inputs' default; one more for an odd row count (request_of_rows)
+REQUEST_LATENT_HW = (8, 12)  # model_inputs' default latent frame: 24 rows of patch 1x2x2
+
+
+def _frame_rows(config: H3Config) -> int:
+    """Packed rows of one latent frame of `REQUEST_REQUEST_LATENT_HW` (patch 1 x ph x pw)."""
+    _, ph, pw = config.patch_size
+    return (REQUEST_LATENT_HW[0] // ph) * (REQUEST_LATENT_HW[1] // pw)
+
+
+def min_request_rows(config: H3Config) -> int:
+    """The fewest packed rows `request_of_rows` builds: text, a keyframe, one target frame, one audio latent."""
+    return REQUEST_TEXT_ROWS + 2 * _frame_rows(config) + AUDIO_CHANNELS
+
+
+def request_of_rows(config: H3Config, rows: int, seed: int) -> ModelInputs:
+    """A request of exactly `rows` packed rows in `model_inputs`' layout (its default at 96 rows): 12 text
+    rows (13 when `rows` is odd), one keyframe, as many target frames as leave room for at least one
+    audio latent, and audio latents (2 rows each) filling the rest.
+
+    Raises:
+        ValueError: fewer rows than `min_request_rows(config)`.
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < min_request_rows(config):
+        raise ValueError(
+            f"rows={rows!r}; allowed: an int >= {min_request_rows(config)} (text, keyframe, a frame, audio)"
+        )
+    per_frame, text = _frame_rows(config), REQUEST_TEXT_ROWS + rows % 2
+    rest = rows - text - per_frame  # even; frames and audio share it
+    frames = (rest - AUDIO_CHANNELS) // per_frame
+    audio = (rest - frames * per_frame) // AUDIO_CHANNELS
+    inputs = model_inputs(
+        config, seed=seed, num_text=text, num_frames=frames, latent_hw=REQUEST_LATENT_HW, num_audio_latents=audio
+    )
+    assert inputs.num_rows == rows, (inputs.num_rows, rows)
+    return inputs
