@@ -20,7 +20,8 @@
 # single-process block of the same mode. Workers run under torchrun, launched by `h3lab.run.runner`;
 # this notebook only calls the library. Everything lands in `runs/<run id>/`. On GPUs a layout runs one
 # process per GPU where its ranks per node fit the `gpus` GPUs (NCCL), else its ranks share them (gloo).
-# `blocks` makes it a chain of blocks, `trajectory` a denoising trajectory through the whole model.
+# `blocks` makes it a chain of blocks, `trajectory` a denoising trajectory through the whole model,
+# `train_steps` training steps of those blocks with everything around them.
 
 # %% tags=["parameters"]
 device = "cpu"  # cpu or cuda
@@ -32,6 +33,7 @@ config = "tiny"  # synthetic config when no checkpoint is given: tiny or real
 block = 0  # transformer block index
 blocks = ""  # "A-B": a chain of blocks A..B instead of the one block
 trajectory = 0  # > 0: sampler steps of a denoising trajectory through the model with blocks `blocks`
+train_steps = 0  # > 0: training steps of blocks `blocks` with the embedders and heads, compared after each
 rows = 264  # packed rows of the batch
 gpus = 0  # cuda: the first `gpus` GPUs (0: every GPU torch sees)
 digests = False  # compare weight gradients by digests of unit slices instead of storing them (real shapes)
@@ -57,6 +59,7 @@ p = ReproduceParams(
     block=block,
     blocks=blocks,
     trajectory=trajectory,
+    train_steps=train_steps,
     rows=rows,
     gpus=gpus,
     digests=digests,

@@ -63,6 +63,10 @@ def test_sources_are_output_free_with_one_parameters_cell(name):
         (ReproduceParams, {"modes": ["fast"]}, r"unknown mode 'fast'; allowed: \['deterministic', 'baseline'\]"),
         (ReproduceParams, {"checkpoint": "/nonexistent/ckpt"}, r"checkpoint='/nonexistent/ckpt' does not exist"),
         (ReproduceParams, {"seeds": []}, r"parameter seeds=\[\]; allowed"),
+        (ReproduceParams, {"train_steps": 2, "modes": "deterministic"}, r"train_steps=2 without blocks; allowed"),
+        (ReproduceParams, {"train_steps": 1, "trajectory": 1, "blocks": "0-1"}, r"allowed: one of them"),
+        (ReproduceParams, {"train_steps": -1}, r"train_steps=-1; allowed: 0 or a number of training steps"),
+        (ReproduceParams, {"train_steps": 1, "blocks": "0-1"}, r"'baseline' with train_steps; allowed"),
         (ExploreParams, {"tensor": "dw"}, r"parameter tensor='dw'; allowed"),
         (ReportParams, {"runs": []}, r"parameter runs=\[\]; allowed"),
     ],
@@ -205,3 +209,26 @@ def test_report_is_self_contained_and_renders_in_chromium(sweep_dir, tmp_path, c
 
     shot = matplotlib.image.imread(root / "cpu" / "screenshot.png")
     assert shot.shape[0] > 1000 and shot[..., :3].std() > 0.05  # not a blank page
+
+
+def test_a_training_sweep_runs_the_train_task_and_folds_its_tensors_by_kind():
+    """train_steps makes the sweep's runs training runs (h3lab run --train-steps); the heatmap folds a
+    training run's hundreds of tensors into loss, clip, gradients and weights (the per-step table
+    beside the verdicts says which step)."""
+    from h3lab.workbench.sweep import sweep_problem
+    from h3lab.workbench.views import collapsed
+
+    p = ReproduceParams(train_steps=2, blocks="0-3", modes="deterministic", layouts="tp2")
+    assert p.task == "train"
+    problem = sweep_problem(p.to_dict() | {"task": p.task}, "deterministic", 0)
+    assert (problem.task, problem.steps, problem.block, problem.last_block) == ("train", 2, 0, 3)
+    folded = {
+        "step1.loss": "loss",
+        "step2.loss.video": "loss",
+        "step1.clip_coef": "clip",
+        "step1.dw.proj_in.weight": "gradients",
+        "step2.block3.dw.ff.gate@u5": "gradients",
+        "step2.block0.w.norm1.weight": "weights",
+        "block3.dw.ff.gate@u5": "dw.ff.gate",  # a chain's, as before
+    }
+    assert {name: collapsed(name) for name in folded} == folded

@@ -94,6 +94,7 @@ class ReproduceParams:
     digests: bool = False  # weight gradients compared by digests of unit slices, not stored (real shapes)
     blocks: str = ""  # "A-B": a chain of blocks A..B (dX at its input, every block's dW); "": the one `block`
     trajectory: int = 0  # > 0: that many sampler steps through the whole model with blocks `blocks`
+    train_steps: int = 0  # > 0: that many training steps of blocks `blocks` with the embedders and heads
     run_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
@@ -106,7 +107,19 @@ class ReproduceParams:
                 raise ValueError(f"parameter {name}={getattr(self, name)!r}; allowed: true or false")
         if not isinstance(self.trajectory, int) or isinstance(self.trajectory, bool) or self.trajectory < 0:
             raise ValueError(f"parameter trajectory={self.trajectory!r}; allowed: 0 or a number of sampler steps >= 1")
+        if not isinstance(self.train_steps, int) or isinstance(self.train_steps, bool) or self.train_steps < 0:
+            raise ValueError(
+                f"parameter train_steps={self.train_steps!r}; allowed: 0 or a number of training steps >= 1"
+            )
+        if self.trajectory and self.train_steps:
+            raise ValueError(
+                f"parameters trajectory={self.trajectory} and train_steps={self.train_steps}; allowed: one of them"
+            )
+        if self.train_steps and "baseline" in _names(self.modes, "modes"):
+            raise ValueError("parameter modes: 'baseline' with train_steps; allowed: ['deterministic']")
         fix("blocks", "-".join(map(str, block_range(self.blocks))) if self.blocks not in ("", None) else "")
+        if self.train_steps and not self.blocks:
+            raise ValueError(f"parameter train_steps={self.train_steps} without blocks; allowed: blocks 'A-B'")
         try:
             layouts = parse_layouts(_names(self.layouts, "layouts"))
         except ValueError as err:
@@ -160,7 +173,10 @@ class ReproduceParams:
 
     @property
     def task(self) -> str:
-        """block, chain (blocks A-B) or trajectory (sampler steps through blocks A-B), as h3lab.run.problem."""
+        """block, chain (blocks A-B), trajectory (sampler steps through blocks A-B) or train (training
+        steps of blocks A-B), as h3lab.run.problem."""
+        if self.train_steps:
+            return "train"
         return "trajectory" if self.trajectory else "chain" if self.blocks else "block"
 
     def to_dict(self) -> dict[str, Any]:

@@ -59,7 +59,8 @@ class RunnerRun:
         if task == "trajectory":
             return f"trajectory of {p.get('steps')} steps, {blocks}, {weights}"
         if task == "train":
-            return f"training, {p.get('steps')} steps, {blocks}, {weights}"
+            steps = p.get("steps")
+            return f"training, {steps} step{'' if steps == 1 else 's'}, {blocks}, {weights}"
         return f"{blocks if task == 'chain' else 'block ' + str(p['block'])}, {p['rows']} rows, {weights}"
 
     @property

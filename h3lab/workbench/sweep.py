@@ -107,7 +107,7 @@ def sweep_problem(params: dict[str, Any], mode: str, seed: int, *, task: str | N
         task=task,
         block=first,
         last_block=last if task != "block" else None,
-        steps=params.get("trajectory") or 2,
+        steps=params.get("trajectory") or params.get("train_steps") or 2,
         weights_seed=WEIGHTS_SEED,
         rows=params["rows"],
         seed=seed,

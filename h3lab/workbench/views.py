@@ -17,6 +17,7 @@ from torch import Tensor
 
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import error_stats
+from h3lab.run.steps import step_kind
 from h3lab.workbench import benchmarks as bench_tables
 from h3lab.workbench import figures, tables
 from h3lab.workbench.rundata import RunnerRun, Sweep, oracle_tensors
@@ -74,6 +75,9 @@ def show_verdicts(sweeps: list[Sweep]) -> None:
             "ran, is shown for contrast: a mismatch there is the expected finding."
         )
         _display(tables.verdict_table(df).style)  # a Styler: no cell is cut at pandas' 50 characters
+        for run in _training_runs(sweeps, node, problem):
+            _md("Per training step and kind of tensor, against the single process's step:")
+            _display(tables.train_step_table(run.summary).style)
         failed = df[df["status"] == "failed"]
         for _, r in failed.iterrows():
             _md(
@@ -82,9 +86,19 @@ def show_verdicts(sweeps: list[Sweep]) -> None:
             )
 
 
+def _training_runs(sweeps: list[Sweep], node: str, problem: str) -> list[RunnerRun]:
+    """The training runs (`h3lab run --train-steps`) of one node type and problem."""
+    runs = [r for sw in sweeps if sw.node_type == node for r in sw.runs if r.problem_label == problem]
+    return [r for r in runs if r.summary["request"]["problem"].get("task") == "train"]
+
+
 def collapsed(tensor: str) -> str:
     """A tensor's column in the heatmap: chains drop the block ("block3.dw.x" -> "dw.x"), digests the
-    unit slice ("dw.x@u5" -> "dw.x"); the cell is then the worst over blocks and slices."""
+    unit slice ("dw.x@u5" -> "dw.x"), a training run's tensors go by kind ("step2.block1.w.ff.gate@u3"
+    -> "weights"; loss, clip, gradients, weights); the cell is then the worst over what it gathers."""
+    kind = step_kind(tensor)
+    if kind is not None:
+        return kind[1]
     return re.sub(r"@u\d+$", "", re.sub(r"^block\d+\.", "", tensor))
 
 
@@ -153,7 +167,14 @@ def show_element_maps(
             "map; the verdicts above compare every tensor's digest.*"
         )
         return
-    ref64 = oracle_tensors(sweep.runs[0])[tensor] if fp64 else None
+    names = sweep.runs[0].tensor_names
+    if tensor not in names:  # a trajectory's or a training run's tensors are named by step
+        _md(
+            f"*{layout}: this run has no tensor `{tensor}`; allowed: the `element_tensor` parameter, one of "
+            f"{', '.join(list(names)[:6])}, ...*"
+        )
+        return
+    ref64 = oracle_tensors(sweep.runs[0]).get(tensor) if fp64 else None  # one block's oracle only
     for run in sweep.runs:
         if run.seed != sweep.runs[0].seed or run.record(layout)["status"] == "failed":
             continue
