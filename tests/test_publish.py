@@ -58,11 +58,11 @@ def test_a_node_that_is_not_this_machine_and_unknown_stages_are_refused(tmp_path
     assert main(["publish", "--node", "h200", "--work", str(tmp_path / "w")]) == 2
     assert "--node h200, but this machine is a cpu node; allowed: --node cpu" in capsys.readouterr().err
     assert main(["publish", "--node", "cpu", "--only", "sweep,gems", "--work", str(tmp_path / "w")]) == 2
-    assert "--only ['gems']; allowed: ['sweep', 'chain', 'trajectory', 'block_cpu'" in capsys.readouterr().err
+    assert "--only ['gems']; allowed: ['sweep', 'chain', 'trajectory', 'train', 'block_cpu'" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # refused before anything is written
     assert main(["publish", "--node", "cpu", "--only", "render", "--work", str(tmp_path / "w2")]) == 2
     err = capsys.readouterr().err
-    assert "render: sweeps ['sweep', 'chain', 'trajectory'] are not done; allowed: render once every" in err
+    assert "render: sweeps ['sweep', 'chain', 'trajectory', 'train'] are not done; allowed: render once every" in err
 
 
 # ---- stages and the folder ------------------------------------------------------------------------
