@@ -24,9 +24,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from h3lab.ops import adamw, ffn, norm, rows
 from h3lab.ops import attention as att
-from h3lab.ops import ffn, norm, rows
-from h3lab.ops.fixed import Pieces, chain_mm, round_to, unit_tree
+from h3lab.ops.fixed import Pieces, chain_mm, round_to, sum_of_squares, unit_tree
 from h3lab.rowplan import RowPlan
 
 CONTRACT_BACKENDS = ("torch", "triton")  # the backends that compute under h3-parallel-v1
@@ -45,6 +45,15 @@ class Backend(Protocol):
     def unit_reduce_few_rows(self, a_TK: Tensor, b_KN: Tensor, num_units: int) -> Tensor: ...
     def mm_few_k(self, a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor: ...
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor: ...
+    # the float32 modules' GEMM (embedders, heads, time embedder, their weight gradients): FP32 [M, N]
+    # with h3lab.ops.fixed.chain_mm's bits on every backend and device
+    def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor: ...
+    # the training step, with the references' bits on every backend: each tensor's sum of squares
+    # (h3lab.ops.fixed.sum_of_squares) as one FP32 [P] tensor; AdamW on one piece (h3lab.ops.adamw)
+    def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor: ...
+    def adamw_update(
+        self, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, coef: Tensor, s: Tensor, weight: Tensor
+    ) -> None: ...
     # the canonical row order (h3lab.ops.rows.key_order), as a function to call when it is needed:
     # a GPU backend starts reading the metadata to the host now and checks every index its row
     # reductions and RoPE will read when called (a host sync mid-block drains the GPU's queue)
@@ -126,6 +135,13 @@ class TorchBackend:
     row_mm = staticmethod(rows.row_mm)
     row_sum = staticmethod(rows.row_sum)
     segment_sum = staticmethod(rows.segment_sum)
+    adamw_update = staticmethod(adamw.adamw_update)
+
+    def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
+        return chain_mm(a_MK, b_KN)
+
+    def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor:
+        return torch.stack([sum_of_squares(x) for x in xs])
 
     def chain_sums(
         self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor

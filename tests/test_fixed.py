@@ -133,3 +133,24 @@ def test_chain_bmm_matches_chain_mm_per_batch():
     for i in range(4):
         assert_bitwise(full[i], chain_mm(a[i], b[i]), f"batch {i}")
     assert_bitwise(chain_bmm(a[:, 2:5], b), full[:, 2:5], "rows")
+
+
+def test_sqrt_f32_is_correctly_rounded():
+    """r is the correctly rounded root of x iff x lies between the squares of the midpoints from r to
+    its neighbours, checked in exact rational arithmetic (torch's own FP32 sqrt fails this on CPUs)."""
+    from fractions import Fraction
+
+    from h3lab.ops.fixed import sqrt_f32
+
+    gen = torch.Generator().manual_seed(17)
+    x = torch.cat([torch.rand(2000, generator=gen) * 1e-7, torch.rand(2000, generator=gen) * 1e3])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1e-45, 3.4e38, float("inf")])])
+    r = sqrt_f32(x)
+    for xi, ri in zip(x.tolist(), r.tolist(), strict=True):
+        if math.isinf(xi) or xi == 0.0:
+            assert ri == xi and math.copysign(1, ri) == math.copysign(1, xi), (xi, ri)
+            continue
+        lo = torch.nextafter(torch.tensor(ri), torch.tensor(0.0)).item()
+        hi = torch.nextafter(torch.tensor(ri), torch.tensor(math.inf)).item()
+        fx, fr = Fraction(xi), Fraction(ri)
+        assert (fr + Fraction(lo)) ** 2 / 4 <= fx <= (fr + Fraction(hi)) ** 2 / 4, (xi, ri)

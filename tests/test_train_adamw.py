@@ -12,8 +12,9 @@ import torch
 
 from h3lab.comm import LocalComm
 from h3lab.config import NUM_UNITS
+from h3lab.ops.adamw import adamw_update
 from h3lab.ops.fixed import round_to
-from h3lab.train.adamw import AdamW, AdamWHyper, NonFiniteGradError, PieceState, StepScalars, adamw_update
+from h3lab.train.adamw import AdamW, AdamWHyper, NonFiniteGradError, PieceState, step_scalars
 from h3lab.train.pieces import Piece, block_grad_pieces, block_weight_pieces, piece_label
 from h3lab.units import unit_weights
 from tests.conftest import assert_bitwise
@@ -68,17 +69,20 @@ def test_update_bytes_do_not_depend_on_length_or_offset():
     n = 1000
     w = torch.randn(n, generator=gen)
     whole, sliced = PieceState.init(w), PieceState.init(w)
+    w_whole, w_sliced = w.to(torch.bfloat16), w.to(torch.bfloat16)
     cuts = [0, 1, 8, 9, 17, 100, 513, 999, n]  # odd offsets and lengths: vector bodies and scalar tails
     hyper = AdamWHyper(lr=3e-3, weight_decay=0.05)
     for t in range(1, 4):
         g = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
         coef = torch.tensor(0.625, dtype=torch.float32)
-        s = StepScalars.make(hyper, 0.9**t, 0.999**t, torch.device("cpu"))
-        adamw_update(whole.master, whole.exp_avg, whole.exp_avg_sq, g, coef, s)
+        s = step_scalars(hyper, 0.9**t, 0.999**t, torch.device("cpu"))
+        adamw_update(whole.master, whole.exp_avg, whole.exp_avg_sq, g, coef, s, w_whole)
         for lo, hi in itertools.pairwise(cuts):
-            adamw_update(sliced.master[lo:hi], sliced.exp_avg[lo:hi], sliced.exp_avg_sq[lo:hi], g[lo:hi], coef, s)
+            st = [x[lo:hi] for x in (sliced.master, sliced.exp_avg, sliced.exp_avg_sq)]
+            adamw_update(*st, g[lo:hi], coef, s, w_sliced[lo:hi])
         for field in ("master", "exp_avg", "exp_avg_sq"):
             assert_bitwise(getattr(sliced, field), getattr(whole, field), f"step {t} {field}")
+        assert_bitwise(w_sliced, w_whole, f"step {t} weight")
 
 
 @pytest.fixture(scope="module")

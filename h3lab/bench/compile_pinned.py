@@ -231,7 +231,8 @@ def attention_variants(node: str) -> list[Variant]:
 
 
 def rowlocal_variants(node: str) -> list[Variant]:
-    """Norms, RoPE tables, SwiGLU and the gated residual, the row chains, the few-row AdaLN pair, at the real widths."""
+    """Norms, RoPE tables, SwiGLU and the gated residual, the row chains, the few-row AdaLN pair and the
+    training step's kernels, at the real widths."""
     import triton
 
     from h3lab.triton import configs
@@ -290,7 +291,30 @@ def _chain_and_few_rows_variants(node: str) -> list[Variant]:
     types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
     const = {"BLOCK_M": cfg["outer_BLOCK_M"], "BLOCK_N": cfg["outer_BLOCK_N"]}
     opts = {"num_warps": cfg["outer_num_warps"], "enable_fp_fusion": False}
-    out.append(Variant("few_rows", "mm_few_k", "few_rows._few_k_kernel", types, const, opts))
+    out.append(Variant("few_rows", "mm_few_k", "chain.chain_kernel", types, const, opts))
+    return out + _training_variants(node)
+
+
+def _training_variants(node: str) -> list[Variant]:
+    """The float32 modules' chain GEMM, the clip's row-block squares, AdamW (bf16 and fp32 weights)."""
+    from h3lab.ops.fixed import ROW_BLOCK
+    from h3lab.triton import configs
+
+    cfg = configs.pinned("chain", node)
+    types = {"a_ptr": "*bf16", "b_ptr": "*fp32", "c_ptr": "*fp32"}
+    const = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    out = [Variant("chain", "chain_mm", "chain.chain_kernel", types, const, _opts(cfg, stages=False))]
+    cfg = configs.pinned("squares", node)
+    types = {"x_ptr": "*bf16", "out_ptr": "*fp32"}
+    const = {"BPP": cfg["blocks_per_program"], "RB": ROW_BLOCK, "LOG2_RB": ROW_BLOCK.bit_length() - 1}
+    out.append(Variant("squares", "row blocks", "squares.block_squares_kernel", types, const, _opts(cfg, False)))
+    cfg = configs.pinned("adamw", node)
+    for w_bf16 in (True, False):
+        types = {f"{n}_ptr": "*fp32" for n in ("master", "m", "v", "coef", "s")}
+        types |= {"g_ptr": "*bf16", "w_ptr": "*i16" if w_bf16 else "*fp32"}
+        const = {"W_BF16": w_bf16, "BLOCK": cfg["BLOCK"]}
+        what = f"{'bf16' if w_bf16 else 'fp32'} weight"
+        out.append(Variant("adamw", what, "adamw.adamw_kernel", types, const, _opts(cfg, stages=False)))
     return out
 
 

@@ -32,7 +32,7 @@ from h3lab.model.inputs import ModelInputs
 from h3lab.model.refiner import token_refiner
 from h3lab.model.weights import ModelWeights, refiner_tensors
 from h3lab.ops.ffn import silu
-from h3lab.ops.fixed import chain_mm, cos_sin, exp, round_to
+from h3lab.ops.fixed import cos_sin, exp, round_to
 
 MAX_PERIOD = 10_000  # diffusers `Timesteps` default, as MiniMaxH3Transformer3DModel builds it
 F32 = torch.float32
@@ -55,24 +55,34 @@ def timestep_sinusoid(t_T: Tensor, freq_dim: int) -> Tensor:
     return torch.cat([cos, sin], dim=-1)  # flip_sin_to_cos=True
 
 
-def linear_f32(x_MK: Tensor, w_NK: Tensor, b_N: Tensor) -> Tensor:
-    """x @ w^T + b for a float32 module: one FP32 chain over k ascending, then the bias."""
+def linear_f32(x_MK: Tensor, w_NK: Tensor, b_N: Tensor, be: Backend | None = None) -> Tensor:
+    """x @ w^T + b for a float32 module: one FP32 chain over k ascending (`chain_mm`'s bits on every
+    backend; None: the torch backend), then the bias."""
     if w_NK.dtype != F32:
         raise ValueError(f"linear_f32 is for float32 modules; got weight dtype {w_NK.dtype}; allowed: torch.float32")
-    return chain_mm(x_MK.to(F32), w_NK.t()) + b_N.to(F32)
+    be = be or get_backend(None)
+    return be.chain_mm(x_MK.to(F32), w_NK.t()) + b_N.to(F32)
 
 
-def time_embedding(weights: ModelWeights, t_T: Tensor) -> Tensor:
+def f32_row_mm(be: Backend, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor:
+    """A float32 module's weight gradient: FP32 [N, K] = sum over rows r in `order` of a[r]^T b[r], one
+    chain over the rows in that order (h3lab.ops.rows.row_mm's bits at FP32, on every backend)."""
+    return be.chain_mm(a_RN.index_select(0, order).t(), b_RK.index_select(0, order))
+
+
+def time_embedding(weights: ModelWeights, t_T: Tensor, be: Backend | None = None) -> Tensor:
     """temb [T, E] float32: the sinusoid, then linear_1 -> SiLU -> linear_2 (float32 `time_embedder`)."""
     w = lambda n: weights.tensor(f"time_embedder.{n}").to(t_T.device)  # noqa: E731
-    h = linear_f32(timestep_sinusoid(t_T, weights.config.freq_dim), w("linear_1.weight"), w("linear_1.bias"))
-    return linear_f32(silu(h), w("linear_2.weight"), w("linear_2.bias"))
+    h = linear_f32(timestep_sinusoid(t_T, weights.config.freq_dim), w("linear_1.weight"), w("linear_1.bias"), be)
+    return linear_f32(silu(h), w("linear_2.weight"), w("linear_2.bias"), be)
 
 
-def project_rows(weights: ModelWeights, module: str, rows: Tensor, act: torch.dtype) -> Tensor:
+def project_rows(
+    weights: ModelWeights, module: str, rows: Tensor, act: torch.dtype, be: Backend | None = None
+) -> Tensor:
     """`proj_in` / `audio_proj_in` (float32) on latent rows, rounded once to the sequence dtype."""
     w, b = (weights.tensor(f"{module}.{n}").to(rows.device) for n in ("weight", "bias"))
-    return round_to(linear_f32(rows, w, b), act)
+    return round_to(linear_f32(rows, w, b, be), act)
 
 
 def context_rows(weights: ModelWeights, text_rows: Tensor, be: Backend) -> Tensor:
@@ -111,9 +121,9 @@ def embed(weights: ModelWeights, inputs: ModelInputs, *, backend: str | None = N
         act, (S, D) = text.dtype, (inputs.num_rows, weights.config.hidden_size)
         x_SD = torch.zeros(S, D, dtype=act, device=inputs.device)
         x_SD[inputs.text_indices] = text
-        x_SD[inputs.video_indices] = project_rows(weights, "proj_in", inputs.video_rows, act)
-        x_SD[inputs.audio_indices] = project_rows(weights, "audio_proj_in", inputs.audio_rows, act)
-        temb = time_embedding(weights, inputs.timestep)
+        x_SD[inputs.video_indices] = project_rows(weights, "proj_in", inputs.video_rows, act, be)
+        x_SD[inputs.audio_indices] = project_rows(weights, "audio_proj_in", inputs.audio_rows, act, be)
+        temb = time_embedding(weights, inputs.timestep, be)
     batch = PackedBatch(
         hidden_states=x_SD,
         temb=temb,

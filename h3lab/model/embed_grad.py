@@ -8,8 +8,8 @@ Replicated (every rank computes it in full from the stack's input gradient, gath
 in packed order, and the summed d temb), so layout-invariant by construction. The inputs are data:
 only parameters get gradients.
 - `proj_in`, `audio_proj_in` (float32): weight and bias gradients are FP32 chains over the
-  stream's rows in ascending logical-key order (`h3lab.ops.rows`, whatever the backend, as the
-  forward's float32 modules use `chain_mm`); the forward's rounding to the sequence dtype passes
+  stream's rows in ascending logical-key order (`f32_row_mm`, `row_sum`: the torch chains' bits on
+  every backend, as the forward's float32 modules use `chain_mm`); the forward's rounding to the sequence dtype passes
   the gradient on unchanged, as autograd's cast does.
 - the text stream: the token refiner's backward (h3lab.model.refiner_grad), then
   `context_embedder` (the sequence's dtype) through the backend's row GEMM and row sum, in key order.
@@ -25,13 +25,12 @@ from torch import Tensor
 
 from h3lab.backend import Backend, get_backend
 from h3lab.contract import strict_mode
-from h3lab.model.embed import context_rows, linear_f32, refiner_weights, timestep_sinusoid
+from h3lab.model.embed import context_rows, f32_row_mm, linear_f32, refiner_weights, timestep_sinusoid
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.refiner_grad import token_refiner_backward
 from h3lab.model.weights import ModelWeights
 from h3lab.ops.ffn import silu, silu_bwd
-from h3lab.ops.fixed import chain_mm
-from h3lab.ops.rows import key_order, row_mm, row_sum
+from h3lab.ops.rows import key_order
 
 F32 = torch.float32
 
@@ -68,11 +67,11 @@ def embed_backward(
         ):
             order = key_order(keys[idx])
             d_RD = d_hidden_SD[idx]
-            grads[f"{module}.weight"] = row_mm(d_RD, rows, order)  # [D, C] FP32
-            grads[f"{module}.bias"] = row_sum(d_RD, order)
+            grads[f"{module}.weight"] = f32_row_mm(be, d_RD, rows, order)  # [D, C] FP32
+            grads[f"{module}.bias"] = be.row_sum(d_RD, order)
         ti = inputs.text_indices
         grads |= text_stream_backward(weights, inputs.text_rows, keys[ti], d_hidden_SD[ti], be)
-        grads |= time_embedding_backward(weights, inputs.timestep, dtemb_TE)
+        grads |= time_embedding_backward(weights, inputs.timestep, dtemb_TE, be)
     return grads
 
 
@@ -91,17 +90,17 @@ def text_stream_backward(
     return grads
 
 
-def time_embedding_backward(weights: ModelWeights, t_T: Tensor, dtemb_TE: Tensor) -> dict[str, Tensor]:
+def time_embedding_backward(weights: ModelWeights, t_T: Tensor, dtemb_TE: Tensor, be: Backend) -> dict[str, Tensor]:
     """The float32 `time_embedder`'s four gradients given d temb (the sinusoid has no parameters)."""
     w = lambda n: weights.tensor(f"time_embedder.{n}").to(t_T.device)  # noqa: E731
     sinusoid_TF = timestep_sinusoid(t_T, weights.config.freq_dim)
-    h_TH = linear_f32(sinusoid_TF, w("linear_1.weight"), w("linear_1.bias"))
+    h_TH = linear_f32(sinusoid_TF, w("linear_1.weight"), w("linear_1.bias"), be)
     steps = torch.arange(t_T.shape[0], device=t_T.device)  # the rows of these chains: timesteps in index order
     grads = {
-        "time_embedder.linear_2.weight": row_mm(dtemb_TE, silu(h_TH), steps),  # [E, H]
-        "time_embedder.linear_2.bias": row_sum(dtemb_TE, steps),
+        "time_embedder.linear_2.weight": f32_row_mm(be, dtemb_TE, silu(h_TH), steps),  # [E, H]
+        "time_embedder.linear_2.bias": be.row_sum(dtemb_TE, steps),
     }
-    dh_TH = silu_bwd(chain_mm(dtemb_TE, w("linear_2.weight")), h_TH)  # k = E ascending
-    grads["time_embedder.linear_1.weight"] = row_mm(dh_TH, sinusoid_TF, steps)  # [H, F]
-    grads["time_embedder.linear_1.bias"] = row_sum(dh_TH, steps)
+    dh_TH = silu_bwd(be.chain_mm(dtemb_TE, w("linear_2.weight")), h_TH)  # k = E ascending
+    grads["time_embedder.linear_1.weight"] = f32_row_mm(be, dh_TH, sinusoid_TF, steps)  # [H, F]
+    grads["time_embedder.linear_1.bias"] = be.row_sum(dh_TH, steps)
     return grads

@@ -60,7 +60,7 @@ def output_rows(
     t = timestep_indices_R
     eps = weights.config.final_norm_eps
     n = be.rms_modulate_fwd(x_RD, w("norm_out.norm.weight"), scale_TD[t], shift_TD[t], eps, x_RD.dtype)
-    return linear_f32(n, w(f"{module}.weight"), w(f"{module}.bias"))
+    return linear_f32(n, w(f"{module}.weight"), w(f"{module}.bias"), be)
 
 
 def head(weights: ModelWeights, hidden_SD: Tensor, emb: Embedded, *, backend: str | None = None) -> ModelOutput:

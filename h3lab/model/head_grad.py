@@ -6,9 +6,10 @@ C its channels.
 Replicated (every rank computes it in full from the same stack output), so layout-invariant by
 construction. Given the gradient at each head's output (float32, the loss's):
 - a head (`proj_out`, `audio_proj_out`, float32 modules): its weight and bias gradients are FP32
-  chains over its rows in ascending logical-key order (`h3lab.ops.rows`, whatever the backend, as
-  the forward's float32 modules use `chain_mm`), FP32 results; the gradient at its input n is one
-  FP32 chain over its C output channels, rounded once to n's dtype (the stack's);
+  chains over its rows in ascending logical-key order (`f32_row_mm`, `row_sum`: the torch chains'
+  bits on every backend, as the forward's float32 modules use `chain_mm`), FP32 results; the
+  gradient at its input n is one FP32 chain over its C output channels, rounded once to n's dtype
+  (the stack's);
 - `norm_out.norm` (the block's modulated RMSNorm backward, `rms_modulate_bwd`): the gradient at the
   stack's output for the video and audio rows (text rows reach no head: +0), and per row the
   weight's, scale's and shift's shares; the weight's gradient is the chain over the video and audio
@@ -28,12 +29,12 @@ from torch import Tensor
 
 from h3lab.backend import Backend, get_backend
 from h3lab.contract import strict_mode
-from h3lab.model.embed import Embedded
+from h3lab.model.embed import Embedded, f32_row_mm
 from h3lab.model.head import ModelOutput, norm_out_table
 from h3lab.model.weights import ModelWeights
 from h3lab.ops.ffn import silu
-from h3lab.ops.fixed import chain_mm, chain_sum, round_to
-from h3lab.ops.rows import key_order, row_mm, row_sum
+from h3lab.ops.fixed import chain_sum, round_to
+from h3lab.ops.rows import key_order
 
 F32 = torch.float32
 
@@ -101,8 +102,8 @@ def _rows_backward(
     act, eps, wn = x_RD.dtype, weights.config.final_norm_eps, w("norm_out.norm.weight")
     n_RD = be.rms_modulate_fwd(x_RD, wn, scale_RD, shift_RD, eps, act)  # the head's input, as the forward made it
     order = key_order(keys_R2)
-    grads = {f"{module}.weight": row_mm(d_RC, n_RD, order), f"{module}.bias": row_sum(d_RC, order)}  # FP32
-    dn = round_to(chain_mm(d_RC, w(f"{module}.weight")), act)  # [R, D]: k = C ascending, one rounding
+    grads = {f"{module}.weight": f32_row_mm(be, d_RC, n_RD, order), f"{module}.bias": be.row_sum(d_RC, order)}
+    dn = be.round(be.chain_mm(d_RC, w(f"{module}.weight")), act)  # [R, D]: k = C ascending, one rounding
     dx, dwn_rows, d_scale, d_shift = be.rms_modulate_bwd(dn, x_RD, wn, scale_RD, eps)
     return be.round(dx, act), (dwn_rows, d_shift, d_scale), grads
 

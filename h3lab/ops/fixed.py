@@ -58,6 +58,16 @@ def _round_bits(x: Tensor) -> Tensor:
     return (r - ((r & 0x8000) << 1)).to(torch.int16)  # 16-bit two's complement, so the cast is exact
 
 
+def sqrt_f32(x: Tensor) -> Tensor:
+    """The correctly rounded FP32 square root of FP32 `x`: the FP64 root rounded once to FP32.
+
+    torch's FP32 sqrt on CPU is not correctly rounded (1 ULP off for about one input in five, torch
+    2.13 on an AVX-512 CPU), so its bits depend on the CPU; the FP64 root of an FP32 value rounded
+    to FP32 is the correctly rounded FP32 root (53 >= 2 * 24 + 2 bits), as CUDA's sqrtf is.
+    """
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
 # ---- fixed-order sums ------------------------------------------------------------------------
 
 
@@ -75,6 +85,30 @@ def pair_sum(x: Tensor, dim: int = -1) -> Tensor:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
+
+
+ROW_BLOCK = 1024  # elements per row block of `sum_of_squares`; a power of two: a block's tree needs no padding
+_SQUARES_CHUNK = 4096  # row blocks squared at once: 16 MiB of FP32 temporaries whatever the tensor's size
+
+
+def sum_of_squares(g: Tensor) -> Tensor:
+    """The sum of squares of every element (0-d float32), a fixed function of the elements alone.
+
+    FP32 squares of the elements in row-major order (a strided view is read in that order), in row
+    blocks of ROW_BLOCK elements (the last padded with +0), each block summed by `pair_sum`, then the
+    blocks' sums by `pair_sum`. h3lab.triton.squares computes the block sums as one kernel.
+    """
+    flat = g.reshape(-1)
+    num_blocks = max(1, -(-flat.numel() // ROW_BLOCK))
+    block_sums = []
+    for b0 in range(0, num_blocks, _SQUARES_CHUNK):
+        x = flat[b0 * ROW_BLOCK : (b0 + _SQUARES_CHUNK) * ROW_BLOCK].to(torch.float32)
+        sq = x * x
+        pad = -sq.numel() % ROW_BLOCK
+        if pad or not sq.numel():
+            sq = torch.cat([sq, sq.new_zeros(pad or ROW_BLOCK)])
+        block_sums.append(pair_sum(sq.view(-1, ROW_BLOCK)))  # each row's tree depends on that row alone
+    return pair_sum(torch.cat(block_sums))
 
 
 def balanced_tree(parts: Sequence[Tensor]) -> Tensor:

@@ -1,20 +1,12 @@
 """AdamW on FP32 master weights, one state per piece a rank holds (h3lab.train.pieces).
 
 The algorithm is torch.optim.AdamW's (decoupled weight decay, bias corrections; no amsgrad, no
-maximize). Step t, for every piece, with g = FP32 gradient * clip coefficient (h3lab.train.clip):
-    m = m * beta1 + g * (1 - beta1)
-    v = v * beta2 + (g * g) * (1 - beta2)
-    master = master * (1 - lr * weight_decay)
-    master = master - (m / (sqrt(v) / sqrt(1 - beta2^t) + eps)) * (lr / (1 - beta1^t))
-    weight = round_to(master, weight dtype): one rounding, written into the rank's weight view.
-Every operation is a separate IEEE FP32 mul, add, sub, div or sqrt. torch's lerp_, addcmul_ and
-addcdiv_ may fuse a multiply-add on the vector path and not on the scalar tail, so their bits can
-depend on a tensor's length and an element's position; ours depend on the element's operands only,
-so a piece updated whole or in slices, on any rank, gives the same bytes. The one division by a
-scalar divides by a tensor on the piece's device (CUDA turns a division by a host scalar into a
-multiply by its reciprocal: another rounding). The scalars are computed in float64 and rounded once
-to FP32; beta^t is a running float64 product (IEEE multiplies: no C library pow, whose last bit may
-differ between machines).
+maximize), each piece updated by the backend's `adamw_update` (reference: h3lab.ops.adamw, which
+states the operations and why each is a separate IEEE FP32 op; the Triton kernel has its bits), the
+gradient scaled by the clip coefficient (h3lab.train.clip) and the weight written back with one
+rounding. The scalars are computed in float64 and rounded once to FP32, into one FP32 tensor on the
+pieces' device; beta^t is a running float64 product (IEEE multiplies: no C library pow, whose last
+bit may differ between machines).
 
 A step updates every piece or none: the clip's global norm needs every gradient, so one step count
 serves all pieces. A NaN or Inf in any gradient (or squares that overflow FP32) makes the norm
@@ -32,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from h3lab.backend import get_backend
 from h3lab.comm import BlockComm
 from h3lab.config import H3Config
-from h3lab.ops.fixed import round_to
+from h3lab.ops.adamw import ADAMW_SCALARS
 from h3lab.train.clip import clip_coefficient, global_grad_norm, to_f32
 from h3lab.train.pieces import Piece, piece_label, rank_pieces
 
@@ -72,50 +65,22 @@ class AdamWHyper:
             raise ValueError(f"max_grad_norm {self.max_grad_norm!r} not allowed; allowed: a number in (0, inf]")
 
 
-@dataclass(frozen=True)
-class StepScalars:
-    """Step t's scalars, each a float64 expression rounded once to FP32 (bias2_sqrt: a device tensor)."""
-
-    decay: float  # 1 - lr * weight_decay
-    beta1: float
-    one_minus_beta1: float
-    beta2: float
-    one_minus_beta2: float
-    bias2_sqrt: Tensor  # 0-d float32: sqrt(1 - beta2^t)
-    step_size: float  # lr / (1 - beta1^t)
-    eps: float
-
-    @classmethod
-    def make(cls, hyper: AdamWHyper, beta1_pow: float, beta2_pow: float, device: torch.device) -> StepScalars:
-        """The scalars of the step at which beta1^t = beta1_pow and beta2^t = beta2_pow."""
-        b1, b2 = hyper.betas
-        bias2_sqrt = torch.tensor(to_f32(math.sqrt(1.0 - beta2_pow)), dtype=torch.float32, device=device)
-        return cls(
-            decay=to_f32(1.0 - hyper.lr * hyper.weight_decay),
-            beta1=to_f32(b1),
-            one_minus_beta1=to_f32(1.0 - b1),
-            beta2=to_f32(b2),
-            one_minus_beta2=to_f32(1.0 - b2),
-            bias2_sqrt=bias2_sqrt,
-            step_size=to_f32(hyper.lr / (1.0 - beta1_pow)),
-            eps=to_f32(hyper.eps),
-        )
-
-
-def adamw_update(
-    master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, coef: Tensor | float, s: StepScalars
-) -> None:
-    """One AdamW step of one piece, in place on the FP32 `master`, `exp_avg`, `exp_avg_sq` (views allowed).
-
-    `grad` (bf16 or fp32) is read, never written; `coef` is the clip coefficient (a 0-d FP32 tensor).
-    Elementwise IEEE ops only (module docstring): element i's result depends on element i's operands.
-    """
-    g = grad.to(torch.float32) * coef
-    exp_avg.mul_(s.beta1).add_(g * s.one_minus_beta1)
-    exp_avg_sq.mul_(s.beta2).add_((g * g).mul_(s.one_minus_beta2))
-    master.mul_(s.decay)
-    denom = exp_avg_sq.sqrt().div_(s.bias2_sqrt).add_(s.eps)
-    master.sub_(torch.div(exp_avg, denom).mul_(s.step_size))
+def step_scalars(hyper: AdamWHyper, beta1_pow: float, beta2_pow: float, device: torch.device) -> Tensor:
+    """FP32 [8] on `device`: the scalars (h3lab.ops.adamw.ADAMW_SCALARS order) of the step at which
+    beta1^t = beta1_pow and beta2^t = beta2_pow, each a float64 expression rounded once to FP32."""
+    b1, b2 = hyper.betas
+    values = {
+        "decay": 1.0 - hyper.lr * hyper.weight_decay,
+        "beta1": b1,
+        "one_minus_beta1": 1.0 - b1,
+        "beta2": b2,
+        "one_minus_beta2": 1.0 - b2,
+        "bias2_sqrt": math.sqrt(1.0 - beta2_pow),
+        "step_size": hyper.lr / (1.0 - beta1_pow),
+        "eps": hyper.eps,
+    }
+    assert tuple(values) == ADAMW_SCALARS, "h3lab.ops.adamw changed its scalars"
+    return torch.tensor([to_f32(v) for v in values.values()], dtype=torch.float32, device=device)
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,7 +124,13 @@ class AdamW:
     """
 
     def __init__(
-        self, weights: Mapping[Piece, Tensor], *, config: H3Config, comm: BlockComm, hyper: AdamWHyper
+        self,
+        weights: Mapping[Piece, Tensor],
+        *,
+        config: H3Config,
+        comm: BlockComm,
+        hyper: AdamWHyper,
+        backend: str | None = None,
     ) -> None:
         if not weights:
             raise ValueError("AdamW: no weights; allowed: a rank's pieces (h3lab.train.pieces)")
@@ -171,6 +142,7 @@ class AdamW:
                     f"weight {piece_label(p)}: {w.dtype} on {w.device}; allowed: {list(_FLOAT_DTYPES)} on {self.device}"
                 )
         self.config, self.comm, self.hyper = config, comm, hyper
+        self.be = get_backend(backend, self.device)  # the sums of squares and the updates
         self.weights = {p: weights[p] for p in self.order}
         self.state = {p: PieceState.init(w) for p, w in self.weights.items()}
         self.step_count = 0
@@ -185,7 +157,7 @@ class AdamW:
         """
         start = time.perf_counter()
         self._check(grads)
-        gn = global_grad_norm(grads, self.comm, self.config)
+        gn = global_grad_norm(grads, self.comm, self.config, self.be)
         if not bool(torch.isfinite(gn.total)):  # a host sync: the norm is done when clip_s is read
             bad = [piece_label(p, "dw") for p in gn.nonfinite_pieces()]
             where = f"non-finite sums of squares in {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad else "overflow"
@@ -197,11 +169,10 @@ class AdamW:
         clipped = time.perf_counter()
         b1, b2 = self.hyper.betas
         pows = (self._beta_pows[0] * b1, self._beta_pows[1] * b2)
-        scalars = StepScalars.make(self.hyper, *pows, self.device)
+        s = step_scalars(self.hyper, *pows, self.device)
         for p, w in self.weights.items():
             st = self.state[p]
-            adamw_update(st.master, st.exp_avg, st.exp_avg_sq, grads[p], coef, scalars)
-            w.copy_(round_to(st.master, w.dtype))
+            self.be.adamw_update(st.master, st.exp_avg, st.exp_avg_sq, grads[p], coef, s, w)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timings = {"clip_s": clipped - start, "update_s": time.perf_counter() - clipped}

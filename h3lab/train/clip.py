@@ -1,15 +1,17 @@
 """The global gradient norm, summed in one canonical order, and the clip coefficient.
 
 norm = sqrt(total), total = the sum of squares of every gradient element of the model:
-1. each piece's own sum (h3lab.train.pieces) is a fixed function of its elements alone: FP32 squares
-   of its elements in row-major order, in row blocks of ROW_BLOCK elements (the last padded with +0),
-   each block summed by a balanced tree (`pair_sum`), then the blocks' sums by a balanced tree;
+1. each piece's own sum (h3lab.train.pieces) is a fixed function of its elements alone,
+   h3lab.ops.fixed.sum_of_squares (FP32 squares in row-major order, in row blocks of ROW_BLOCK
+   elements, each block summed by a balanced tree, then the blocks' sums by one), computed by the
+   backend's `sums_of_squares` (the Triton kernel has the reference's bits);
 2. a rank sums the pieces it holds; the unit pieces' sums of the other TP positions arrive through
    `comm.gather_units` (bytes only, one [8, C] FP32 tensor), so every rank holds all of them;
 3. the pieces' sums in the canonical piece order (never the ranks' order), by a balanced tree.
-Each step is IEEE FP32 mul, add or sqrt, so the norm has the same bits for any split of the 8 units
-into contiguous TP ranges and in a single process (LocalComm). Finite gradients whose squares
-overflow FP32 (elements above ~1.8e19) give an infinite total, as a NaN or Inf gradient does.
+Each step is IEEE FP32 mul, add or correctly rounded sqrt (`sqrt_f32`), so the norm has the same
+bits for any split of the 8 units into contiguous TP ranges and in a single process (LocalComm).
+Finite gradients whose squares overflow FP32 (elements above ~1.8e19) give an infinite total, as a
+NaN or Inf gradient does.
 
 The clip coefficient is torch.nn.utils.clip_grad_norm_'s, min(1, max_norm / (norm + 1e-6)), in FP32
 with one IEEE division (torch's `max_norm / tensor` is a reciprocal and a multiply).
@@ -25,13 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend, get_backend
 from h3lab.comm import BlockComm
 from h3lab.config import NUM_UNITS, H3Config
-from h3lab.ops.fixed import pair_sum
+from h3lab.ops.fixed import pair_sum, sqrt_f32
 from h3lab.train.pieces import Piece, canonical_pieces, rank_pieces
 
-ROW_BLOCK = 1024  # elements per row block; a power of two, so a block's tree needs no padding
-_CHUNK_BLOCKS = 4096  # row blocks squared at once: 16 MiB of FP32 temporaries whatever the piece's size
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s; its FP32 rounding is used
 SITE = "train.clip.sum_of_squares"
 
@@ -51,32 +52,20 @@ class GradNorm:
         return [self.order[k] for k in bad]
 
 
-def sum_of_squares(g: Tensor) -> Tensor:
-    """A piece's sum of squares (0-d float32), a fixed function of its elements (module docstring, 1)."""
-    flat = g.reshape(-1)  # a strided view (a unit's columns) is copied in row-major order
-    num_blocks = max(1, -(-flat.numel() // ROW_BLOCK))
-    block_sums = []
-    for b0 in range(0, num_blocks, _CHUNK_BLOCKS):
-        x = flat[b0 * ROW_BLOCK : (b0 + _CHUNK_BLOCKS) * ROW_BLOCK].to(torch.float32)
-        sq = x * x
-        pad = -sq.numel() % ROW_BLOCK
-        if pad or not sq.numel():
-            sq = torch.cat([sq, sq.new_zeros(pad or ROW_BLOCK)])
-        block_sums.append(pair_sum(sq.view(-1, ROW_BLOCK)))  # each row's tree depends on that row alone
-    return pair_sum(torch.cat(block_sums))
-
-
-def unit_piece_sums(grads: Mapping[Piece, Tensor], columns: list[tuple[int, str]], units: range) -> Tensor:
+def unit_piece_sums(grads: Mapping[Piece, Tensor], columns: list[tuple[int, str]], units: range, be: Backend) -> Tensor:
     """[len(units), C] float32: the sum of squares of piece (block, grad) of unit u at [u - units.start, c]."""
-    rows = [torch.stack([sum_of_squares(grads[Piece(b, g, u)]) for b, g in columns]) for u in units]
-    return torch.stack(rows)
+    sums = be.sums_of_squares([grads[Piece(b, g, u)] for u in units for b, g in columns])
+    return sums.view(len(units), len(columns))
 
 
-def global_grad_norm(grads: Mapping[Piece, Tensor], comm: BlockComm, config: H3Config) -> GradNorm:
+def global_grad_norm(
+    grads: Mapping[Piece, Tensor], comm: BlockComm, config: H3Config, be: Backend | None = None
+) -> GradNorm:
     """The global norm of the gradients every rank of a layout holds together (module docstring).
 
     Every rank calls it with its own pieces (`rank_pieces`: the same blocks and non-block parameters on
     every rank, the unit pieces of `comm.units`) at the same point: it makes one `gather_units` call.
+    `be` computes the sums of squares (None: the torch backend); every backend gives the same bits.
 
     Raises:
         ValueError: no gradients, or pieces that differ from what a rank holding `comm.units` holds.
@@ -90,11 +79,12 @@ def global_grad_norm(grads: Mapping[Piece, Tensor], comm: BlockComm, config: H3C
     columns = [(p.block, p.name) for p in order if p.unit == 0]
     own = [p for p in order if p.unit is None]
     device = next(iter(grads.values())).device
+    be = be or get_backend(None)
     sources = []
     if own:
-        sources.append(torch.stack([sum_of_squares(grads[p]) for p in own]))
+        sources.append(be.sums_of_squares([grads[p] for p in own]))
     if columns:
-        gathered = comm.gather_units(unit_piece_sums(grads, columns, comm.units), SITE, dim=0)
+        gathered = comm.gather_units(unit_piece_sums(grads, columns, comm.units, be), SITE, dim=0)
         assert gathered.shape == (NUM_UNITS, len(columns)), (gathered.shape, len(columns))
         sources.append(gathered.reshape(-1))
     slot = {p: k for k, p in enumerate(own)}
@@ -102,7 +92,7 @@ def global_grad_norm(grads: Mapping[Piece, Tensor], comm: BlockComm, config: H3C
     index = [slot[p] if p.unit is None else len(own) + p.unit * len(columns) + col[(p.block, p.name)] for p in order]
     piece_sums = torch.cat(sources).index_select(0, torch.tensor(index, device=device))
     total = pair_sum(piece_sums)
-    return GradNorm(norm=torch.sqrt(total), total=total, piece_sums=piece_sums, order=order)
+    return GradNorm(norm=sqrt_f32(total), total=total, piece_sums=piece_sums, order=order)
 
 
 def to_f32(x: float) -> float:

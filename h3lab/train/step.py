@@ -103,7 +103,7 @@ class Trainer:
         held = non_block_pieces({n: self.weights.tensor(n) for n in model_param_shapes(config, 0)})
         for i in self.blocks:  # views: the optimizer writes this rank's units into the held tensors
             held |= block_weight_pieces(i, unit_weights(self.weights.block(i), self.comm.units))
-        self.optimizer = AdamW(held, config=config, comm=self.comm, hyper=hyper)
+        self.optimizer = AdamW(held, config=config, comm=self.comm, hyper=hyper, backend=backend)
         self.steps_taken = 0
 
     def step(self, k: int, trace: Trace | None = None) -> TrainStep:

@@ -5,9 +5,10 @@ returns that file for run records. Which bits each family gives:
 - GEMMs (mm, unit_reduce, row_mm, the few-row AdaLN pair) and attention: tensor-core (or IEEE FP32)
   sums in pinned tile orders, their own bits, equal across layouts on one GPU type
   (h3lab.triton.gemm, unit_gemm, few_rows, attention);
-- row-local ops (norms, RoPE and its tables, SwiGLU, silu, gated residual) and the row chains
-  (row_sum, segment_sum):
-  the torch backend's bits, by construction (h3lab.triton.norm, elementwise, rope, rows).
+- row-local ops (norms, RoPE and its tables, SwiGLU, silu, gated residual), the row chains
+  (row_sum, segment_sum), the float32 modules' chain GEMM and the training step's sums of squares
+  and AdamW update: the torch backend's bits, by construction (h3lab.triton.norm, elementwise,
+  rope, rows, chain, squares, adamw).
 
 Constructed for a CUDA device (`get_backend("triton", device)`); interpreter runs on CPU
 (TRITON_INTERPRET=1) name the node type explicitly: `TritonBackend("cpu", node="sm90")`.
@@ -24,7 +25,20 @@ from torch import Tensor
 
 from h3lab import rowplan
 from h3lab.ops.fixed import Pieces
-from h3lab.triton import attention, configs, elementwise, few_rows, gemm, norm, rope, rows, unit_gemm
+from h3lab.triton import (
+    adamw,
+    attention,
+    chain,
+    configs,
+    elementwise,
+    few_rows,
+    gemm,
+    norm,
+    rope,
+    rows,
+    squares,
+    unit_gemm,
+)
 
 F32 = torch.float32
 
@@ -90,6 +104,17 @@ class TritonBackend:
 
     def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor:
         return rows.segment_sum(x_R, segment_R, num_segments, order, node=self.node)
+
+    def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
+        return chain.chain_mm(a_MK, b_KN, node=self.node)
+
+    def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor:
+        return squares.sums_of_squares(xs, node=self.node)
+
+    def adamw_update(
+        self, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, coef: Tensor, s: Tensor, weight: Tensor
+    ) -> None:
+        adamw.adamw_update(master, exp_avg, exp_avg_sq, grad, coef, s, weight, node=self.node)
 
     def chain_sums(
         self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor

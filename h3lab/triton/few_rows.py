@@ -31,6 +31,7 @@ from torch import Tensor
 
 from h3lab.ops.fixed import unit_tree
 from h3lab.triton import configs
+from h3lab.triton.chain import chain_kernel
 from h3lab.triton.gemm import OPERAND_DTYPES, OUT_DTYPES, check_device
 
 UNIT_COUNTS = (1, 2, 4, 8)
@@ -71,22 +72,6 @@ def _unit_partial_kernel(
         acc = tl.dot(a, b, acc, input_precision="ieee")
     out = p_ptr + (u.to(tl.int64) * T + rows[:, None]) * N + cols[None, :]
     tl.store(out, acc, mask=(rows[:, None] < T) & (cols[None, :] < N))
-
-
-@triton.jit
-def _few_k_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K, s_ak, s_am, s_bk, s_bn, s_cm, s_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    # c[m, n] = ((0 + a[0,m] b[0,n]) + a[1,m] b[1,n]) + ..., k ascending, one rounding at the store
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, K):
-        a = tl.load(a_ptr + k * s_ak + rm.to(tl.int64) * s_am, mask=rm < M, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + k * s_bk + rn * s_bn, mask=rn < N, other=0.0).to(tl.float32)
-        acc += a[:, None] * b[None, :]
-    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def _config(node: str | None, device: torch.device) -> dict[str, Any]:
@@ -173,7 +158,7 @@ def mm_few_k(a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32,
     c = torch.empty((M, N), dtype=out_dtype, device=device)
     if M and N:
         BM, BN = cfg["outer_BLOCK_M"], cfg["outer_BLOCK_N"]
-        _few_k_kernel[(configs.cdiv(M, BM), configs.cdiv(N, BN))](
+        chain_kernel[(configs.cdiv(M, BM), configs.cdiv(N, BN))](
             a_KM,
             b_KN,
             c,

@@ -1,0 +1,87 @@
+"""The FP32 chain GEMM of the model's float32 modules and their weight gradients, as one Triton kernel.
+
+Reference: h3lab.ops.fixed.chain_mm, bit for bit. Each output element is the chain
+((0 + a[m,0] b[0,n]) + a[m,1] b[1,n]) + ..., k ascending, each product and each sum one IEEE FP32
+operation (launched with `enable_fp_fusion=False`; a bf16 x bf16 product is exact in FP32, so the
+reference's fused `addcmul_` gives the same bits). Unlike the block's tensor-core GEMMs, this gives
+the torch backend's bits on every device, so the float32 modules (the embedders' and heads'
+projections, the time embedder) compute the same bytes on either backend. The torch chain runs one
+launch per k: on a GPU that is K launches per call (K = 5376 for a head's projection, K = rows for
+its weight gradient); this is one launch per call.
+
+Launcher: `chain_mm`; `chain_kernel` also serves h3lab.triton.few_rows.mm_few_k.
+Dimension legend: M rows, K reduced, N columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from h3lab.triton import configs
+from h3lab.triton.gemm import OPERAND_DTYPES, check_device
+
+F32 = torch.float32
+
+
+@triton.jit
+def chain_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K, s_ak, s_am, s_bk, s_bn, s_cm, s_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    # c[m, n] = ((0 + a[0,m] b[0,n]) + a[1,m] b[1,n]) + ..., k ascending, one rounding at the store
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, K):
+        a = tl.load(a_ptr + k * s_ak + rm.to(tl.int64) * s_am, mask=rm < M, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + k * s_bk + rn * s_bn, mask=rn < N, other=0.0).to(tl.float32)
+        acc += a[:, None] * b[None, :]
+    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None) -> Tensor:
+    """FP32 [M, N] = a @ b as h3lab.ops.fixed.chain_mm computes it (module docstring).
+
+    Args:
+        a_MK, b_KN: 2-D bf16 or fp32 tensors, any strides (copied so that each k step reads
+            contiguous rows of a^T and b).
+
+    Raises:
+        ValueError: shapes, dtypes, devices, a node without a pinned "chain" entry.
+    """
+    for name, t in (("a_MK", a_MK), ("b_KN", b_KN)):
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in OPERAND_DTYPES:
+            got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+            raise ValueError(f"chain_mm: {name} is {got}; allowed: a 2-D tensor of {list(OPERAND_DTYPES)}")
+    device = check_device("chain_mm", a_MK, b_KN)
+    (M, K), (K2, N) = a_MK.shape, b_KN.shape
+    if K != K2:
+        raise ValueError(f"chain_mm: a_MK {tuple(a_MK.shape)}, b_KN {tuple(b_KN.shape)}; allowed: the same K")
+    cfg = configs.pinned("chain", node or configs.node_of(device))
+    c = torch.zeros((M, N), dtype=F32, device=device)
+    if M and N and K:
+        a_KM = a_MK.t().contiguous()
+        b_KN = b_KN.contiguous()
+        BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        chain_kernel[(configs.cdiv(M, BM), configs.cdiv(N, BN))](
+            a_KM,
+            b_KN,
+            c,
+            M,
+            N,
+            K,
+            a_KM.stride(0),
+            a_KM.stride(1),
+            b_KN.stride(0),
+            b_KN.stride(1),
+            c.stride(0),
+            c.stride(1),
+            BLOCK_M=BM,
+            BLOCK_N=BN,
+            num_warps=cfg["num_warps"],
+            enable_fp_fusion=False,
+        )
+    return c

@@ -1,0 +1,160 @@
+"""The training step's kernels against their torch references, byte for byte: the float32 modules'
+chain GEMM (h3lab.triton.chain), the clip's sums of squares (h3lab.triton.squares) and AdamW's
+update with its write-back (h3lab.triton.adamw).
+
+Without CUDA they run under the Triton interpreter at small sizes (none uses tl.dot; every
+operation is a numpy float32 elementwise op, IEEE, the same on every CPU; the bf16 write-back is
+integer arithmetic); with CUDA the `gpu` tests compare them with the references run on the GPU at
+the real H3 shapes: pytest -m gpu tests/test_kernels_training.py
+
+Inputs hold what moves bits when an operation is fused, approximated or flushed: signed zeros,
+FP32 denormals (squares and products that underflow), ragged tails and strided views.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (the kernels are Triton kernels)")
+
+from h3lab.ops import adamw as ref_adamw
+from h3lab.ops.fixed import chain_mm as ref_chain_mm
+from h3lab.ops.fixed import sum_of_squares
+from h3lab.train.adamw import AdamWHyper, PieceState, step_scalars
+from h3lab.triton import adamw, chain, configs, squares
+from tests.conftest import assert_bitwise
+
+NODE = "sm90"
+F32, BF16 = torch.float32, torch.bfloat16
+interp = pytest.mark.skipif(not configs.interpreting(), reason="interpreter tests: TRITON_INTERPRET=1")
+
+
+def gpu(fn):
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
+    fn = pytest.mark.skipif(
+        configs.interpreting(),
+        reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_training.py",
+    )(fn)
+    return pytest.mark.gpu(fn)
+
+
+def _awkward(*shape: int, seed: int, dtype: torch.dtype = F32, device: str = "cpu", scale: float = 1.0):
+    """Random values with signed zeros and values whose squares and products underflow to denormals."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * scale
+    flat = x.view(-1)
+    k = flat.numel()
+    if k >= 8:
+        flat[k // 7] = 0.0
+        flat[k // 5] = -0.0
+        flat[k // 3] = 3e-20  # its square is an FP32 denormal
+        flat[k // 2] = -2e-21
+    return x.to(device=device, dtype=dtype)
+
+
+# ---- the chain GEMM ---------------------------------------------------------------------------
+
+
+def _check_chain(M: int, K: int, N: int, dtype: torch.dtype, seed: int, device: str, node: str | None) -> None:
+    a = _awkward(M, K, seed=seed, dtype=dtype, device=device)
+    w = _awkward(N, K, seed=seed + 1, dtype=dtype, device=device, scale=1e-3)
+    b = w.t()  # a weight's transpose, as the float32 modules pass it
+    assert_bitwise(chain.chain_mm(a, b, node=node), ref_chain_mm(a, b), f"chain_mm {M}x{K}x{N} {dtype}")
+
+
+@interp
+@pytest.mark.parametrize(("M", "K", "N"), [(37, 29, 70), (3, 200, 5), (1, 1, 1), (65, 0, 3)])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_chain_mm_is_the_reference_chain(M, K, N, dtype):
+    _check_chain(M, K, N, dtype, seed=M + K + N, device="cpu", node=NODE)
+
+
+@gpu
+@pytest.mark.parametrize(("M", "K", "N"), [(4096, 5376, 96), (96, 3000, 5376), (3, 5376, 2688)])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_chain_mm_is_the_reference_chain_on_gpu(M, K, N, dtype):
+    _check_chain(M, K, N, dtype, seed=M + K + N, device="cuda", node=None)
+
+
+# ---- sums of squares --------------------------------------------------------------------------
+
+
+def _pieces(device: str, big: bool) -> list[torch.Tensor]:
+    sizes = [0, 1, 1023, 1024, 1025, 5000] + ([3 * 1024 * 1024 + 7] if big else [])
+    out = [_awkward(n, seed=n, device=device, scale=1e-3) for n in sizes]
+    w = _awkward(48, 40, seed=3, dtype=BF16, device=device)
+    out += [w[:, 8:16], w.t(), _awkward(5, seed=9, device=device).squeeze()[0]]  # a unit's columns, 0-d
+    return out
+
+
+def _check_squares(xs: list[torch.Tensor], node: str | None) -> None:
+    got = squares.sums_of_squares(xs, node=node)
+    assert_bitwise(got, torch.stack([sum_of_squares(x) for x in xs]), "sums_of_squares")
+
+
+@interp
+def test_sums_of_squares_are_the_reference_trees():
+    _check_squares(_pieces("cpu", big=False), NODE)
+
+
+@gpu
+def test_sums_of_squares_are_the_reference_trees_on_gpu():
+    _check_squares(_pieces("cuda", big=True), None)
+
+
+def test_sums_of_squares_refuse_bad_inputs():
+    with pytest.raises(ValueError, match="no tensors"):
+        squares.sums_of_squares([], node=NODE)
+    with pytest.raises(ValueError, match=r"tensor 0 is torch\.int64"):
+        squares.sums_of_squares([torch.arange(3)], node=NODE)
+
+
+# ---- AdamW ------------------------------------------------------------------------------------
+
+
+def _check_adamw(shape: tuple[int, ...], weight_dtype: torch.dtype, device: str, node: str | None) -> None:
+    full = _awkward(shape[0], 3 * shape[-1], seed=5, dtype=weight_dtype, device=device) if len(shape) == 2 else None
+    weight = full[:, shape[-1] : 2 * shape[-1]] if full is not None else _awkward(*shape, seed=5, dtype=weight_dtype)
+    weight = weight.to(device)
+    ref_w, got_w = weight.clone(), weight.clone()  # contiguous copies of the strided view: the view below
+    ref_full, got_full = (full.clone(), full.clone()) if full is not None else (None, None)
+    if full is not None:  # update the view inside the full weight, as a rank updates its units' columns
+        ref_w, got_w = ref_full[:, shape[-1] : 2 * shape[-1]], got_full[:, shape[-1] : 2 * shape[-1]]
+    ref, got = PieceState.init(weight), PieceState.init(weight)
+    hyper = AdamWHyper(lr=3e-3, weight_decay=0.05)
+    for t in range(1, 4):
+        grad = _awkward(*shape, seed=10 + t, dtype=BF16, device=device, scale=1e-2)
+        coef = torch.tensor(0.625, dtype=F32, device=device)
+        s = step_scalars(hyper, 0.9**t, 0.999**t, torch.device(device))
+        ref_adamw.adamw_update(ref.master, ref.exp_avg, ref.exp_avg_sq, grad, coef, s, ref_w)
+        adamw.adamw_update(got.master, got.exp_avg, got.exp_avg_sq, grad, coef, s, got_w, node=node)
+        for field in ("master", "exp_avg", "exp_avg_sq"):
+            assert_bitwise(getattr(got, field), getattr(ref, field), f"step {t} {field}")
+        assert_bitwise(got_w, ref_w, f"step {t} weight")
+        if full is not None:
+            assert_bitwise(got_full, ref_full, f"step {t}: the columns beside the view are untouched")
+
+
+@interp
+@pytest.mark.parametrize("shape", [(1000,), (37, 24)])
+@pytest.mark.parametrize("weight_dtype", [BF16, F32])
+def test_adamw_update_is_the_reference(shape, weight_dtype):
+    _check_adamw(shape, weight_dtype, "cpu", NODE)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(5376,), (5376, 672), (1792, 5376)])
+@pytest.mark.parametrize("weight_dtype", [BF16, F32])
+def test_adamw_update_is_the_reference_on_gpu(shape, weight_dtype):
+    _check_adamw(shape, weight_dtype, "cuda", None)
+
+
+def test_adamw_update_refuses_a_strided_master():
+    m = torch.zeros(4, 6)[:, :3]
+    with pytest.raises(ValueError, match=r"master: torch\.float32"):
+        adamw.adamw_update(m, m, m, m, torch.tensor(1.0), torch.zeros(8), m, node=NODE)
