@@ -234,8 +234,8 @@ def test_verdict_table_headlines_the_percentile_and_the_drift_table_keeps_the_ma
     )
     table = verdict_table(layouts)
     assert table.loc["tp2", "deterministic"] == "passed 15/15"
-    assert table.loc["tp2", "baseline"] == "mismatch 0/15: max |a-b| 2.1e-02 of RMS, 2 sign flips"  # not the max ULP
-    assert table.loc["tp8", "baseline"] == "mismatch 14/15, digests differ"
+    assert table.loc["tp2", "baseline"] == "mismatch: 15 of 15 differ, max |a-b| 2.1e-02 of RMS, 2 sign flips"
+    assert table.loc["tp8", "baseline"] == "mismatch: 1 of 15 differ (by digest)"
     block = _verdicts().assign(problem="block 0")
     chain = _verdicts().assign(problem="blocks 0-3")
     chain.loc[chain["tensor"].eq("out"), "max_ulp"] = 5  # another problem's out: kept apart, not maxed in

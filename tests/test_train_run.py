@@ -213,10 +213,10 @@ def test_the_workbench_table_shows_each_steps_verdict_per_kind():
         "verdict": "mismatch",
         "loss": "passed 1/1",
         "clip": "passed 1/1",
-        "gradients": "mismatch 1/2",
+        "gradients": "mismatch: 1 of 2 differ",
         "weights": "passed 1/1",
     }
-    assert (rows[1]["step"], rows[1]["verdict"], rows[1]["weights"]) == (2, "mismatch", "mismatch 0/1")
+    assert (rows[1]["step"], rows[1]["verdict"], rows[1]["weights"]) == (2, "mismatch", "mismatch: 1 of 1 differ")
     assert rows[2]["layout"] == "tp8" and rows[2]["verdict"] == "failed" and pd.isna(rows[2]["step"])
 
 

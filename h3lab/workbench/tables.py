@@ -195,8 +195,9 @@ def decision_table(run: RunnerRun, layout: str, rank: int = 0) -> pd.DataFrame:
 
 
 def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
-    """Layout x mode: 'passed 15/15', 'mismatch 0/15: max |a-b| 2.1e-02 of RMS, 3 sign flips' or
-    'failed (rank 3)', over seeds. Per tensor, and the maximum ULP distance: `drift_table`."""
+    """Layout x mode: 'passed 15/15', 'mismatch: 15 of 15 differ, max |a-b| 2.1e-02 of RMS, 3 sign flips'
+    or 'failed (rank 3)', over seeds (a mismatch counts the tensors that differ, never those equal).
+    Per tensor, and the maximum ULP distance: `drift_table`."""
 
     def worst(r: pd.Series) -> str:
         if r["status"] == "passed":
@@ -204,8 +205,8 @@ def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
         if not pd.isna(r.get("max_err_of_rms", pd.NA)):
             n = 0 if pd.isna(r.get("sign_flips", 0)) else int(r["sign_flips"])
             flips = f", {n} sign flips" if n else ""
-            return f": max |a-b| {r['max_err_of_rms']:.1e} of RMS{flips}"
-        return ", digests differ" if pd.isna(r["max_ulp"]) else f", max {r['max_ulp']} ULP"
+            return f", max |a-b| {r['max_err_of_rms']:.1e} of RMS{flips}"
+        return " (by digest)" if pd.isna(r["max_ulp"]) else f", max {r['max_ulp']} ULP"
 
     def cell(rows: pd.DataFrame) -> str:
         parts = []
@@ -213,7 +214,7 @@ def verdict_table(layouts: pd.DataFrame) -> pd.DataFrame:
             if pd.isna(r["tensors"]):
                 parts.append(f"{r['status']} (rank {r['failed_rank']})")
             else:
-                parts.append(f"{r['status']} {r['tensors_equal']}/{r['tensors']}{worst(r)}")
+                parts.append(_count(r["status"], r["tensors_equal"], r["tensors"]) + worst(r))
         return "; ".join(dict.fromkeys(parts))
 
     table = layouts.groupby(["layout", "mode"], sort=False).apply(cell, include_groups=False).unstack("mode")
@@ -285,10 +286,17 @@ def terminal_summary(sweep: Sweep) -> str:
     return "\n".join(lines)
 
 
+def _count(status: str, equal: int, total: int) -> str:
+    """'passed 15/15' (all equal) or 'mismatch: 3 of 15 differ' (a count of those that differ)."""
+    if status == "passed":
+        return f"passed {equal}/{total}"
+    return f"{status}: {int(total) - int(equal)} of {total} differ"
+
+
 def train_step_table(summary: dict) -> pd.DataFrame:
     """A training run's verdicts (`h3lab run --train-steps N`), one row per layout and step: the step's
-    verdict and, per kind of tensor (loss, clip, gradients, weights), 'passed 3/3' or 'mismatch 61/62'
-    against the single process. Read from summary.json (h3lab.run.steps); a layout without per-step
+    verdict and, per kind of tensor (loss, clip, gradients, weights), 'passed 3/3' or 'mismatch: 1 of
+    62 differ' against the single process. Read from summary.json (h3lab.run.steps); a layout without per-step
     verdicts (it failed to run) is one row with its status and no step."""
     rows = []
     for layout, rec in summary["layouts"].items():
@@ -299,6 +307,6 @@ def train_step_table(summary: dict) -> pd.DataFrame:
             for kind in STEP_KINDS:
                 if kind in v:
                     c = v[kind]
-                    row[kind] = f"{'passed' if c['bitwise_equal'] else 'mismatch'} {c['equal']}/{c['total']}"
+                    row[kind] = _count("passed" if c["bitwise_equal"] else "mismatch", c["equal"], c["total"])
             rows.append(row)
     return pd.DataFrame(rows, columns=["layout", "step", "verdict", *STEP_KINDS]).astype({"step": "Int64"})
