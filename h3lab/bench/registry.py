@@ -66,7 +66,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "h3lab.bench.block_gpu",
         "block-long.json",
         "the same at long sequences, not captured",
-        {"gpu": ("--rows", "16384,32768", "--reps", "10", "--no-graphs")},
+        {"gpu": ("--rows", "16384,32768,65536", "--reps", "10", "--no-graphs")},
         needs_cuda=True,
     ),
     Benchmark(
@@ -98,7 +98,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "h3lab.bench.block_profile",
         "profile.json",
         "where the block's time goes: kernels, launches, the GPU's idle time",
-        {"gpu": ("--rows", "264,4096")},
+        {"gpu": ("--rows", "264,4096,32768")},
         needs_cuda=True,
         record_in="profile.json",
     ),
