@@ -5,10 +5,17 @@ behind (leftovers)."""
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
 import torch
+
+# Without CUDA the kernel tests run under the Triton interpreter. It must be chosen before anything
+# imports triton.language (diffusers and torch can, through a test module collected first): a
+# kernel interpreted after that calls the compiled library's jit functions (tl.zeros) and fails.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from h3lab import H3Config, packed_batch, synthetic_block
 from h3lab.metrics import bit_pattern
