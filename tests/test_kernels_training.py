@@ -60,25 +60,31 @@ def _awkward(*shape: int, seed: int, dtype: torch.dtype = F32, device: str = "cp
 # ---- the chain GEMM ---------------------------------------------------------------------------
 
 
-def _check_chain(M: int, K: int, N: int, dtype: torch.dtype, seed: int, device: str, node: str | None) -> None:
-    a = _awkward(M, K, seed=seed, dtype=dtype, device=device)
-    w = _awkward(N, K, seed=seed + 1, dtype=dtype, device=device, scale=1e-3)
+# operand dtypes as the model passes them (FP32 x FP32 forward, bf16 x FP32 and FP32 x bf16 weight
+# gradients), bf16 x bf16 as mm_few_k may; scale 1e-20: products below FP32's normal range
+CHAIN_CASES = [(F32, F32, 1.0), (BF16, F32, 1.0), (F32, BF16, 1.0), (BF16, BF16, 1.0), (F32, F32, 1e-20)]
+
+
+def _check_chain(M: int, K: int, N: int, case: tuple, seed: int, device: str, node: str | None) -> None:
+    a_dtype, b_dtype, scale = case
+    a = _awkward(M, K, seed=seed, dtype=a_dtype, device=device, scale=scale)
+    w = _awkward(N, K, seed=seed + 1, dtype=b_dtype, device=device, scale=1e-3 * scale)
     b = w.t()  # a weight's transpose, as the float32 modules pass it
-    assert_bitwise(chain.chain_mm(a, b, node=node), ref_chain_mm(a, b), f"chain_mm {M}x{K}x{N} {dtype}")
+    assert_bitwise(chain.chain_mm(a, b, node=node), ref_chain_mm(a, b), f"chain_mm {M}x{K}x{N} {case}")
 
 
 @interp
 @pytest.mark.parametrize(("M", "K", "N"), [(37, 29, 70), (3, 200, 5), (1, 1, 1), (65, 0, 3)])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_chain_mm_is_the_reference_chain(M, K, N, dtype):
-    _check_chain(M, K, N, dtype, seed=M + K + N, device="cpu", node=NODE)
+@pytest.mark.parametrize("case", CHAIN_CASES)
+def test_chain_mm_is_the_reference_chain(M, K, N, case):
+    _check_chain(M, K, N, case, seed=M + K + N, device="cpu", node=NODE)
 
 
 @gpu
 @pytest.mark.parametrize(("M", "K", "N"), [(4096, 5376, 96), (96, 3000, 5376), (3, 5376, 2688)])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_chain_mm_is_the_reference_chain_on_gpu(M, K, N, dtype):
-    _check_chain(M, K, N, dtype, seed=M + K + N, device="cuda", node=None)
+@pytest.mark.parametrize("case", CHAIN_CASES)
+def test_chain_mm_is_the_reference_chain_on_gpu(M, K, N, case):
+    _check_chain(M, K, N, case, seed=M + K + N, device="cuda", node=None)
 
 
 # ---- sums of squares --------------------------------------------------------------------------
@@ -89,6 +95,8 @@ def _pieces(device: str, big: bool) -> list[torch.Tensor]:
     out = [_awkward(n, seed=n, device=device, scale=1e-3) for n in sizes]
     w = _awkward(48, 40, seed=3, dtype=BF16, device=device)
     out += [w[:, 8:16], w.t(), _awkward(5, seed=9, device=device).squeeze()[0]]  # a unit's columns, 0-d
+    out += [_awkward(3000, seed=4, device=device, scale=1e-21)]  # every square below FP32's normal range
+    out += [torch.zeros(0, 3, 4, device=device), _awkward(2, 3, 40, seed=6, device=device)]  # 3-D
     return out
 
 
@@ -117,7 +125,10 @@ def test_sums_of_squares_refuse_bad_inputs():
 # ---- AdamW ------------------------------------------------------------------------------------
 
 
-def _check_adamw(shape: tuple[int, ...], weight_dtype: torch.dtype, device: str, node: str | None) -> None:
+def _check_adamw(
+    shape: tuple[int, ...], weight_dtype: torch.dtype, device: str, node: str | None, grad_case=(BF16, 1e-2)
+) -> None:
+    grad_dtype, grad_scale = grad_case
     full = _awkward(shape[0], 3 * shape[-1], seed=5, dtype=weight_dtype, device=device) if len(shape) == 2 else None
     weight = full[:, shape[-1] : 2 * shape[-1]] if full is not None else _awkward(*shape, seed=5, dtype=weight_dtype)
     weight = weight.to(device)
@@ -128,7 +139,7 @@ def _check_adamw(shape: tuple[int, ...], weight_dtype: torch.dtype, device: str,
     ref, got = PieceState.init(weight), PieceState.init(weight)
     hyper = AdamWHyper(lr=3e-3, weight_decay=0.05)
     for t in range(1, 4):
-        grad = _awkward(*shape, seed=10 + t, dtype=BF16, device=device, scale=1e-2)
+        grad = _awkward(*shape, seed=10 + t, dtype=grad_dtype, device=device, scale=grad_scale)
         coef = torch.tensor(0.625, dtype=F32, device=device)
         s = step_scalars(hyper, 0.9**t, 0.999**t, torch.device(device))
         ref_adamw.adamw_update(ref.master, ref.exp_avg, ref.exp_avg_sq, grad, coef, s, ref_w)
@@ -140,21 +151,39 @@ def _check_adamw(shape: tuple[int, ...], weight_dtype: torch.dtype, device: str,
             assert_bitwise(got_full, ref_full, f"step {t}: the columns beside the view are untouched")
 
 
+# gradients: bf16 and fp32; scale 1e-20: g * g and the second moment below FP32's normal range
+GRAD_CASES = [(BF16, 1e-2), (F32, 1e-2), (F32, 1e-20)]
+
+
 @interp
 @pytest.mark.parametrize("shape", [(1000,), (37, 24)])
 @pytest.mark.parametrize("weight_dtype", [BF16, F32])
-def test_adamw_update_is_the_reference(shape, weight_dtype):
-    _check_adamw(shape, weight_dtype, "cpu", NODE)
+@pytest.mark.parametrize("grad_case", GRAD_CASES)
+def test_adamw_update_is_the_reference(shape, weight_dtype, grad_case):
+    _check_adamw(shape, weight_dtype, "cpu", NODE, grad_case)
 
 
 @gpu
 @pytest.mark.parametrize("shape", [(5376,), (5376, 672), (1792, 5376)])
 @pytest.mark.parametrize("weight_dtype", [BF16, F32])
-def test_adamw_update_is_the_reference_on_gpu(shape, weight_dtype):
-    _check_adamw(shape, weight_dtype, "cuda", None)
+@pytest.mark.parametrize("grad_case", GRAD_CASES)
+def test_adamw_update_is_the_reference_on_gpu(shape, weight_dtype, grad_case):
+    _check_adamw(shape, weight_dtype, "cuda", None, grad_case)
 
 
-def test_adamw_update_refuses_a_strided_master():
-    m = torch.zeros(4, 6)[:, :3]
-    with pytest.raises(ValueError, match=r"master: torch\.float32"):
-        adamw.adamw_update(m, m, m, m, torch.tensor(1.0), torch.zeros(8), m, node=NODE)
+def test_adamw_update_refuses_what_it_cannot_read():
+    m, coef = torch.zeros(4, 6)[:, :3], torch.tensor(1.0)
+    with pytest.raises(ValueError, match=r"adamw_update: master has strides \(6, 1\); allowed: contiguous"):
+        adamw.adamw_update(m, m, m, m, coef, torch.zeros(8), m, node=NODE)
+    m = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match=r"adamw_update: s has strides \(2,\); allowed: contiguous"):
+        adamw.adamw_update(m, m, m, m, coef, torch.zeros(16)[::2], m, node=NODE)
+    with pytest.raises(ValueError, match=r"adamw_update: a 3-D piece"):
+        x = torch.zeros(2, 2, 2)
+        adamw.adamw_update(x, x, x, x, coef, torch.zeros(8), x, node=NODE)
+
+
+def test_chain_mm_refuses_operands_its_offsets_cannot_reach():
+    big = torch.empty(2**16, 2**15 + 1, dtype=BF16, device="meta")  # 2^31 + 2^16 elements, no memory
+    with pytest.raises(ValueError, match=r"chain_mm: a_MK .*allowed: at most 2147483647 elements each"):
+        chain.chain_mm(big, torch.empty(2**15 + 1, 4, dtype=BF16, device="meta"), node=NODE)

@@ -9,8 +9,9 @@ in packed order, and the summed d temb), so layout-invariant by construction. Th
 only parameters get gradients.
 - `proj_in`, `audio_proj_in` (float32): weight and bias gradients are FP32 chains over the
   stream's rows in ascending logical-key order (`f32_row_mm`, `row_sum`: the torch chains' bits on
-  every backend, as the forward's float32 modules use `chain_mm`); the forward's rounding to the sequence dtype passes
-  the gradient on unchanged, as autograd's cast does.
+  the contract backends, as the forward's float32 modules use `chain_mm`; the baseline sums its own
+  way); the forward's rounding to the sequence dtype passes the gradient on unchanged, as
+  autograd's cast does.
 - the text stream: the token refiner's backward (h3lab.model.refiner_grad), then
   `context_embedder` (the sequence's dtype) through the backend's row GEMM and row sum, in key order.
 - `time_embedder` (float32): linear_2 and linear_1's weight and bias gradients are FP32 chains over

@@ -7,7 +7,8 @@ Replicated (every rank computes it in full from the same stack output), so layou
 construction. Given the gradient at each head's output (float32, the loss's):
 - a head (`proj_out`, `audio_proj_out`, float32 modules): its weight and bias gradients are FP32
   chains over its rows in ascending logical-key order (`f32_row_mm`, `row_sum`: the torch chains'
-  bits on every backend, as the forward's float32 modules use `chain_mm`), FP32 results; the
+  bits on the contract backends, as the forward's float32 modules use `chain_mm`; the baseline sums
+  its own way), FP32 results; the
   gradient at its input n is one FP32 chain over its C output channels, rounded once to n's dtype
   (the stack's);
 - `norm_out.norm` (the block's modulated RMSNorm backward, `rms_modulate_bwd`): the gradient at the

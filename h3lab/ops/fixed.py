@@ -145,8 +145,9 @@ def chain_mm(a_MK: Tensor, b_KN: Tensor, acc_MN: Tensor | None = None) -> Tensor
     """a @ b in float32 as one left-to-right chain over k: acc = acc + a[:, k] * b[k, :].
 
     Row m of the result depends only on a[m] and b (never on M), column n only on b[:, n]; the
-    order over k is ascending. bf16 (and fp16) products are exact in fp32, so fusing the multiply
-    and add could not change a bit; fp32 operands take a separate multiply and add. `acc_MN`
+    order over k is ascending. bf16 (and fp16) products are exact in fp32 unless they fall below its
+    normal range (|a b| < 2^-126), so fusing the multiply and add changes no bit above it; fp32
+    operands take a separate multiply and add. `acc_MN`
     continues an earlier chain (the q,k,v and hidden,gate pieces of one canonical unit).
     """
     M, K = a_MK.shape

@@ -94,23 +94,30 @@ def adamw_update(
 ) -> None:
     """h3lab.ops.adamw.adamw_update as one launch (module docstring): the same arguments, the same bytes.
 
-    `master`, `exp_avg`, `exp_avg_sq`: contiguous FP32 of the piece's shape; `grad`, `weight`: the
-    piece's shape, 1-D or 2-D with any strides (a unit's columns), bf16 or fp32.
+    `master`, `exp_avg`, `exp_avg_sq`: contiguous FP32 of the piece's shape (0-, 1- or 2-D); `grad`,
+    `weight`: the piece's shape with any strides (a unit's columns), bf16 or fp32; `s`: contiguous.
 
     Raises:
         ValueError: shapes, dtypes, devices or layouts other than those above.
     """
     shape = master.shape
+    if master.dim() > 2:
+        raise ValueError(f"adamw_update: a {master.dim()}-D piece {list(shape)}; allowed: 0-, 1- or 2-D")
+    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("s", s)):
+        if not t.is_contiguous():
+            raise ValueError(f"adamw_update: {name} has strides {t.stride()}; allowed: contiguous")
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.shape != shape or t.dtype != F32 or not t.is_contiguous():
-            raise ValueError(f"{name}: {t.dtype} {list(t.shape)}; allowed: contiguous torch.float32 {list(shape)}")
+        if t.shape != shape or t.dtype != F32:
+            raise ValueError(f"adamw_update: {name} is {t.dtype} {list(t.shape)}; allowed: torch.float32 {list(shape)}")
     for name, t, dtypes in (("grad", grad, GRAD_DTYPES), ("weight", weight, WEIGHT_DTYPES)):
-        if t.shape != shape or t.dtype not in dtypes or t.dim() > 2:
-            raise ValueError(f"{name}: {t.dtype} {list(t.shape)}; allowed: one of {list(dtypes)}, {list(shape)}")
+        if t.shape != shape or t.dtype not in dtypes:
+            raise ValueError(
+                f"adamw_update: {name} is {t.dtype} {list(t.shape)}; allowed: {list(dtypes)}, {list(shape)}"
+            )
     if coef.numel() != 1 or coef.dtype != F32 or s.shape != (len(ADAMW_SCALARS),) or s.dtype != F32:
         raise ValueError(
-            f"coef {coef.dtype} {list(coef.shape)}, s {s.dtype} {list(s.shape)}; allowed: a 0-d torch.float32 "
-            f"and torch.float32 [{len(ADAMW_SCALARS)}] ({', '.join(ADAMW_SCALARS)})"
+            f"adamw_update: coef {coef.dtype} {list(coef.shape)}, s {s.dtype} {list(s.shape)}; allowed: a 0-d "
+            f"torch.float32 and torch.float32 [{len(ADAMW_SCALARS)}] ({', '.join(ADAMW_SCALARS)})"
         )
     device = check_device("adamw_update", master, exp_avg, exp_avg_sq, grad, coef, s, weight)
     cfg = configs.pinned("adamw", node or configs.node_of(device))

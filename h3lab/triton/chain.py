@@ -2,8 +2,10 @@
 
 Reference: h3lab.ops.fixed.chain_mm, bit for bit. Each output element is the chain
 ((0 + a[m,0] b[0,n]) + a[m,1] b[1,n]) + ..., k ascending, each product and each sum one IEEE FP32
-operation (launched with `enable_fp_fusion=False`; a bf16 x bf16 product is exact in FP32, so the
-reference's fused `addcmul_` gives the same bits). Unlike the block's tensor-core GEMMs, this gives
+operation (launched with `enable_fp_fusion=False`). Where both operands are bf16 the reference
+uses `addcmul_`, which may fuse: the bits agree wherever the product is exact in FP32, i.e. not
+below FP32's normal range (|a b| >= 2^-126); the model's float32 modules pass an FP32 operand, for
+which both round the product first. Unlike the block's tensor-core GEMMs, this gives
 the torch backend's bits on every device, so the float32 modules (the embedders' and heads'
 projections, the time embedder) compute the same bytes on either backend. The torch chain runs one
 launch per k: on a GPU that is K launches per call (K = 5376 for a head's projection, K = rows for
@@ -24,6 +26,7 @@ from h3lab.triton import configs
 from h3lab.triton.gemm import OPERAND_DTYPES, check_device
 
 F32 = torch.float32
+MAX_ELEMENTS = 2**31 - 1  # per operand: its contiguous copy's offsets k * stride + m must fit int32
 
 
 @triton.jit
@@ -56,6 +59,11 @@ def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None) -> Tensor:
         if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in OPERAND_DTYPES:
             got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
             raise ValueError(f"chain_mm: {name} is {got}; allowed: a 2-D tensor of {list(OPERAND_DTYPES)}")
+    if max(a_MK.numel(), b_KN.numel()) > MAX_ELEMENTS:
+        raise ValueError(
+            f"chain_mm: a_MK {tuple(a_MK.shape)}, b_KN {tuple(b_KN.shape)}; allowed: at most {MAX_ELEMENTS} "
+            "elements each (the kernel's offsets k * stride are int32)"
+        )
     device = check_device("chain_mm", a_MK, b_KN)
     (M, K), (K2, N) = a_MK.shape, b_KN.shape
     if K != K2:

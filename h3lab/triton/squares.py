@@ -50,9 +50,7 @@ def _num_blocks(x: Tensor) -> int:
 
 def _block_sums(x: Tensor, out: Tensor, cfg: dict) -> None:
     """out[:num_blocks(x)] = the row-block sums of x's squares (float32)."""
-    x2 = x.reshape(1, -1) if x.dim() < 2 else x
-    if x2.dim() > 2:
-        x2 = x2.reshape(x2.shape[0], -1)  # a copy only where the view cannot be flattened
+    x2 = x if x.dim() == 2 else x.reshape(1, -1)  # row-major order kept; a copy only where a view cannot
     nb, bpp = _num_blocks(x), cfg["blocks_per_program"]
     block_squares_kernel[(configs.cdiv(nb, bpp),)](
         x2,
