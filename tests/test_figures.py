@@ -263,3 +263,31 @@ def test_a_summary_kept_without_its_files_still_gives_every_verdict(tmp_path):
     frame = verdict_frame([load_sweep(tmp_path)])
     assert list(frame["tensor"]) == ["out", "dx", "dw.x@u0"]
     assert set(frame["problem"]) == {"block 0, 264 rows, synthetic real"}
+
+
+def test_a_tensor_whose_differences_are_all_sign_flips_is_marked_not_drawn_as_one_ulp():
+    """Its p99 over the non-flip differing elements has no elements: the cell says ±0 (the title says
+    what that means), while the max-error and fraction panels keep their values."""
+    row = {
+        "node_type": "CPU",
+        "run_id": "r",
+        "mode": "deterministic",
+        "seed": 0,
+        "layout": "tp2",
+        "layout_status": "mismatch",
+        "bitwise_equal": False,
+        "max_ulp": 2046798712,  # -tiny vs +tiny: counted across every float around zero
+        "ulp_p99": None,
+        "sign_flips": 3,
+        "max_ulp_at_rms": 0.25,
+        "frac_differing": 0.003,
+    }
+    df = pd.DataFrame([row | {"tensor": "dtemb"}, row | {"tensor": "out", "ulp_p99": 5, "sign_flips": 0}])
+    df = df.astype({"bitwise_equal": "boolean", "max_ulp": "Int64", "ulp_p99": "Int64", "sign_flips": "Int64"})
+    fig = figures.verdict_heatmap(df)
+    texts = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes if ax.get_title()}
+    assert texts["p99 ULP | deterministic"] == ["±0", "5"], texts
+    assert texts["max error, ULPs at RMS | deterministic"] == ["<1", "<1"], texts
+    assert texts["fraction differing | deterministic"] == ["<1%", "<1%"], texts
+    assert "±0: every differing element is a sign flip near zero" in fig._suptitle.get_text()
+    assert "digests" not in fig._suptitle.get_text()

@@ -78,24 +78,37 @@ def _rms_cell(equal: object, at_rms: object) -> float:
     return float(RMS_EDGES[1]) if pd.isna(at_rms) else max(float(at_rms), float(RMS_EDGES[1]))
 
 
+DIGEST_ONLY, FLIPS_ONLY = 1.0, 2.0  # why a differing cell has no value: the marks `_labels` draws
+
+
 def _unknown(verdicts: pd.DataFrame, column: str) -> pd.Series:
-    """Rows whose bits differ but whose record lacks `column`: a digest-only verdict (`h3lab run
-    --digests`) or a record older than the field. Drawn in the first bin, labelled "≠"."""
+    """Per row, why its bits differ but its record lacks `column`: DIGEST_ONLY for a digest-only
+    verdict (`h3lab run --digests`) or a record older than the field, labelled "≠"; FLIPS_ONLY where
+    every differing element is a sign flip near zero (no ULP distance to take a percentile of),
+    labelled "±0"; else 0. Either is drawn in the first bin."""
     differs = verdicts["bitwise_equal"].eq(False).fillna(False).astype(bool)
     missing = verdicts[column].isna() if column in verdicts else pd.Series(True, index=verdicts.index)
-    return differs & missing
+    flips = verdicts["sign_flips"].fillna(0).gt(0) if "sign_flips" in verdicts else pd.Series(False, verdicts.index)
+    sized = verdicts["max_ulp"].notna() if "max_ulp" in verdicts else pd.Series(False, index=verdicts.index)
+    only_flips = differs & missing & flips.astype(bool) & sized.astype(bool)
+    return (differs & missing).astype(float) * DIGEST_ONLY + only_flips.astype(float) * (FLIPS_ONLY - DIGEST_ONLY)
 
 
 def _digest_only(verdicts: pd.DataFrame) -> pd.Series:
     """Rows whose bits differ but whose verdict is a digest (`h3lab run --digests`): no ULP, no fraction."""
-    return _unknown(verdicts, "max_ulp")
+    return _unknown(verdicts, "max_ulp") == DIGEST_ONLY
 
 
-def _labels(values: np.ndarray, unknown: np.ndarray, label) -> list[list[str]]:
-    return [
-        ["≠" if u == 1 else label(x) for x, u in zip(row, urow, strict=True)]
-        for row, urow in zip(values, unknown, strict=True)
-    ]
+def _labels(values: np.ndarray, unknown: np.ndarray, label, first_bin: float) -> list[list[str]]:
+    """Each cell's text: its value's label, or the mark of why it has none (`_unknown`) where the cell
+    holds only the first-bin placeholder (another seed or unit slice may have given it a value)."""
+
+    def text(x: float, u: float) -> str:
+        if u in (DIGEST_ONLY, FLIPS_ONLY) and x <= first_bin:
+            return "≠" if u == DIGEST_ONLY else "±0"
+        return label(x)
+
+    return [[text(x, u) for x, u in zip(row, urow, strict=True)] for row, urow in zip(values, unknown, strict=True)]
 
 
 def _short(tensor: str) -> str:
@@ -142,7 +155,7 @@ def _cells(v: pd.DataFrame, layouts: list[str], tensors: list[str], column: str,
     values = v[column] if column in v else pd.Series(pd.NA, index=v.index)
     frame = v.assign(
         value=[cell(e, x) for e, x in zip(v["bitwise_equal"], values, strict=True)],
-        unknown=_unknown(v, column).astype(float),
+        unknown=_unknown(v, column),
     )
     return tuple(
         frame.pivot_table(index="layout", columns="tensor", values=c, aggfunc="max", dropna=False)
@@ -177,13 +190,13 @@ def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
     )
     fig.set_layout_engine("constrained")
     axes = fig.subplots(n, len(modes), squeeze=False, sharex=True, sharey=True)
-    unknown_any = False
+    marks: set[float] = set()
     for col, mode in enumerate(modes):
         v = verdicts[verdicts["mode"] == mode]
         for row, (column, cell, edges, what, label) in enumerate(HEATMAP_ROWS):
             values, unknown = _cells(v, layouts, tensors, column, cell)
-            unknown_any |= bool(np.nan_to_num(unknown).any())
-            im = _panel(axes[row, col], values, edges, _labels(values, unknown, label))
+            marks |= set(np.unique(np.nan_to_num(unknown)).tolist())
+            im = _panel(axes[row, col], values, edges, _labels(values, unknown, label, float(edges[1])))
             axes[row, col].set_title(f"{what} | {mode}", fontsize=9)
             axes[row, col].set_yticks(range(len(layouts)), layouts, fontsize=8)
             if col == len(modes) - 1:
@@ -194,7 +207,8 @@ def verdict_heatmap(verdicts: pd.DataFrame, title: str = "") -> Figure:
     fig.suptitle(
         (title or "every layout against the single-process block of the same mode")
         + "\ngrey: bit-identical; dark: no result; p99 over the differing elements, sign flips near zero apart"
-        + ("; ≠: bits differ, size not recorded (digests)" if unknown_any else ""),
+        + ("; ≠: bits differ, size not recorded (digests)" if DIGEST_ONLY in marks else "")
+        + ("; ±0: every differing element is a sign flip near zero" if FLIPS_ONLY in marks else ""),
         fontsize=9,
     )
     return fig
