@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,21 @@ if not torch.cuda.is_available():
 
 from h3lab import H3Config, packed_batch, synthetic_block
 from h3lab.metrics import bit_pattern
+
+
+def gpu_kernels(test_file: str):
+    """The decorator of a kernel test file's GPU tests: compiled kernels on a CUDA device, skipped
+    without one and under the Triton interpreter (whose bf16 is wrong), saying how to run them."""
+    from h3lab.triton.configs import interpreting
+
+    command = f"pytest -m gpu tests/{Path(test_file).name}"
+
+    def gpu(fn):
+        fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
+        fn = pytest.mark.skipif(interpreting(), reason=f"TRITON_INTERPRET=1 in this process; run: {command}")(fn)
+        return pytest.mark.gpu(fn)
+
+    return gpu
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from h3lab.ops import attention as ref_ops
 from h3lab.ops.fixed import round_to
 from h3lab.triton import attention as att
 from h3lab.triton.configs import interpreting
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, gpu_kernels
 
 # tl.dot under the interpreter: our FP32 chain, not the host BLAS (tests/conftest.py chain_dot)
 pytestmark = pytest.mark.usefixtures("chain_dot")
@@ -41,13 +41,7 @@ interp = pytest.mark.skipif(
 )
 
 
-def gpu(fn):
-    """Compiled bf16 kernels on a CUDA device (never under the interpreter, whose bf16 is wrong)."""
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(
-        interpreting(), reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_attention.py"
-    )(fn)
-    return pytest.mark.gpu(fn)
+gpu = gpu_kernels(__file__)
 
 
 NAMES = ("o", "o_ref", "lse", "delta", "dq", "dk", "dv")

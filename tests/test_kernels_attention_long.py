@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (the attention ker
 
 from h3lab.triton import attention as att
 from h3lab.triton.configs import interpreting
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, gpu_kernels
 
 pytestmark = pytest.mark.usefixtures("chain_dot")
 
@@ -31,13 +31,7 @@ interp = pytest.mark.skipif(
 )
 
 
-def gpu(fn):
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(
-        interpreting(),
-        reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_attention_long.py",
-    )(fn)
-    return pytest.mark.gpu(fn)
+gpu = gpu_kernels(__file__)
 
 
 def _inputs(n_q: int, n_k: int, heads: int, dh: int, dtype: torch.dtype, device: str, seed: int):

@@ -25,7 +25,7 @@ from h3lab.backend import TorchBackend
 from h3lab.ops.fixed import unit_tree
 from h3lab.triton import configs, few_rows, gemm, unit_gemm
 from h3lab.triton.backend import TritonBackend
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, gpu_kernels
 
 # tl.dot under the interpreter: our FP32 chain, not the host BLAS (tests/conftest.py chain_dot)
 pytestmark = pytest.mark.usefixtures("chain_dot")
@@ -35,13 +35,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 interp = pytest.mark.skipif(not configs.interpreting(), reason="interpreter tests: TRITON_INTERPRET=1")
 
 
-def gpu(fn):
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(
-        configs.interpreting(),
-        reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_few_rows.py",
-    )(fn)
-    return pytest.mark.gpu(fn)
+gpu = gpu_kernels(__file__)
 
 
 def _randn(*shape: int, seed: int, device: str = "cpu", dtype: torch.dtype = F32) -> torch.Tensor:

@@ -30,7 +30,7 @@ pytest.importorskip("triton", reason="triton is not installed (the GEMM kernels 
 from h3lab.backend import TorchBackend
 from h3lab.ops.fixed import chain_mm, round_to, unit_tree
 from h3lab.triton import configs, gemm, unit_gemm
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, gpu_kernels
 
 # tl.dot under the interpreter: our FP32 chain, not the host BLAS (tests/conftest.py chain_dot)
 pytestmark = pytest.mark.usefixtures("chain_dot")
@@ -40,14 +40,7 @@ interp = pytest.mark.skipif(
 )
 
 
-def gpu(fn):
-    """Compiled bf16 kernels on a CUDA device (never under the interpreter, whose bf16 is wrong)."""
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(
-        configs.interpreting(),
-        reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_gemm.py",
-    )(fn)
-    return pytest.mark.gpu(fn)
+gpu = gpu_kernels(__file__)
 
 
 NODE = "sm90"  # interpreter runs name the node type; its pinned tile geometry is what they exercise

@@ -27,20 +27,14 @@ from h3lab.ops.fixed import chain_mm as ref_chain_mm
 from h3lab.ops.fixed import sum_of_squares
 from h3lab.train.adamw import AdamWHyper, PieceState, step_scalars
 from h3lab.triton import adamw, chain, configs, squares
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, gpu_kernels
 
 NODE = "sm90"
 F32, BF16 = torch.float32, torch.bfloat16
 interp = pytest.mark.skipif(not configs.interpreting(), reason="interpreter tests: TRITON_INTERPRET=1")
 
 
-def gpu(fn):
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
-    fn = pytest.mark.skipif(
-        configs.interpreting(),
-        reason="TRITON_INTERPRET=1 in this process; run: pytest -m gpu tests/test_kernels_training.py",
-    )(fn)
-    return pytest.mark.gpu(fn)
+gpu = gpu_kernels(__file__)
 
 
 def _awkward(*shape: int, seed: int, dtype: torch.dtype = F32, device: str = "cpu", scale: float = 1.0):
