@@ -11,7 +11,7 @@ projections, the time embedder) compute the same bytes on either backend. The to
 launch per k: on a GPU that is K launches per call (K = 5376 for a head's projection, K = rows for
 its weight gradient); this is one launch per call.
 
-Launcher: `chain_mm`; `chain_kernel` also serves h3lab.triton.few_rows.mm_few_k.
+Launchers: `chain_mm`; `launch_chain`, which h3lab.triton.few_rows.mm_few_k shares.
 Dimension legend: M rows, K reduced, N columns.
 """
 
@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.triton import configs
-from h3lab.triton.gemm import OPERAND_DTYPES, check_device
+from h3lab.triton.gemm import check_device, check_operand
 
 F32 = torch.float32
 MAX_ELEMENTS = 2**31 - 1  # per operand: its contiguous copy's offsets k * stride + m must fit int32
@@ -55,10 +55,8 @@ def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None) -> Tensor:
     Raises:
         ValueError: shapes, dtypes, devices, a node without a pinned "chain" entry.
     """
-    for name, t in (("a_MK", a_MK), ("b_KN", b_KN)):
-        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in OPERAND_DTYPES:
-            got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
-            raise ValueError(f"chain_mm: {name} is {got}; allowed: a 2-D tensor of {list(OPERAND_DTYPES)}")
+    check_operand("chain_mm", "a_MK", a_MK)
+    check_operand("chain_mm", "b_KN", b_KN)
     if max(a_MK.numel(), b_KN.numel()) > MAX_ELEMENTS:
         raise ValueError(
             f"chain_mm: a_MK {tuple(a_MK.shape)}, b_KN {tuple(b_KN.shape)}; allowed: at most {MAX_ELEMENTS} "
@@ -73,23 +71,28 @@ def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None) -> Tensor:
     if M and N and K:
         a_KM = a_MK.t().contiguous()
         b_KN = b_KN.contiguous()
-        BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        chain_kernel[(configs.cdiv(M, BM), configs.cdiv(N, BN))](
-            a_KM,
-            b_KN,
-            c,
-            M,
-            N,
-            K,
-            a_KM.stride(0),
-            a_KM.stride(1),
-            b_KN.stride(0),
-            b_KN.stride(1),
-            c.stride(0),
-            c.stride(1),
-            BLOCK_M=BM,
-            BLOCK_N=BN,
-            num_warps=cfg["num_warps"],
-            enable_fp_fusion=False,
-        )
+        launch_chain(a_KM, b_KN, c, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"])
     return c
+
+
+def launch_chain(a_KM: Tensor, b_KN: Tensor, c_MN: Tensor, block_m: int, block_n: int, num_warps: int) -> None:
+    """c = the chain over k of a[k, m] * b[k, n] (`chain_kernel`), any strides, rounded once to c's dtype."""
+    (K, M), N = a_KM.shape, b_KN.shape[1]
+    chain_kernel[(configs.cdiv(M, block_m), configs.cdiv(N, block_n))](
+        a_KM,
+        b_KN,
+        c_MN,
+        M,
+        N,
+        K,
+        a_KM.stride(0),
+        a_KM.stride(1),
+        b_KN.stride(0),
+        b_KN.stride(1),
+        c_MN.stride(0),
+        c_MN.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from h3lab.ops.fixed import unit_tree
 from h3lab.triton import configs
-from h3lab.triton.chain import chain_kernel
+from h3lab.triton.chain import launch_chain
 from h3lab.triton.gemm import OPERAND_DTYPES, OUT_DTYPES, check_device
 
 UNIT_COUNTS = (1, 2, 4, 8)
@@ -157,23 +157,5 @@ def mm_few_k(a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32,
         raise ValueError(f"mm_few_k: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
     c = torch.empty((M, N), dtype=out_dtype, device=device)
     if M and N:
-        BM, BN = cfg["outer_BLOCK_M"], cfg["outer_BLOCK_N"]
-        chain_kernel[(configs.cdiv(M, BM), configs.cdiv(N, BN))](
-            a_KM,
-            b_KN,
-            c,
-            M,
-            N,
-            K,
-            a_KM.stride(0),
-            a_KM.stride(1),
-            b_KN.stride(0),
-            b_KN.stride(1),
-            c.stride(0),
-            c.stride(1),
-            BLOCK_M=BM,
-            BLOCK_N=BN,
-            num_warps=cfg["outer_num_warps"],
-            enable_fp_fusion=False,
-        )
+        launch_chain(a_KM, b_KN, c, cfg["outer_BLOCK_M"], cfg["outer_BLOCK_N"], cfg["outer_num_warps"])
     return c
