@@ -11,7 +11,7 @@ import functools
 import torch
 from torch import Tensor
 
-from h3lab.ops.fixed import cos_sin, pair_sum
+from h3lab.ops.fixed import cos_sin, pair_sum, sqrt_f32
 
 
 def _mean(x: Tensor) -> Tensor:
@@ -21,11 +21,9 @@ def _mean(x: Tensor) -> Tensor:
 
 
 def _rstd(x: Tensor, eps: float) -> Tensor:
-    # torch's fp32 sqrt on CPU is not correctly rounded (1 ULP off for ~17% of inputs, torch 2.13 on
-    # AMD EPYC); the fp64 sqrt is, and rounding it to fp32 gives the correctly rounded fp32 root on
-    # every device. The divide is IEEE.
+    # the correctly rounded root (torch's fp32 sqrt on CPU is not: h3lab.ops.fixed.sqrt_f32); the divide is IEEE
     ms = _mean(x * x) + eps
-    return 1.0 / torch.sqrt(ms.to(torch.float64)).to(torch.float32)
+    return 1.0 / sqrt_f32(ms)
 
 
 def rms_modulate_fwd(x_RD: Tensor, w_D: Tensor, scale_RD: Tensor, shift_RD: Tensor, eps: float) -> Tensor:
