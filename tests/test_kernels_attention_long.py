@@ -1,7 +1,7 @@
-"""The attention forward's variants for long sequences (h3lab.triton.attention): the TMA forward (pinned
-for head_dim 128 on sm90) gives the bytes of the pointer forward with the same tile, which runs the
-views a descriptor cannot walk; tests/test_kernels_attention.py checks the pinned kernels' layout
-invariance.
+"""The attention kernels' variants for long sequences (h3lab.triton.attention): the TMA forward, dq and
+dk/dv kernels (pinned for head_dim 128 on sm90) give the bytes of the pointer kernels with the same
+tile, which run the views a descriptor cannot walk; tests/test_kernels_attention.py checks the pinned
+kernels' layout invariance.
 
 Without CUDA the kernels run under the Triton interpreter in FP32 (tl.dot as tests/conftest.py's
 chain_dot, so equal chains give equal bits on every CPU); with CUDA the `gpu` tests run the compiled
@@ -49,6 +49,27 @@ def _check_fwd_tma(q, k, v, scale, node, cfg) -> None:
         assert_bitwise(a, b, f"TMA forward {cfg}: {name}")
 
 
+def _check_bwd_tma(q, k, v, do, scale, node, cfg_q, cfg_kv) -> None:
+    """dq under `cfg_q` and dk, dv under `cfg_kv` (TMA configs) equal the pointer kernels' with the same
+    tiles, byte for byte, on the pinned forward's statistics."""
+    out_dtype = torch.bfloat16 if q.is_cuda else q.dtype
+    _, o_ref, stats = att.attention_fwd(q, k, v, scale, out_dtype, node=node)
+    delta = att.attention_delta(do, o_ref, node=node)
+    args = (q, do, stats, delta, k, v, scale)
+    pairs = [
+        (
+            "dq",
+            att.attention_bwd_q(*args, node=node, config=cfg_q | {"TMA": False}),
+            att.attention_bwd_q(*args, node=node, config=cfg_q),
+        )
+    ]
+    want_kv = att.attention_bwd_kv(*args, node=node, config=cfg_kv | {"TMA": False})
+    got_kv = att.attention_bwd_kv(*args, node=node, config=cfg_kv)
+    pairs += [("dk", want_kv[0], got_kv[0]), ("dv", want_kv[1], got_kv[1])]
+    for name, want, got in pairs:
+        assert_bitwise(got, want, f"TMA backward {cfg_q if name == 'dq' else cfg_kv}: {name}")
+
+
 # ---- interpreter: FP32, ragged shapes ------------------------------------------------------------
 
 FWD32 = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "TMA": True}
@@ -61,6 +82,30 @@ def test_interp_fwd_tma_equals_pointer_kernel(n_q, n_k, heads):
     _check_fwd_tma(q, k, v, 32**-0.5, "sm90", FWD32)
     # a strided view of some heads (a TP rank's heads side by side): the descriptor walks it too
     _check_fwd_tma(q[:, 1:], k[:, 1:], v[:, 1:], 32**-0.5, "sm90", FWD32)
+
+
+BWD_Q32 = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "TMA": True}
+BWD_KV32 = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "TMA": True}
+
+
+@interp
+@pytest.mark.parametrize("n_q, n_k, heads", [(37, 61, 3), (131, 97, 2), (64, 64, 1)])
+def test_interp_bwd_tma_equals_pointer_kernels(n_q, n_k, heads):
+    """Ragged query and key tails (and none: 64 x 64), whole tensors and a view of some heads."""
+    q, k, v, do = _inputs(n_q, n_k, heads, 32, torch.float32, "cpu", seed=3)
+    _check_bwd_tma(q, k, v, do, 32**-0.5, "sm90", BWD_Q32, BWD_KV32)
+    if heads > 1:
+        views = [t[:, 1:] for t in (q, k, v, do)]
+        _check_bwd_tma(*views, 32**-0.5, "sm90", BWD_Q32, BWD_KV32)
+
+
+@interp
+def test_interp_pinned_head_dim_128_backward_is_the_tma_kernels_with_the_pointer_bytes():
+    pinned_q = att.config_for("attention_bwd_q", 128, "sm90")
+    pinned_kv = att.config_for("attention_bwd_kv", 128, "sm90")
+    assert pinned_q["TMA"] is True and pinned_kv["TMA"] is True
+    q, k, v, do = _inputs(150, 203, 2, 128, torch.float32, "cpu", seed=4)
+    _check_bwd_tma(q, k, v, do, 128**-0.5, "sm90", pinned_q, pinned_kv)
 
 
 @interp
@@ -86,8 +131,8 @@ def test_interp_attention_configs_refuse_unknown_keys():
         att.attention_fwd(q, k, v, 1.0, torch.float32, node="sm90", config=FWD32 | {"WARP_SPECIALIZE": True})
     _, o_ref, (lse,) = att.attention_fwd(q, k, v, 1.0, torch.float32, node="sm90")
     delta = att.attention_delta(q, o_ref, node="sm90")
-    with pytest.raises(ValueError, match=r"attention_bwd_q config keys \['TMA'\] unknown"):
-        att.attention_bwd_q(q, q, (lse,), delta, k, v, 1.0, node="sm90", config=FWD32)
+    with pytest.raises(ValueError, match=r"attention_bwd_q config keys \['WARP_SPECIALIZE'\] unknown"):
+        att.attention_bwd_q(q, q, (lse,), delta, k, v, 1.0, node="sm90", config=BWD_Q32 | {"WARP_SPECIALIZE": True})
 
 
 # ---- GPU: bf16, head_dim 128 --------------------------------------------------------------------
@@ -110,6 +155,16 @@ def test_gpu_fwd_tma_equals_pointer_kernel(n_q, n_k, heads):
     for cfg in _gpu_tma_candidates():
         _check_fwd_tma(q, k, v, 128**-0.5, None, cfg)
         _check_fwd_tma(q[:, 1:], k[:, 1:], v[:, 1:], 128**-0.5, None, cfg)  # a TP rank's heads, a view
+
+
+@gpu
+@pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (1031, 1031, 2), (4096, 4032, 8)])
+def test_gpu_bwd_tma_equals_pointer_kernels(n_q, n_k, heads):
+    q, k, v, do = _inputs(n_q, n_k, heads, 128, torch.bfloat16, "cuda", seed=7)
+    cfg_q = att.config_for("attention_bwd_q", 128, "sm90")
+    cfg_kv = att.config_for("attention_bwd_kv", 128, "sm90")
+    _check_bwd_tma(q, k, v, do, 128**-0.5, None, cfg_q, cfg_kv)
+    _check_bwd_tma(*(t[:, 1:] for t in (q, k, v, do)), 128**-0.5, None, cfg_q, cfg_kv)  # a TP rank's heads
 
 
 def test_attention_variants_compile_for_sm90():

@@ -210,20 +210,16 @@ def attention_variants(node: str) -> list[Variant]:
                     Variant(kernel, f"head_dim {dh}", "attention_bwd.attention_delta_kernel", types, const, opts)
                 )
                 continue
-            fn = {
-                "attention_fwd": "attention_fwd.attention_fwd_tma_kernel"
-                if cfg.get("TMA")
-                else "attention_fwd.attention_fwd_kernel",
-                "attention_bwd_q": "attention_bwd.attention_bwd_q_kernel",
-                "attention_bwd_kv": "attention_bwd.attention_bwd_kv_kernel",
-            }[kernel]
+            module = "attention_fwd" if kernel == "attention_fwd" else "attention_bwd"
+            fn = f"{module}.{kernel}_tma_kernel" if cfg.get("TMA") else f"{module}.{kernel}_kernel"
             const = {"HEAD_DIM": int(dh), "DOT_PREC": "tf32", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
             const |= {"WRITE_REF": True} if kernel == "attention_fwd" else {}
             types = {n: "*fp32" for n in fp32}
             types |= {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr")}
             types |= {"qk_scale": "fp32", "scale": "fp32"}
             if cfg.get("TMA"):
-                rows = {"q_desc": cfg["BLOCK_M"], "k_desc": cfg["BLOCK_N"], "v_desc": cfg["BLOCK_N"]}
+                rows = {"q_desc": cfg["BLOCK_M"], "do_desc": cfg["BLOCK_M"]}
+                rows |= {"k_desc": cfg["BLOCK_N"], "v_desc": cfg["BLOCK_N"]}
                 types |= {n: f"tensordesc<bf16[{r}, {dh}]>" for n, r in rows.items()}
             opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
             out.append(Variant(kernel, f"head_dim {dh}", fn, types, const, opts))

@@ -115,7 +115,7 @@ def _cubin_usage(kernel: Any) -> tuple[int, int]:
 def _attention_arg_type(name: str, cfg: dict[str, Any], head_dim: int) -> str:
     """The launcher's argument types at the real shapes: bf16 q/k/v/dO, FP32 outputs and statistics."""
     if name.endswith("_desc"):
-        rows = cfg["BLOCK_M"] if name == "q_desc" else cfg["BLOCK_N"]
+        rows = cfg["BLOCK_M"] if name in ("q_desc", "do_desc") else cfg["BLOCK_N"]
         return f"tensordesc<bf16[{rows}, {head_dim}]>"
     if name in ("oref_ptr", "lse_ptr", "delta_ptr", "dq_ptr", "dk_ptr", "dv_ptr"):
         return "*fp32"
@@ -138,8 +138,12 @@ def compile_attention_sm90(kernel: str, cfg: dict[str, Any], head_dim: int = 128
         "attention_fwd": attention_fwd.attention_fwd_tma_kernel
         if cfg.get("TMA")
         else attention_fwd.attention_fwd_kernel,
-        "attention_bwd_q": attention_bwd.attention_bwd_q_kernel,
-        "attention_bwd_kv": attention_bwd.attention_bwd_kv_kernel,
+        "attention_bwd_q": attention_bwd.attention_bwd_q_tma_kernel
+        if cfg.get("TMA")
+        else attention_bwd.attention_bwd_q_kernel,
+        "attention_bwd_kv": attention_bwd.attention_bwd_kv_tma_kernel
+        if cfg.get("TMA")
+        else attention_bwd.attention_bwd_kv_kernel,
     }
     if kernel not in fns:
         raise ValueError(f"compile_attention_sm90: kernel {kernel!r}; allowed: {sorted(fns)}")

@@ -1,12 +1,14 @@
 """Attention launchers (Backend protocol): forward, delta, dq, dk/dv over keys in canonical order.
 
-Kernels: h3lab.triton.attention_fwd (forward: TMA descriptor loads when the config says "TMA": true,
-else pointer loads) and h3lab.triton.attention_bwd (delta, dq, dk/dv). Reference arithmetic:
-h3lab.ops.attention. Pinned tiles: kernels/<node>.json, keys attention_fwd, attention_delta,
-attention_bwd_q, attention_bwd_kv, each {"by_head_dim": {"<Dh>": config}}. A TMA forward whose
-operands a descriptor cannot walk (rows not 16-byte aligned, heads not side by side) runs the
-pointer forward with the same tile instead: the same arithmetic, so the same bits
-(tests/test_kernels_attention_long.py checks the equality, in the interpreter and on the GPU).
+Kernels: h3lab.triton.attention_fwd (forward) and h3lab.triton.attention_bwd (delta, dq, dk/dv);
+the forward, dq and dk/dv kernels each come as a pointer kernel and a TMA kernel, the latter used
+when the config says "TMA": true (descriptor loads of the operands walked in the loop: k, v for the
+forward and dq; q, dO for dk/dv). Reference arithmetic: h3lab.ops.attention. Pinned tiles:
+kernels/<node>.json, keys attention_fwd, attention_delta, attention_bwd_q, attention_bwd_kv, each
+{"by_head_dim": {"<Dh>": config}}. A TMA config whose operands a descriptor cannot walk (rows not
+16-byte aligned, heads not side by side) runs the pointer kernel with the same tile instead: the
+same arithmetic, so the same bits (tests/test_kernels_attention_long.py checks the equality, in the
+interpreter and on the GPU).
 
 Dimension legend: Q query rows, K key rows (active keys, canonical order), H heads, Dh head_dim.
 Layout: q [Q, H, Dh], k/v [K, H, Dh], head_dim contiguous, any row/head stride.
@@ -30,7 +32,13 @@ import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from h3lab.triton.attention_bwd import attention_bwd_kv_kernel, attention_bwd_q_kernel, attention_delta_kernel
+from h3lab.triton.attention_bwd import (
+    attention_bwd_kv_kernel,
+    attention_bwd_kv_tma_kernel,
+    attention_bwd_q_kernel,
+    attention_bwd_q_tma_kernel,
+    attention_delta_kernel,
+)
 from h3lab.triton.attention_fwd import attention_fwd_kernel, attention_fwd_tma_kernel
 from h3lab.triton.configs import cdiv, interpreting, node_of, pinned
 
@@ -41,8 +49,8 @@ KERNELS = ("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd
 CONFIG_KEYS = {
     "attention_fwd": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
     "attention_delta": {"BLOCK_R", "num_warps", "num_stages"},
-    "attention_bwd_q": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
-    "attention_bwd_kv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
+    "attention_bwd_q": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
+    "attention_bwd_kv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
 }
 # tensor-core input dtypes on CUDA; the interpreter computes bf16 wrong (numpy has no bf16 dot), so
 # there FP32 with IEEE dots is the only honest input
@@ -248,6 +256,12 @@ def _bwd_operands(
     return _lastdim(q), _lastdim(do), _lastdim(k), _lastdim(v), _lse(stats, H, Q), _stat(delta, H, Q)
 
 
+def _bwd_meta(cfg: Mapping[str, Any], head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The backward kernels' compile-time arguments and launch options under `cfg`."""
+    meta = {"HEAD_DIM": head_dim, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    return meta | {"DOT_PREC": _dot_precision(dtype), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
 def attention_bwd_q(
     q: Tensor,
     do: Tensor,
@@ -267,7 +281,14 @@ def attention_bwd_q(
     dq = torch.empty((Q, H, Dh), dtype=F32, device=q.device)
     if Q == 0:
         return dq
-    attention_bwd_q_kernel[(cdiv(Q, cfg["BLOCK_M"]), H)](
+    grid = (cdiv(Q, cfg["BLOCK_M"]), H)
+    common = _bwd_meta(cfg, Dh, q.dtype)
+    descs = [_row_desc(t, cfg["BLOCK_N"]) for t in (k, v)] if cfg.get("TMA", False) else [None]
+    if all(d is not None for d in descs):
+        strides = (q.stride(0), q.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1))
+        attention_bwd_q_tma_kernel[grid](q, do, lse, delta, *descs, dq, Q, K, scale * LOG2E, scale, *strides, **common)
+        return dq
+    attention_bwd_q_kernel[grid](
         q,
         do,
         lse,
@@ -289,12 +310,7 @@ def attention_bwd_q(
         v.stride(1),
         dq.stride(0),
         dq.stride(1),
-        HEAD_DIM=Dh,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **common,
     )
     return dq
 
@@ -319,7 +335,15 @@ def attention_bwd_kv(
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     if Q == 0:  # no queries: the gradients are exact zeros
         return dk.zero_(), dv.zero_()
-    attention_bwd_kv_kernel[(cdiv(K, cfg["BLOCK_N"]), H)](
+    grid = (cdiv(K, cfg["BLOCK_N"]), H)
+    common = _bwd_meta(cfg, Dh, q.dtype)
+    descs = [_row_desc(t, cfg["BLOCK_M"]) for t in (q, do)] if cfg.get("TMA", False) else [None]
+    kv_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), dk.stride(0), dk.stride(1))
+    if all(d is not None for d in descs):
+        args = (*descs, lse, delta, k, v, dk, dv, Q, K, scale * LOG2E, scale, *kv_strides)
+        attention_bwd_kv_tma_kernel[grid](*args, **common)
+        return dk, dv
+    attention_bwd_kv_kernel[grid](
         q,
         do,
         lse,
@@ -336,18 +360,8 @@ def attention_bwd_kv(
         q.stride(1),
         do.stride(0),
         do.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        dk.stride(0),
-        dk.stride(1),
-        HEAD_DIM=Dh,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        *kv_strides,
+        **common,
     )
     return dk, dv
 

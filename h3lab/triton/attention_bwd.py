@@ -8,6 +8,11 @@ and accumulate in FP32; dS and P enter the tensor core in the input dtype (bf16 
 softmax scale that turns d(s2-space) into d(q . k) is applied once, to the FP32 accumulator in the
 epilogue (dq *= scale, dk *= scale), as in the reference.
 
+The dq and dk/dv kernels come twice: with pointer loads, and with TMA descriptor loads of the
+operands their loop walks (k, v for dq; q, dO for dk/dv). Both run the same step functions
+(_dq_step, _dkdv_step) on the loaded tiles, so they give the same bits; the launcher takes the TMA
+kernel when the pinned config says "TMA" and the operands have a descriptor.
+
 Invariance, as in attention_fwd: the dq program of a query walks every key block ascending, the
 dk/dv program of a key walks every query block of the canonical query set ascending; rows are
 never mixed by any operation, so a query's dq depends only on it and the keys, a key's dk/dv only
@@ -45,6 +50,18 @@ def attention_delta_kernel(
 
 
 @triton.jit
+def _dq_step(dq, q, do, lse, delta, k, v, key_ok, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key block of dq on tiles already loaded (padded keys load as zeros; MASK zeroes their p)."""
+    s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    p = tl.math.exp2(s2 - lse[:, None])
+    if MASK:
+        p = tl.where(key_ok[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _dq_key_block(
     dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_n, n_k, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr
 ):
@@ -53,15 +70,10 @@ def _dq_key_block(
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
     else:
+        key_ok = offs_n  # unused: MASK is off
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
-    p = tl.math.exp2(s2 - lse[:, None])
-    if MASK:
-        p = tl.where(key_ok[None, :], p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return _dq_step(dq, q, do, lse, delta, k, v, key_ok, qk_scale, MASK, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k"])
@@ -122,6 +134,20 @@ def attention_bwd_q_kernel(
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One query block of dk, dv on tiles already loaded (padded queries load as zeros; MASK zeroes their p)."""
+    s2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M] = s2^T
+    p_t = tl.math.exp2(s2_t - lse[None, :])
+    if MASK:
+        p_t = tl.where(row_ok[None, :], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_query_block(
     dk,
     dv,
@@ -144,19 +170,12 @@ def _dkdv_query_block(
         lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
     else:
+        row_ok = offs_m  # unused: MASK is off
         q = tl.load(q_ptrs)
         do = tl.load(do_ptrs)
         lse = tl.load(lse_ptrs)
         delta = tl.load(delta_ptrs)
-    s2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M] = s2^T
-    p_t = tl.math.exp2(s2_t - lse[None, :])
-    if MASK:
-        p_t = tl.where(row_ok[None, :], p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    return dk, dv
+    return _dkdv_step(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, MASK, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k"])
@@ -232,5 +251,120 @@ def attention_bwd_kv_kernel(
         )
     dk = dk * scale  # the one scaling of dk, on the FP32 sum (reference: chain_bmm(ds^T, q) * scale)
     out = h * stride_gh + keys * stride_gm + offs_d[None, :]
+    tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
+    tl.store(dv_ptr + out, dv, mask=key_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k"])
+def attention_bwd_q_tma_kernel(
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    k_desc,
+    v_desc,
+    dq_ptr,
+    n_q,
+    n_k,
+    qk_scale,
+    scale,
+    stride_qm,
+    stride_qh,
+    stride_dm,
+    stride_dh,
+    stride_gm,
+    stride_gh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """attention_bwd_q_kernel with k, v through TMA descriptors over [K, H * Dh] (block [BLOCK_N, Dh] at
+    column h * Dh): the same arithmetic per row; keys past n_k load as zeros (the descriptor's bounds)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1)
+    col = h * HEAD_DIM
+    h64 = h.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_q
+    rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(q_ptr + h64 * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + h64 * stride_dh + rows * stride_dm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + h64 * n_q + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + h64 * n_q + offs_m, mask=row_ok, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    n_full = n_k // BLOCK_N
+    for j in range(n_full):
+        k = k_desc.load([j * BLOCK_N, col])
+        v = v_desc.load([j * BLOCK_N, col])
+        dq = _dq_step(dq, q, do, lse, delta, k, v, offs_n, qk_scale, False, DOT_PREC)
+    if n_full * BLOCK_N < n_k:
+        k = k_desc.load([n_full * BLOCK_N, col])
+        v = v_desc.load([n_full * BLOCK_N, col])
+        dq = _dq_step(dq, q, do, lse, delta, k, v, offs_n + n_full * BLOCK_N < n_k, qk_scale, True, DOT_PREC)
+    dq = dq * scale
+    tl.store(dq_ptr + h64 * stride_gh + rows * stride_gm + offs_d[None, :], dq, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k"])
+def attention_bwd_kv_tma_kernel(
+    q_desc,
+    do_desc,
+    lse_ptr,
+    delta_ptr,
+    k_ptr,
+    v_ptr,
+    dk_ptr,
+    dv_ptr,
+    n_q,
+    n_k,
+    qk_scale,
+    scale,
+    stride_km,
+    stride_kh,
+    stride_vm,
+    stride_vh,
+    stride_gm,
+    stride_gh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """attention_bwd_kv_kernel with q, dO through TMA descriptors over [Q, H * Dh] (block [BLOCK_M, Dh] at
+    column h * Dh): the same arithmetic per key; queries past n_q load as zeros (the descriptor's bounds)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.program_id(1)
+    col = h * HEAD_DIM
+    h64 = h.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < n_k
+    keys = offs_n.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + h64 * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + h64 * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    stat = h64 * n_q
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    n_full = n_q // BLOCK_M
+    for i in range(n_full):
+        q = q_desc.load([i * BLOCK_M, col])
+        do = do_desc.load([i * BLOCK_M, col])
+        lse = tl.load(lse_ptr + stat + i * BLOCK_M + offs_m)
+        delta = tl.load(delta_ptr + stat + i * BLOCK_M + offs_m)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, offs_m, qk_scale, False, DOT_PREC)
+    if n_full * BLOCK_M < n_q:
+        rows = offs_m + n_full * BLOCK_M
+        row_ok = rows < n_q
+        q = q_desc.load([n_full * BLOCK_M, col])
+        do = do_desc.load([n_full * BLOCK_M, col])
+        lse = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
+        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, True, DOT_PREC)
+    dk = dk * scale
+    out = h64 * stride_gh + keys * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
     tl.store(dv_ptr + out, dv, mask=key_ok[:, None])
