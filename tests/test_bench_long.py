@@ -79,6 +79,23 @@ def test_attention_long_variants_are_valid_configs():
             attention_long.parse_rows(bad)
 
 
+def test_attention_long_bound_is_the_backward_rate_that_reaches_0_9():
+    """summary.bound: the split backward's TFLOP/s now, and the rate at which forward + delta + backward
+    would take SDPA's forward+backward time / 0.9 (hand-made times, the arithmetic only)."""
+    from h3lab.triton.attention import flops
+
+    rows, keys, heads = 4096, 4032, 56
+    kernels = {"fwd": {"ms": 1.0}, "delta": {"ms": 0.1}, "bwd_q": {"ms": 1.5}, "bwd_kv": {"ms": 2.0}}
+    rec = {"rows": rows, "keys": keys, "heads": heads, "variants": {}, "kernels": kernels}
+    rec["sdpa"] = {"best": "cudnn", "best_fwd": "cudnn", "cudnn": {"fwd_ms": 0.9, "fwd_bwd_ms": 3.6}}
+    bound = attention_long.summarize(rec)["bound"]
+    bwd = flops(rows, keys, heads, attention_long.DH)["bwd"]
+    assert bound["split_bwd_tflops"] == pytest.approx(bwd / 3.5 / 1e9)
+    assert bound["split_bwd_tflops_for_0.9"] == pytest.approx(bwd / (3.6 / 0.9 - 1.1) / 1e9)
+    rec["sdpa"]["cudnn"]["fwd_bwd_ms"] = 0.9  # forward + delta alone are over the line: no rate reaches it
+    assert attention_long.summarize(rec)["bound"]["split_bwd_tflops_for_0.9"] is None
+
+
 def test_block_gpu_arguments():
     a = block_gpu.parse_args(["--out", "x.json", "--rows", "16384", "--no-graphs", "--reps", "3"])
     assert a.rows == [16384] and not a.graphs and a.reps == 3
@@ -114,7 +131,9 @@ def test_attention_long_bench_rows_logic_under_the_interpreter(monkeypatch, chai
     monkeypatch.setattr(attention_long, "DTYPE", torch.float32)
     saved = []
     rec = attention_long.bench_rows(200, 2, 0.1, attention_long.VARIANTS, saved.append)
-    assert len(saved) == len(attention_long.VARIANTS)
+    assert len(saved) == len(attention_long.VARIANTS) + 1  # each variant, then the per-kernel times
+    assert set(rec["kernels"]) == {"fwd", "delta", "bwd_q", "bwd_kv"}
+    assert set(rec["summary"]["bound"]) == {"split_bwd_tflops", "split_bwd_tflops_for_0.9"}
     for name, r in rec["variants"].items():
         assert "error" not in r, (name, r)
         fwd = attention_long.VARIANTS[name]

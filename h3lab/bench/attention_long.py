@@ -13,6 +13,13 @@ lse, dq, dk, dv), and the relative L2 error against float64 on 256 query rows an
 the fastest and `ratio_*` divide our times by its. Variants: `VARIANTS`, forward configurations
 (the pinned set first); every variant's backward is the pinned split kernels (attention_bwd_q,
 attention_bwd_kv) on its own forward's statistics.
+
+Where the time goes: `kernels` times each pinned kernel alone (forward, delta, dq, dk/dv) with its
+tensor-core TFLOP/s (h3lab.triton.attention.flops: the split backward does 7 GEMM-sized products,
+a fused one 5), `sdpa.cudnn.kernels_ms` lists cuDNN's own kernels under torch.profiler, and
+`gemm_ceiling_tflops` is a cuBLAS bf16 8192^3 GEMM in the same run: the tensor-core rate a kernel
+with no softmax work can reach. `summary.bound` gives the rate the split backward would need for
+0.9 of SDPA's forward+backward speed.
 """
 
 from __future__ import annotations
@@ -75,6 +82,47 @@ def peak_gib(fn: Callable[[], Any]) -> float:
     torch.cuda.synchronize()
     del out
     return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def gemm_ceiling_tflops() -> float:
+    """TFLOP/s of a cuBLAS bf16 8192 x 8192 x 8192 GEMM (median of CUDA-event timed calls)."""
+    a = torch.randn(8192, 8192, device="cuda").to(DTYPE)
+    ms = timed(lambda: a @ a, budget_s=0.2, min_reps=5)["ms"]
+    return 2 * 8192**3 / ms / 1e9
+
+
+def kernel_times(x: dict[str, Tensor], scale: float) -> dict[str, Any]:
+    """Each pinned kernel alone: milliseconds (median) and tensor-core TFLOP/s."""
+    q, k, v, do = x["q"], x["k"], x["v"], x["do"]
+    _, o_ref, stats = att.attention_fwd(q, k, v, scale, DTYPE, node=NODE)
+    delta = att.attention_delta(do, o_ref, node=NODE)
+    calls = {
+        "fwd": lambda: att.attention_fwd(q, k, v, scale, DTYPE, node=NODE),
+        "delta": lambda: att.attention_delta(do, o_ref, node=NODE),
+        "bwd_q": lambda: att.attention_bwd_q(q, do, stats, delta, k, v, scale, node=NODE),
+        "bwd_kv": lambda: att.attention_bwd_kv(q, do, stats, delta, k, v, scale, node=NODE),
+    }
+    fl = att.flops(q.shape[0], k.shape[0], q.shape[1], DH)
+    out: dict[str, Any] = {}
+    for name, fn in calls.items():
+        t = timed(fn)
+        out[name] = {"ms": t["ms"], "spread_ms": t["spread_ms"]}
+        if name in fl:
+            out[name]["tflops"] = fl[name] / t["ms"] / 1e9
+    return out
+
+
+def cudnn_kernels(f: Callable[[], Any]) -> list[tuple[str, float]]:
+    """cuDNN's kernels in one forward+backward under torch.profiler: (name, ms), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    ev = [(e.key[:100], e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(ev, key=lambda t: -t[1])[:6]
 
 
 def make_inputs(rows: int, heads: int, seed: int) -> dict[str, Tensor]:
@@ -163,6 +211,10 @@ def sdpa(x: dict[str, Tensor], scale: float, rows: int) -> dict[str, Any]:
                 fb = timed(lambda: torch.autograd.grad(f(q, k, v, scale=scale), (q, k, v), do))
                 peak = peak_gib(lambda: torch.autograd.grad(f(q, k, v, scale=scale), (q, k, v), do))
             out[name] = {"fwd_ms": fwd["ms"], "fwd_bwd_ms": fb["ms"], "bwd_ms": fb["ms"] - fwd["ms"], "peak_gib": peak}
+            if name == "cudnn":
+                out[name]["kernels_ms"] = cudnn_kernels(
+                    lambda: torch.autograd.grad(f(q, k, v, scale=scale), (q, k, v), do)
+                )
         except Exception as e:  # a backend this build or GPU lacks is a result too
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     ok = {n: r for n, r in out.items() if "fwd_bwd_ms" in r}
@@ -208,6 +260,8 @@ def bench_rows(
         save(rec)
         torch.cuda.empty_cache()
         print(rows, name, {k: v for k, v in r.items() if k in ("fwd_ms", "bwd_ms", "bitwise_vs_pinned", "error")})
+    rec["kernels"] = kernel_times(x, scale)
+    save(rec)
     rec["sdpa"] = sdpa(x, scale, rows) if with_sdpa else {}
     return rec | {"summary": summarize(rec)}
 
@@ -228,6 +282,13 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
         best = min(same, key=lambda n: same[n]["fwd_ms"])
         ms = same[best]["fwd_bwd_ms"]
         out["best_same_bits"] = {"variant": best, "fwd_bwd_ms": ms, "speed_fwd_bwd_vs_sdpa": fb / ms}
+    if "kernels" in rec:  # the backward rate 0.9 of SDPA's speed needs, with the pinned forward and delta
+        kt = rec["kernels"]
+        left_ms = fb / 0.9 - kt["fwd"]["ms"] - kt["delta"]["ms"]
+        bwd_flops = att.flops(rec["rows"], rec["keys"], rec["heads"], DH)["bwd"]
+        now = bwd_flops / (kt["bwd_q"]["ms"] + kt["bwd_kv"]["ms"]) / 1e9
+        need = bwd_flops / left_ms / 1e9 if left_ms > 0 else None
+        out["bound"] = {"split_bwd_tflops": now, "split_bwd_tflops_for_0.9": need}
     return out
 
 
@@ -270,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "pinned": {k: c for k, c in describe(node)["kernels"].items() if k.startswith("attention")},
         "variants": {n: f or "pinned" for n, f in chosen.items()},
+        "gemm_ceiling_tflops": gemm_ceiling_tflops(),
         "rows": {},
     }
     for n in rows:
