@@ -139,11 +139,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool, graphs: bool = True) -> dict:
+def eager_step(w: BlockWeights, b: PackedBatch) -> Callable[[bool], dict]:
+    """The eager bf16 block (cuBLAS + SDPA) on (w, b) as a call; its argument: with the backward."""
     cos, sin = (t.to(b.device).to(torch.bfloat16) for t in rope_cos_sin(b.position_ids.cpu(), w.config))
+    return lambda backward: eager_block(w, b, cos, sin, backward)
 
-    def eager(backward: bool) -> dict:
-        return eager_block(w, b, cos, sin, backward)
+
+def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool, graphs: bool = True) -> dict:
+    eager = eager_step(w, b)
 
     def canonical() -> dict:
         return canonical_block(w, b, backend="triton").tensors()

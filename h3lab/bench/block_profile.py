@@ -7,7 +7,10 @@ time, runtime calls such as cudaStreamSynchronize by count; cProfile's top Pytho
 minus the kernel time is what the host adds: launches the GPU waited for and synchronisations
 that drained its queue. A second profiled run marks every op on the host timeline and splits the
 GPU's idle time into gaps, each charged to the op the host had last passed (h3lab.bench.gaps):
-`gaps-<rows>.json`, and the totals in `profile.json`.
+`gaps-<rows>.json`, and the totals in `profile.json`. With `--eager` the eager bf16 block (cuBLAS +
+SDPA, h3lab.reference.eager, forward + backward) is profiled at each row count too, and both blocks'
+kernel time is split by role (attention, GEMM, other; h3lab.bench.roles) in `by_role_ms`: where the
+canonical block's extra time goes.
 """
 
 from __future__ import annotations
@@ -22,18 +25,46 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from h3lab.batch import packed_batch
-from h3lab.bench.block_gpu import cuda_times
+from h3lab.batch import PackedBatch, packed_batch
+from h3lab.bench.block_gpu import cuda_times, eager_step
 from h3lab.bench.gaps import SYNCS, gaps, marker_trace
+from h3lab.bench.roles import by_role
 from h3lab.block import block_step, canonical_block
 from h3lab.comm import LocalComm
 from h3lab.config import H3Config
 from h3lab.io.jsonfile import write_json
 from h3lab.units import unit_weights
-from h3lab.weights import synthetic_block
+from h3lab.weights import BlockWeights, synthetic_block
 
 
-def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> tuple[dict, str]:
+def kernel_ms(prof: profile) -> list[tuple[str, float]]:
+    """(kernel name, summed self milliseconds) of every CUDA kernel a profile recorded."""
+    events = prof.key_averages()
+    return [(e.key, e.self_device_time_total / 1e3) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def eager_profile(w: BlockWeights, b: PackedBatch, reps: int) -> dict:
+    """The eager block's forward + backward: wall median (CUDA events) and its kernels by role."""
+    step = eager_step(w, b)
+
+    def run() -> None:
+        step(True)
+
+    wall = cuda_times(run, reps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    ks = kernel_ms(prof)
+    top = sorted(ks, key=lambda t: -t[1])[:12]
+    return {
+        "wall_median_s": statistics.median(wall),
+        "kernel_s": sum(ms for _, ms in ks) / 1e3,
+        "by_role_ms": by_role(ks),
+        "top_kernels": [{"name": n[:120], "total_ms": ms} for n, ms in top],
+    }
+
+
+def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eager: bool = False) -> tuple[dict, str]:
     dev = torch.device("cuda")
     w = synthetic_block(c, 0, seed=0).to(dev)
     b = packed_batch(c, rows, seed=1).to(dev)
@@ -101,7 +132,13 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path) -> 
             {"name": e.key[:120], "count": e.count, "total_ms": e.self_device_time_total / 1e3}
             for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
         ],
+        "by_role_ms": by_role(kernel_ms(prof)),
     }
+    if eager:
+        del prof, marked
+        record["eager"] = eager_profile(w, b, reps)
+        mine, theirs = record["by_role_ms"], record["eager"]["by_role_ms"]
+        record["extra_ms_by_role"] = {k: mine[k] - theirs[k] for k in mine}
     return record, text
 
 
@@ -112,12 +149,13 @@ def main() -> None:
     ap.add_argument("--backend", default="triton", choices=("triton", "torch"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--config", default="real")
+    ap.add_argument("--eager", action="store_true", help="profile the eager block too; kernel time by role")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     a.out.mkdir(parents=True, exist_ok=True)
     records = []
     for rows in (int(r) for r in a.rows.split(",")):
-        record, text = profile_rows(H3Config.named(a.config), rows, a.backend, a.reps, a.out)
+        record, text = profile_rows(H3Config.named(a.config), rows, a.backend, a.reps, a.out, a.eager)
         records.append(record)
         (a.out / f"profile-{rows}.txt").write_text(text)
         write_json(a.out / "profile.json", records)
