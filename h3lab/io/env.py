@@ -14,6 +14,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,33 @@ def _git() -> dict[str, Any]:
         "commit": commit or None,
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None,
         "describe": git("describe", "--always", "--dirty") or None,
+        "tree": worktree_id() if commit else None,
     }
+
+
+def worktree_id() -> str | None:
+    """The git tree id of the checkout's files as they are (tracked and untracked, .gitignore applied),
+    built in a scratch index: `git rev-parse C^{tree}` of the commit C the files match. A record from
+    a dirty checkout so still names the code it ran (a device's copy of a working tree has the last
+    landed commit as HEAD and later commits as changes). Like `git stash create` it writes the files'
+    blobs to the object store and touches neither the index nor HEAD. None when git cannot say."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = os.environ | {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        for args in (["read-tree", "HEAD"], ["add", "-A"], ["write-tree"]):
+            out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60, env=env)
+            if out.returncode != 0:
+                return None
+        return out.stdout.strip() or None
+
+
+def code_label(git: dict[str, Any]) -> str | None:
+    """`git describe --dirty` of a record's git state, and for a dirty checkout the tree its files
+    form ("2dfed9c-dirty, tree 3e913a0"): `git log --all --format='%h %T' | grep 3e913a0` finds the
+    commit with those files."""
+    label = git.get("describe")
+    if label and git.get("dirty") and git.get("tree"):
+        label += f", tree {git['tree'][:7]}"
+    return label
 
 
 def _gpus() -> list[dict[str, Any]]:

@@ -23,6 +23,12 @@ from typing import Any
 
 from h3lab.workbench import benchmarks as bench_tables
 
+DIRTY_NOTE = (
+    "A commit marked `-dirty, tree T` ran on a checkout with changes on top of it (a device's copy of a "
+    "working tree has the last landed commit as HEAD); T is the git tree of the files it ran: "
+    "`git log --all --format='%h %T' | grep T` names the commit with those files."
+)
+
 
 def staging(reports: Path, name: str) -> Path:
     """A new, empty folder beside reports/<name>/ to build the next version in."""
@@ -113,6 +119,8 @@ def readme(
     skipped = [f"`{n}` ({e['skipped']})" for n, e in benchmarks.items() if not e.get("path")]
     if skipped:
         lines += ["", "Not run here: " + "; ".join(skipped) + "."]
+    if "-dirty, tree " in "\n".join(lines):
+        lines += ["", DIRTY_NOTE]
     path = folder / "README.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nbformat
 
+from h3lab.io.env import code_label
 from h3lab.io.jsonfile import write_json
 from h3lab.workbench import notebooks, tables
 from h3lab.workbench.rundata import Sweep, load_sweep
@@ -165,7 +166,7 @@ def published_folder(node: str, gpus: int) -> str:
 
 
 def _commit(sweep: Sweep) -> str | None:
-    return (sweep.env.get("git") or {}).get("describe")
+    return code_label(sweep.env.get("git") or {})
 
 
 def _write_record(sweeps: list[Sweep], out_dir: Path, title: str, benchmarks: dict[str, dict[str, str]]) -> None:

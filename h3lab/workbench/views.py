@@ -49,7 +49,10 @@ def _commit(sw: Sweep) -> str:
     git = sw.env.get("git") or {}
     if not git.get("commit"):
         return "commit not recorded"
-    return f"commit `{git['commit'][:12]}`" + (" (with uncommitted changes)" if git.get("dirty") else "")
+    if git.get("dirty"):
+        files = f"; its files form tree `{git['tree'][:12]}`" if git.get("tree") else ""
+        return f"commit `{git['commit'][:12]}` (with changes on top{files})"
+    return f"commit `{git['commit'][:12]}`"
 
 
 def show_header(sweeps: list[Sweep], title: str, note: str = "") -> None:

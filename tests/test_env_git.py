@@ -1,0 +1,45 @@
+"""h3lab.io.env's git record: `tree` names the files a run ran, clean checkout or not, without touching
+the checkout's own index (a scratch git repository stands in for the project's)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from h3lab.io import env
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+
+def _git(repo: Path, *args: str) -> str:
+    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_tree_is_the_commit_tree_the_files_match(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("runs/\n")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "one")
+    monkeypatch.setattr(env, "REPO", repo)
+    assert env.worktree_id() == _git(repo, "rev-parse", "HEAD^{tree}")
+
+    # a later commit's files on top of the first, as a device's copy has them: HEAD stays, tree moves
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "b.py").write_text("y = 3\n")  # untracked, not ignored: part of the code that runs
+    (repo / "runs").mkdir()
+    (repo / "runs" / "out.json").write_text("{}")  # ignored: not part of it
+    status = _git(repo, "status", "--porcelain")
+    got = env.worktree_id()
+    assert _git(repo, "status", "--porcelain") == status  # the checkout's index is untouched
+    record = env._git()
+    assert record["dirty"] is True and record["tree"] == got
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "two")
+    assert got == _git(repo, "rev-parse", "HEAD^{tree}")
