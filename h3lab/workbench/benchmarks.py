@@ -18,6 +18,8 @@ from typing import Any
 
 import pandas as pd
 
+from h3lab.io.env import code_label
+
 MS = 1e3  # seconds -> milliseconds
 
 
@@ -52,7 +54,7 @@ def provenance(record: Any, ran_at: str | None = None) -> dict[str, str]:
     if cpu.get("cpu_model"):  # block_cpu
         machine = f"{cpu['cpu_model']}, {cpu.get('logical_cpus')} CPUs ({cpu.get('torch_threads')} threads)"
     git = env.get("git") or {}
-    commit = git.get("describe") or (record.get("commit") if isinstance(record, dict) else None)
+    commit = code_label(git) or (record.get("commit") if isinstance(record, dict) else None)
     return {"machine": machine, "commit": commit or ran_at or "not recorded"}
 
 
@@ -123,10 +125,16 @@ def attention(record: dict) -> pd.DataFrame:
 
 
 def attention_long(record: dict) -> pd.DataFrame:
-    """Per row count: the pinned kernels' fwd and bwd ms, peak GiB, bits, against the fastest SDPA backend."""
+    """Per row count: the pinned kernels' fwd and bwd ms, peak GiB, bits, against the fastest SDPA backend;
+    where the time goes (each kernel's tensor-core TFLOP/s) and what bounds the backward (the rate the
+    split dq + dk/dv kernels run at, and the rate 0.9 of SDPA's speed needs; the record's
+    gemm_ceiling_tflops is a cuBLAS GEMM's rate on the same GPU)."""
     rows = []
     for n, r in record["rows"].items():
         p = r["variants"]["pinned"]
+        summary = r.get("summary") or {}
+        kernels = r.get("kernels") or {}
+        bound = summary.get("bound") or {}
         rows.append(
             {
                 "rows": int(n),
@@ -134,27 +142,40 @@ def attention_long(record: dict) -> pd.DataFrame:
                 "bwd ms": p.get("bwd_ms"),
                 "bwd peak GiB": (p.get("peak_gib") or {}).get("bwd"),
                 "repeats bitwise": p.get("repeat_bitwise"),
-                "fastest SDPA": (r.get("summary") or {}).get("sdpa_best"),
-                "speed vs it": ((r.get("summary") or {}).get("pinned") or {}).get("speed_fwd_bwd_vs_sdpa"),
+                "fastest SDPA": summary.get("sdpa_best"),
+                "fwd speed vs it": (summary.get("pinned") or {}).get("speed_fwd_vs_sdpa"),
+                "speed vs it": (summary.get("pinned") or {}).get("speed_fwd_bwd_vs_sdpa"),
+                "fwd TFLOP/s": (kernels.get("fwd") or {}).get("tflops"),
+                "dq TFLOP/s": (kernels.get("bwd_q") or {}).get("tflops"),
+                "dk/dv TFLOP/s": (kernels.get("bwd_kv") or {}).get("tflops"),
+                "bwd TFLOP/s for 0.9": bound.get("split_bwd_tflops_for_0.9"),
+                "GEMM ceiling TFLOP/s": record.get("gemm_ceiling_tflops"),
             }
         )
     return pd.DataFrame(rows).set_index("rows")
 
 
 def profile(record: list) -> pd.DataFrame:
-    """Per row count: the block's wall and kernel ms, what the host adds, launches, the GPU's idle ms."""
+    """Per row count: the block's wall and kernel ms, what the host adds, launches, the GPU's idle ms;
+    with an eager profile, both blocks' kernel ms by role (attention, GEMM, other) and the canonical
+    block's extra per role."""
     rows = []
     for r in record:
-        rows.append(
-            {
-                "rows": r["rows"],
-                "wall ms": r["wall_median_s"] * MS,
-                "kernels ms": r["kernel_s"] * MS,
-                "host adds ms": r["host_added_s"] * MS,
-                "launches": r.get("launches"),
-                "GPU idle ms": (r.get("marked_run") or {}).get("idle_us", float("nan")) / MS,
-            }
-        )
+        row = {
+            "rows": r["rows"],
+            "wall ms": r["wall_median_s"] * MS,
+            "kernels ms": r["kernel_s"] * MS,
+            "host adds ms": r["host_added_s"] * MS,
+            "launches": r.get("launches"),
+            "GPU idle ms": (r.get("marked_run") or {}).get("idle_us", float("nan")) / MS,
+        }
+        if "eager" in r:
+            row["eager wall ms"] = r["eager"]["wall_median_s"] * MS
+            for role, ms in r["by_role_ms"].items():
+                row[f"{role} ms"] = ms
+                row[f"eager {role} ms"] = r["eager"]["by_role_ms"][role]
+                row[f"extra {role} ms"] = r["extra_ms_by_role"][role]
+        rows.append(row)
     return pd.DataFrame(rows).set_index("rows")
 
 
