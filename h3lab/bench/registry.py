@@ -94,6 +94,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         needs_cuda=True,
     ),
     Benchmark(
+        "attention_fused",
+        "h3lab.bench.attention_fused_bwd",
+        "attention-fused-bwd.json",
+        "the split attention backward against a fused one with dq added in key-block order",
+        {"gpu": ("--rows", "16384,32768")},
+        needs_cuda=True,
+    ),
+    Benchmark(
         "profile",
         "h3lab.bench.block_profile",
         "profile.json",

@@ -155,6 +155,26 @@ def attention_long(record: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("rows")
 
 
+def attention_fused(record: dict) -> pd.DataFrame:
+    """Per row count: the split backward's and the fused one's ms, their ratio, the fused dk/dv bits
+    against the split ones, the fused dq's distance to the split dq, and whether it repeats."""
+    rows = []
+    for n, r in record["rows"].items():
+        bits = r.get("bitwise_vs_split") or {}
+        rows.append(
+            {
+                "rows": int(n),
+                "split ms": r.get("split_ms"),
+                "fused ms": r.get("fused_ms"),
+                "fused / split": r.get("fused_over_split"),
+                "dk, dv bitwise": bool(bits) and all(bits.values()),
+                "dq rel L2 vs split": r.get("dq_rel_l2_vs_split"),
+                "fused repeats bitwise": r.get("fused_repeat_bitwise"),
+            }
+        )
+    return pd.DataFrame(rows).set_index("rows")
+
+
 def profile(record: list) -> pd.DataFrame:
     """Per row count: the block's wall and kernel ms, what the host adds, launches, the GPU's idle ms;
     with an eager profile, both blocks' kernel ms by role (attention, GEMM, other) and the canonical
@@ -255,6 +275,7 @@ TABLES: dict[str, Callable[[Any], pd.DataFrame]] = {
     "gemm": gemm,
     "attention": attention,
     "attention_long": attention_long,
+    "attention_fused": attention_fused,
     "profile": profile,
     "layouts": layouts,
     "collectives": collectives,

@@ -1,0 +1,86 @@
+"""The split attention backward (pinned) against a fused one with dq summed in key-block order.
+
+    python -m h3lab.bench.attention_fused_bwd --out FILE.json [--rows 16384,32768] [--heads 56]
+
+Per row count (attention_long's inputs: one packed request, bf16, 56 heads x 128): the pinned
+backward (delta, dq kernel, dk/dv kernel; 7 GEMM-sized products) and h3lab.triton.attention_fused
+(delta, one kernel; 5 products, dq added per key block in order behind a turn counter), both on
+the pinned forward's statistics: median milliseconds (CUDA events, after a warm-up that compiles),
+whether the fused dk, dv bytes equal the pinned ones, dq's relative L2 distance to the pinned dq
+(another summation order, so other bits), and whether the fused call repeats bit for bit. What the
+figure answers: the cost of an ordered dq when the compute warps wait their turn themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3lab.bench.attention_long import DH, DTYPE, make_inputs, parse_rows, timed
+from h3lab.io.env import capture as capture_env
+from h3lab.io.jsonfile import write_json
+from h3lab.metrics import bitwise_equal
+from h3lab.triton import attention as att
+from h3lab.triton.attention_fused import attention_bwd_fused
+
+BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v1"
+FUSED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # the dk/dv kernel's tile
+
+
+def bench_rows(rows: int, heads: int, node: str | None = None) -> dict[str, Any]:
+    x = make_inputs(rows, heads, seed=rows)
+    q, k, v, do = x["q"], x["k"], x["v"], x["do"]
+    scale = DH**-0.5
+    _, o_ref, stats = att.attention_fwd(q, k, v, scale, DTYPE, node=node)
+
+    def split() -> tuple:
+        delta = att.attention_delta(do, o_ref, node=node)
+        dq = att.attention_bwd_q(q, do, stats, delta, k, v, scale, node=node)
+        return (dq, *att.attention_bwd_kv(q, do, stats, delta, k, v, scale, node=node))
+
+    def fused() -> tuple:
+        delta = att.attention_delta(do, o_ref, node=node)
+        return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED)
+
+    want, got, again = split(), fused(), fused()
+    dq_gap = float((got[0].double() - want[0].double()).norm() / want[0].double().norm())
+    rec: dict[str, Any] = {"rows": rows, "keys": k.shape[0], "heads": heads, "fused_config": FUSED}
+    rec["bitwise_vs_split"] = {"dk": bitwise_equal(got[1], want[1]), "dv": bitwise_equal(got[2], want[2])}
+    rec["dq_rel_l2_vs_split"] = dq_gap
+    rec["fused_repeat_bitwise"] = all(bitwise_equal(a, b) for a, b in zip(got, again, strict=True))
+    del want, got, again
+    for name, fn in (("split", split), ("fused", fused)):
+        t = timed(fn)
+        rec[f"{name}_ms"], rec[f"{name}_spread_ms"] = t["ms"], t["spread_ms"]
+    rec["fused_over_split"] = rec["fused_ms"] / rec["split_ms"]
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--rows", default="16384,32768")
+    ap.add_argument("--heads", type=int, default=56)
+    a = ap.parse_args(argv)
+    try:
+        rows = parse_rows(a.rows)
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_fused_bwd needs a CUDA device")
+    t0 = time.perf_counter()
+    record: dict[str, Any] = {"format": BENCH_FORMAT, "env": capture_env(torch.device("cuda")), "rows": {}}
+    for n in rows:
+        record["rows"][n] = r = bench_rows(n, a.heads)
+        record["wall_s"] = round(time.perf_counter() - t0, 1)
+        write_json(a.out, record)
+        print(n, {k: v for k, v in r.items() if not k.endswith("spread_ms")}, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

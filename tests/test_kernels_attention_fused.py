@@ -1,0 +1,71 @@
+"""The fused attention backward candidate (h3lab.triton.attention_fused): dk, dv are the pinned dk/dv
+kernel's bytes with the same tile; dq is summed in key-block order, so its bits differ from the
+split kernels' but keep the contract: a query row's dq does not depend on the other query rows in
+the call. Interpreter (FP32, tl.dot as conftest's chain_dot) on CPU; `-m gpu` on a GPU:
+    pytest -m gpu tests/test_kernels_attention_fused.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (the attention kernels are Triton kernels)")
+
+from h3lab.triton import attention as att
+from h3lab.triton.attention_fused import attention_bwd_fused
+from h3lab.triton.configs import interpreting
+from tests.conftest import assert_bitwise, gpu_kernels
+
+pytestmark = pytest.mark.usefixtures("chain_dot")
+interp = pytest.mark.skipif(not interpreting(), reason="interpreter tests: run with TRITON_INTERPRET=1")
+gpu = gpu_kernels(__file__)
+KV32 = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+KV128 = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+
+
+def _case(n_q: int, n_k: int, heads: int, dh: int, device: str, seed: int):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(n, heads, dh, generator=g).to(device, dtype) for n in (n_q, n_k, n_k, n_q))
+    scale = dh**-0.5
+    node = "sm90" if device == "cpu" else None
+    _, o_ref, stats = att.attention_fwd(q, k, v, scale, dtype if device == "cpu" else torch.bfloat16, node=node)
+    delta = att.attention_delta(do, o_ref, node=node)
+    return (q, do, stats, delta, k, v, scale), node
+
+
+def _check(args, node, cfg) -> None:
+    q, do, stats, delta, k, v, scale = args
+    dq, dk, dv = attention_bwd_fused(*args, config=cfg)
+    want_dk, want_dv = att.attention_bwd_kv(*args, node=node, config=cfg)
+    assert_bitwise(dk, want_dk, "fused dk against the dk/dv kernel")
+    assert_bitwise(dv, want_dv, "fused dv against the dk/dv kernel")
+    want_dq = att.attention_bwd_q(*args, node=node)
+    gap = float((dq.double() - want_dq.double()).norm() / want_dq.double().norm())
+    # the same bf16 dS and K, summed in another order (key-block partials added, against one chained
+    # accumulator): FP32 rounding apart; the GPU's tensor cores accumulate with less than FP32's
+    # rounding, so a looser bound there, still far under bf16's 2^-8
+    assert gap < (1e-5 if q.dtype == torch.float32 else 1e-3), gap
+    # the rows of a query slice, with their statistics: the same dq bytes (row-local, any split)
+    a, b = q.shape[0] // 3, q.shape[0] - 5
+    part = (q[a:b], do[a:b], (stats[0][:, a:b],), delta[:, a:b], k, v, scale)
+    assert_bitwise(attention_bwd_fused(*part, config=cfg)[0], dq[a:b], "fused dq of a query slice")
+
+
+@interp
+@pytest.mark.parametrize("n_q, n_k, heads", [(101, 150, 2), (64, 64, 1), (37, 200, 3)])
+def test_interp_fused_backward(n_q, n_k, heads):
+    args, node = _case(n_q, n_k, heads, 32, "cpu", seed=n_q)
+    _check(args, node, KV32)
+
+
+@gpu
+@pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (4096, 4032, 8)])
+def test_gpu_fused_backward(n_q, n_k, heads):
+    args, node = _case(n_q, n_k, heads, 128, "cuda", seed=n_q)
+    _check(args, node, KV128)
