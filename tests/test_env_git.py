@@ -28,7 +28,17 @@ def test_tree_is_the_commit_tree_the_files_match(tmp_path, monkeypatch):
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "one")
     monkeypatch.setattr(env, "REPO", repo)
+    env.worktree_id.cache_clear()  # once per process: each state below is a new process's view
     assert env.worktree_id() == _git(repo, "rev-parse", "HEAD^{tree}")
+    assert env.code_label(env._git()) == _git(repo, "rev-parse", "--short", "HEAD")  # clean: no tree
+
+    # only a new file on top: not "dirty" to git status, but other files than HEAD's
+    (repo / "c.py").write_text("z = 4\n")
+    env.worktree_id.cache_clear()
+    record = env._git()
+    assert record["dirty"] is False and record["tree"] != record["head_tree"]
+    assert env.code_label(record).endswith(f", tree {record['tree'][:7]}")
+    (repo / "c.py").unlink()
 
     # a later commit's files on top of the first, as a device's copy has them: HEAD stays, tree moves
     (repo / "a.py").write_text("x = 2\n")
@@ -36,10 +46,15 @@ def test_tree_is_the_commit_tree_the_files_match(tmp_path, monkeypatch):
     (repo / "runs").mkdir()
     (repo / "runs" / "out.json").write_text("{}")  # ignored: not part of it
     status = _git(repo, "status", "--porcelain")
+    objects = sorted(p.name for p in (repo / ".git" / "objects").rglob("*") if p.is_file())
+    env.worktree_id.cache_clear()
     got = env.worktree_id()
     assert _git(repo, "status", "--porcelain") == status  # the checkout's index is untouched
+    assert sorted(p.name for p in (repo / ".git" / "objects").rglob("*") if p.is_file()) == objects  # its store too
     record = env._git()
     assert record["dirty"] is True and record["tree"] == got
+    assert env.code_label(record) == f"{record['describe']}, tree {got[:7]}"
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "two")
     assert got == _git(repo, "rev-parse", "HEAD^{tree}")
+    env.worktree_id.cache_clear()  # the project's own view for later tests

@@ -8,6 +8,7 @@ GPU's name, not its capability.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import platform
@@ -60,18 +61,31 @@ def _git() -> dict[str, Any]:
         "commit": commit or None,
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None,
         "describe": git("describe", "--always", "--dirty") or None,
+        "head_tree": git("rev-parse", "HEAD^{tree}") or None if commit else None,
         "tree": worktree_id() if commit else None,
     }
 
 
+@functools.cache
 def worktree_id() -> str | None:
     """The git tree id of the checkout's files as they are (tracked and untracked, .gitignore applied),
-    built in a scratch index: `git rev-parse C^{tree}` of the commit C the files match. A record from
-    a dirty checkout so still names the code it ran (a device's copy of a working tree has the last
-    landed commit as HEAD and later commits as changes). Like `git stash create` it writes the files'
-    blobs to the object store and touches neither the index nor HEAD. None when git cannot say."""
+    built in a scratch index and a scratch object store (the checkout's objects as alternates): `git
+    rev-parse C^{tree}` of the commit C the files match. A record from a changed checkout so still
+    names the code it ran (a device's copy of a working tree has the last landed commit as HEAD and
+    later commits as changes). Touches neither the checkout's index, HEAD nor its object store; once
+    per process. None when git cannot say."""
+    objects = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--absolute-git-dir"], capture_output=True, text=True, timeout=10
+    )
+    if objects.returncode != 0:
+        return None
     with tempfile.TemporaryDirectory() as tmp:
-        env = os.environ | {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        (Path(tmp) / "objects").mkdir()  # git refuses an object directory that does not exist
+        env = os.environ | {
+            "GIT_INDEX_FILE": str(Path(tmp) / "index"),
+            "GIT_OBJECT_DIRECTORY": str(Path(tmp) / "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(Path(objects.stdout.strip()) / "objects"),
+        }
         for args in (["read-tree", "HEAD"], ["add", "-A"], ["write-tree"]):
             out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60, env=env)
             if out.returncode != 0:
@@ -80,12 +94,13 @@ def worktree_id() -> str | None:
 
 
 def code_label(git: dict[str, Any]) -> str | None:
-    """`git describe --dirty` of a record's git state, and for a dirty checkout the tree its files
-    form ("2dfed9c-dirty, tree 3e913a0"): `git log --all --format='%h %T' | grep 3e913a0` finds the
-    commit with those files."""
-    label = git.get("describe")
-    if label and git.get("dirty") and git.get("tree"):
-        label += f", tree {git['tree'][:7]}"
+    """`git describe --dirty` of a record's git state, and when the files are not HEAD's (changed or
+    new files) the tree they form ("2dfed9c-dirty, tree 3e913a0"): `git log --all --format='%h %T' |
+    grep 3e913a0` finds the commit with those files."""
+    label, tree, head_tree = git.get("describe"), git.get("tree"), git.get("head_tree")
+    changed = tree != head_tree if head_tree else git.get("dirty")  # records before head_tree: dirty
+    if label and tree and changed:
+        label += f", tree {tree[:7]}"
     return label
 
 

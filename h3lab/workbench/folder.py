@@ -24,8 +24,8 @@ from typing import Any
 from h3lab.workbench import benchmarks as bench_tables
 
 DIRTY_NOTE = (
-    "A commit marked `-dirty, tree T` ran on a checkout with changes on top of it (a device's copy of a "
-    "working tree has the last landed commit as HEAD); T is the git tree of the files it ran: "
+    "A commit marked `, tree T` ran on a checkout with changes or new files on top of it (a device's copy "
+    "of a working tree has the last landed commit as HEAD); T is the git tree of the files it ran: "
     "`git log --all --format='%h %T' | grep T` names the commit with those files."
 )
 
@@ -119,7 +119,7 @@ def readme(
     skipped = [f"`{n}` ({e['skipped']})" for n, e in benchmarks.items() if not e.get("path")]
     if skipped:
         lines += ["", "Not run here: " + "; ".join(skipped) + "."]
-    if "-dirty, tree " in "\n".join(lines):
+    if ", tree " in "\n".join(lines):
         lines += ["", DIRTY_NOTE]
     path = folder / "README.md"
     path.write_text("\n".join(lines) + "\n")
