@@ -64,6 +64,19 @@ def test_interp_fused_backward(n_q, n_k, heads):
     _check(args, node, KV32)
 
 
+@interp
+def test_interp_fused_backward_refuses_what_it_cannot_run():
+    args, _ = _case(40, 50, 3, 32, "cpu", seed=1)
+    with pytest.raises(ValueError, match=r"keys \['TMA'\] wrong; needs exactly \['BLOCK_M', 'BLOCK_N', 'num_stages'"):
+        attention_bwd_fused(*args, config=KV32 | {"TMA": True})
+    with pytest.raises(ValueError, match=r"keys \['num_stages'\] wrong"):
+        attention_bwd_fused(*args, config={k: v for k, v in KV32.items() if k != "num_stages"})
+    q, do, stats, delta, k, v, scale = args
+    views = (q[:, ::2], do[:, ::2], (stats[0][::2],), delta[::2], k[:, ::2], v[:, ::2], scale)
+    with pytest.raises(ValueError, match=r"loads q and dO through TMA: q \(40, 2, 32\) strides .*; allowed: Q > 0"):
+        attention_bwd_fused(*views, config=KV32)
+
+
 @gpu
 @pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (4096, 4032, 8)])
 def test_gpu_fused_backward(n_q, n_k, heads):

@@ -49,13 +49,19 @@ def _check_fwd_tma(q, k, v, scale, node, cfg) -> None:
         assert_bitwise(a, b, f"TMA forward {cfg}: {name}")
 
 
+def _bwd_args(q, k, v, do, scale, node) -> tuple:
+    """The backward kernels' arguments on the pinned forward's statistics."""
+    _, o_ref, stats = att.attention_fwd(q, k, v, scale, torch.bfloat16 if q.is_cuda else q.dtype, node=node)
+    return (q, do, stats, att.attention_delta(do, o_ref, node=node), k, v, scale)
+
+
 def _check_bwd_tma(q, k, v, do, scale, node, cfg_q, cfg_kv) -> None:
     """dq under `cfg_q` and dk, dv under `cfg_kv` (TMA configs) equal the pointer kernels' with the same
     tiles, byte for byte, on the pinned forward's statistics."""
-    out_dtype = torch.bfloat16 if q.is_cuda else q.dtype
-    _, o_ref, stats = att.attention_fwd(q, k, v, scale, out_dtype, node=node)
-    delta = att.attention_delta(do, o_ref, node=node)
-    args = (q, do, stats, delta, k, v, scale)
+    # the operands each TMA kernel walks have descriptors: the TMA kernels run, not their fallback
+    assert all(att._row_desc(t, cfg_q["BLOCK_N"]) is not None for t in (k, v))
+    assert all(att._row_desc(t, cfg_kv["BLOCK_M"]) is not None for t in (q, do))
+    args = _bwd_args(q, k, v, do, scale, node)
     pairs = [
         (
             "dq",
@@ -97,6 +103,29 @@ def test_interp_bwd_tma_equals_pointer_kernels(n_q, n_k, heads):
     if heads > 1:
         views = [t[:, 1:] for t in (q, k, v, do)]
         _check_bwd_tma(*views, 32**-0.5, "sm90", BWD_Q32, BWD_KV32)
+
+
+@interp
+def test_interp_bwd_tma_config_on_a_view_without_descriptor_gives_its_copys_bytes():
+    """Heads 0 and 2 of 3 are not side by side: no descriptor, the pointer kernels run the TMA configs
+    and give the bytes the TMA kernels give on a contiguous copy."""
+    q, k, v, do = (t[:, ::2] for t in _inputs(70, 90, 3, 32, torch.float32, "cpu", seed=5))
+    assert att._row_desc(q, BWD_KV32["BLOCK_M"]) is None and att._row_desc(k, BWD_Q32["BLOCK_N"]) is None
+    got, want = (
+        _bwd_args(*ts, 32**-0.5, "sm90") for ts in ((q, k, v, do), tuple(t.contiguous() for t in (q, k, v, do)))
+    )
+    assert_bitwise(
+        att.attention_bwd_q(*got, node="sm90", config=BWD_Q32),
+        att.attention_bwd_q(*want, node="sm90", config=BWD_Q32),
+        "dq",
+    )
+    for name, a, b in zip(
+        ("dk", "dv"),
+        att.attention_bwd_kv(*got, node="sm90", config=BWD_KV32),
+        att.attention_bwd_kv(*want, node="sm90", config=BWD_KV32),
+        strict=True,
+    ):
+        assert_bitwise(a, b, name)
 
 
 @interp

@@ -84,7 +84,8 @@ def _row_desc(t: Tensor, block_rows: int) -> TensorDescriptor | None:
     when t [rows, H, Dh] has its heads side by side and 16-byte aligned rows; else None."""
     rows, heads, dh = t.shape
     aligned = t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-    if rows == 0 or t.stride(2) != 1 or (heads > 1 and t.stride(1) != dh) or not aligned:
+    overlapping = rows > 1 and t.stride(0) < heads * dh  # expanded or overlapping rows: no descriptor
+    if rows == 0 or t.stride(2) != 1 or (heads > 1 and t.stride(1) != dh) or not aligned or overlapping:
         return None
     return TensorDescriptor(t, [rows, heads * dh], [t.stride(0), 1], [block_rows, dh])
 

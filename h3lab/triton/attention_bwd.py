@@ -134,16 +134,23 @@ def attention_bwd_q_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One query block of dk, dv on tiles already loaded (padded queries load as zeros; MASK zeroes their p)."""
+def _dkdv_grads(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One query block of dk, dv on tiles already loaded (padded queries load as zeros; MASK zeroes their
+    p); returns dk, dv and dS^T in the input dtype (the fused candidate's dq part reads it)."""
     s2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M] = s2^T
     p_t = tl.math.exp2(s2_t - lse[None, :])
     if MASK:
         p_t = tl.where(row_ok[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+    return dk, dv, ds_t
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    dk, dv, _ = _dkdv_grads(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, MASK, DOT_PREC)
     return dk, dv
 
 

@@ -1,19 +1,20 @@
 """A fused attention backward with dq summed in key-block order: a measured candidate, not the pinned path.
 
-One program per (key block, head) computes dk, dv with attention_bwd_kv's operations (the same
-bits; padded keys' p is zeroed too, which dk, dv of real keys never read) and, per query block,
-dq's partial dS @ K over its key block. The partials of a query block are added into an FP32 dq
-in ascending key-block order: a turn counter per (head, query block) lets key block j add only
-after key block j - 1 has (acquire / release atomics). So a query row's dq = ((0 + P_0) + P_1) + ...
-over key blocks, an order fixed by the key-block index alone: within the h3-parallel-v1 contract
-(row-local, independent of the query split and the row count), but other bits than the pinned
-split kernels' (which chain dS @ K through one accumulator).
+One program per (key block, head) computes dk, dv with attention_bwd_kv's step (_dkdv_grads: the
+same bits) and, per query block, dq's partial dS @ K over its key block from the same dS. The
+partials of a query block are added into an FP32 dq in ascending key-block order: a turn counter
+per (head, query block) lets key block j add only after key block j - 1 has (acquire / release
+atomics). So a query row's dq = ((0 + P_0) + P_1) + ... over key blocks, an order fixed by the
+key-block index alone: within the h3-parallel-v1 contract (row-local, independent of the query
+split and the row count), but other bits than the pinned split kernels' (which chain dS @ K
+through one accumulator).
 
 It exists to measure what an ordered dq costs when the compute warps wait their turn themselves
 (h3lab.bench.attention_fused_bwd); FlashAttention-3's deterministic backward hands the ordered adds
 to a producer warp (asynchronous TMA reduce-add), which Triton does not let a kernel express.
-Programs of one head run in launch order: key block j spins until j - 1 has added, which needs
-j - 1 resident or done (CUDA dispatches a grid's blocks in order; FA3 relies on the same).
+Key block j spins until j - 1 has added, which needs j - 1 resident or done: CUDA dispatches a
+grid's blocks in launch order in practice (it does not promise it; FA3 relies on the same), and
+the interpreter runs them one after another in that order.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from h3lab.triton.attention import LOG2E, _bwd_operands, _row_desc
+from h3lab.triton.attention import CONFIG_KEYS, F32, LOG2E, _bwd_meta, _bwd_operands, _row_desc
+from h3lab.triton.attention_bwd import _dkdv_grads
 from h3lab.triton.configs import cdiv
-
-F32 = torch.float32
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k"])
@@ -54,8 +54,8 @@ def attention_bwd_fused_kernel(
     stride_vh,
     stride_gm,
     stride_gh,
-    stride_qm,
-    stride_qh,
+    stride_dqm,
+    stride_dqh,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,18 +86,13 @@ def attention_bwd_fused_kernel(
         do = do_desc.load([i * BLOCK_M, col])
         lse = tl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
-        # _dkdv_step's operations (the same dk, dv bits), with dS kept for dq's part
-        s2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
-        p_t = tl.where(row_ok[None, :] & key_ok[:, None], tl.math.exp2(s2_t - lse[None, :]), 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        dk, dv, ds_t = _dkdv_grads(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, True, DOT_PREC)
+        ds_t = tl.where(key_ok[:, None], ds_t, 0.0)  # padded keys: k = 0, but their p may overflow
         part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # [BLOCK_M, Dh] over this key block
         turn = turn_ptr + h * n_qb + i
         while tl.atomic_cas(turn, j, j, sem="acquire") != j:
             pass
-        ptrs = dq_ptr + h64 * stride_qh + rows.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
+        ptrs = dq_ptr + h64 * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :]
         tl.atomic_add(ptrs, part, mask=row_ok[:, None], sem="relaxed")
         tl.debug_barrier()  # every thread's adds issued before the turn passes on
         tl.atomic_xchg(turn, j + 1, sem="release")
@@ -120,16 +115,25 @@ def attention_bwd_fused(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 under `config` (BLOCK_M, BLOCK_N, num_warps, num_stages):
     dk, dv are attention_bwd_kv's bytes with the same tile; dq is summed in key-block order."""
+    unknown = set(config) ^ (CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})
+    if unknown:
+        allowed = sorted(CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})
+        raise ValueError(
+            f"attention_bwd_fused config {dict(config)}: keys {sorted(unknown)} wrong; needs exactly {allowed}"
+        )
     q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
     (Q, H, Dh), K = q.shape, k.shape[0]
     descs = [_row_desc(t, config["BLOCK_M"]) for t in (q, do)]
-    if any(d is None for d in descs) or Q == 0:
-        raise ValueError("attention_bwd_fused needs q and dO with heads side by side, 16-byte rows, Q > 0")
+    if Q == 0 or any(d is None for d in descs):
+        shapes = f"q {tuple(q.shape)} strides {q.stride()}, dO {tuple(do.shape)} strides {do.stride()}"
+        raise ValueError(
+            f"attention_bwd_fused loads q and dO through TMA: {shapes}; allowed: Q > 0, heads side by side "
+            "(stride(1) == Dh), rows of >= H * Dh elements, 16-byte aligned"
+        )
     dq = torch.zeros((Q, H, Dh), dtype=F32, device=q.device)
     dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     turn = torch.zeros((H, cdiv(Q, config["BLOCK_M"])), dtype=torch.int32, device=q.device)
-    dot_prec = "ieee" if q.dtype == F32 else "tf32"
     attention_bwd_fused_kernel[(cdiv(K, config["BLOCK_N"]), H)](
         *descs,
         lse,
@@ -152,11 +156,6 @@ def attention_bwd_fused(
         dk.stride(1),
         dq.stride(0),
         dq.stride(1),
-        HEAD_DIM=Dh,
-        BLOCK_M=config["BLOCK_M"],
-        BLOCK_N=config["BLOCK_N"],
-        DOT_PREC=dot_prec,
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
+        **_bwd_meta(config, Dh, q.dtype),
     )
     return dq.mul_(scale), dk, dv
