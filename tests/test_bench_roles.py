@@ -1,5 +1,5 @@
-"""Kernel roles (h3lab.bench.roles): the names the canonical and eager blocks' kernels carry on an H200
-(torch 2.11, Triton 3.6, cuDNN 9.19, cuBLAS 13), each in the role it plays."""
+"""Kernel roles (h3lab.bench.roles): names the canonical and eager blocks' kernels carry (ours; cuBLAS,
+cuDNN and FlashAttention kernels as torch.profiler names them on an H200), each in the role it plays."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ NAMES = {
         "mm_kernel",
         "unit_mm_sm90_kernel",
         "_unit_partial_kernel",
-        "_few_k_kernel",
         "chain_kernel",
         "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
         "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false>",
+        "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>",
     ],
     "other": [
         "_rms_modulate_kernel",

@@ -37,10 +37,14 @@ from h3lab.units import unit_weights
 from h3lab.weights import BlockWeights, synthetic_block
 
 
-def kernel_ms(prof: profile) -> list[tuple[str, float]]:
-    """(kernel name, summed self milliseconds) of every CUDA kernel a profile recorded."""
-    events = prof.key_averages()
-    return [(e.key, e.self_device_time_total / 1e3) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+def cuda_kernels(events: list) -> list:
+    """The CUDA kernels among a profile's averaged events (prof.key_averages()), one per name."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_ms(kernels: list) -> list[tuple[str, float]]:
+    """(kernel name, summed self milliseconds) of cuda_kernels' events."""
+    return [(e.key, e.self_device_time_total / 1e3) for e in kernels]
 
 
 def eager_profile(w: BlockWeights, b: PackedBatch, reps: int) -> dict:
@@ -54,7 +58,7 @@ def eager_profile(w: BlockWeights, b: PackedBatch, reps: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    ks = kernel_ms(prof)
+    ks = kernel_ms(cuda_kernels(prof.key_averages()))
     top = sorted(ks, key=lambda t: -t[1])[:12]
     return {
         "wall_median_s": statistics.median(wall),
@@ -77,7 +81,7 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eag
         run()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = cuda_kernels(events)
     kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6
     launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx"))
     syncs = {e.key: e.count for e in events if e.key in SYNCS}
@@ -132,7 +136,7 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eag
             {"name": e.key[:120], "count": e.count, "total_ms": e.self_device_time_total / 1e3}
             for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
         ],
-        "by_role_ms": by_role(kernel_ms(prof)),
+        "by_role_ms": by_role(kernel_ms(kernels)),
     }
     if eager:
         del prof, marked

@@ -1,7 +1,8 @@
 """Kernel time by role (attention, GEMM, other): where the canonical block's time goes against eager's.
 
-A kernel's role is read from its name: ours (h3lab.triton) by their exact names, the libraries the
-eager block runs (cuBLAS, cuDNN, FlashAttention) by parts of theirs. A name nothing matches is
+A kernel's role is read from its name: ours (h3lab.triton) by their exact names or, for attention,
+the `attention_` prefix; the libraries the eager block runs (cuBLAS, cuDNN, FlashAttention) by parts
+of theirs (cuBLAS's GEMV and split-K reduction kernels count as GEMM). A name nothing matches is
 "other": norms, RoPE, row chains, elementwise ops, copies, gathers. Attention is matched first
 (cuDNN's attention kernels carry "cudnn").
 """
@@ -20,7 +21,7 @@ OUR_GEMMS = {
     "chain_kernel",
 }
 LIBRARY_ATTENTION = ("sdpa", "fmha", "flash", "cudnn")
-LIBRARY_GEMM = ("gemm", "nvjet", "xmma", "cutlass")
+LIBRARY_GEMM = ("gemm", "gemv", "splitkreduce", "nvjet", "xmma", "cutlass")
 
 
 def role(kernel_name: str) -> str:
