@@ -72,7 +72,7 @@ def attention_bwd_fused_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < n_k
     keys = offs_n.to(tl.int64)[:, None]
-    # padded key rows load k = v = 0; their p is masked below so they add nothing to dq
+    # padded key rows load k = v = 0; their dS is zeroed below so they add nothing to dq
     k = tl.load(k_ptr + h64 * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     v = tl.load(v_ptr + h64 * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     stat = h64 * n_q
