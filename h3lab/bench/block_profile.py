@@ -32,6 +32,7 @@ from h3lab.bench.roles import by_role
 from h3lab.block import block_step, canonical_block
 from h3lab.comm import LocalComm
 from h3lab.config import H3Config
+from h3lab.io.env import capture as capture_env
 from h3lab.io.jsonfile import write_json
 from h3lab.units import unit_weights
 from h3lab.weights import BlockWeights, synthetic_block
@@ -121,6 +122,7 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eag
     record = {
         "rows": rows,
         "backend": backend,
+        "env": capture_env(dev),
         "wall_median_s": statistics.median(wall),
         "wall_s": wall,
         "kernel_s": kernel_s,
