@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import describe_end, owner_gone, owner_record, read_record
 
@@ -128,7 +130,7 @@ def run_command(argv: list[str], log: Path, *, timeout_s: float, env: dict[str, 
         except BaseException:
             _kill_group(proc)
             raise
-        _signal_group(proc, signal.SIGKILL)  # the group outlives its leader where a member is still running
+        _end_group(proc)  # the group outlives its leader where a member is still running
     return {"returncode": rc, "timed_out": timed_out, "log": str(log)}
 
 
@@ -142,9 +144,28 @@ def _kill_group(proc: subprocess.Popen) -> None:
     _signal_group(proc, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10.0)
-    _signal_group(proc, signal.SIGKILL)
+    _end_group(proc)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10.0)
+
+
+def _end_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL to the group, then wait until none of its members runs: a killed process is gone only
+    once the kernel has torn it down, which a busy machine can take a moment to do (a zombie left for
+    its new parent to reap runs nothing and is not waited for)."""
+    _signal_group(proc, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while _live_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _live_members(pgid: int) -> list[int]:
+    live = []
+    for p in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p.pid)
+    return live
 
 
 def log_tail(path: str | Path, lines: int = 5) -> str:
