@@ -50,6 +50,30 @@ def attention_delta_kernel(
 
 
 @triton.jit
+def _query_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, h, n_q, offs_m, offs_d, stride_qm, stride_qh, stride_dm, stride_dh):
+    """A query block's resident tiles: q, dO [BLOCK_M, Dh], lse2, delta [BLOCK_M]. Padded query rows load
+    q = dO = 0, lse = delta = 0: p = 1, dS = 0, no inf/NaN, never stored. h is an int64 head index."""
+    row_ok = offs_m < n_q
+    rows = offs_m.to(tl.int64)[:, None]  # rows * stride exceeds int32 past ~300k rows of 7168
+    q = tl.load(q_ptr + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + h * n_q + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + h * n_q + offs_m, mask=row_ok, other=0.0)
+    return q, do, lse, delta, row_ok, rows
+
+
+@triton.jit
+def _key_tiles(k_ptr, v_ptr, h, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh):
+    """A key block's resident tiles: k, v [BLOCK_N, Dh]. Padded key rows load k = v = 0: their columns of
+    dS and P are harmless to dk, dv and never stored. h is an int64 head index."""
+    key_ok = offs_n < n_k
+    keys = offs_n.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + h * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + h * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    return k, v, key_ok, keys
+
+
+@triton.jit
 def _dq_step(dq, q, do, lse, delta, k, v, key_ok, qk_scale, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
     """One key block of dq on tiles already loaded (padded keys load as zeros; MASK zeroes their p)."""
     s2 = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
@@ -109,13 +133,9 @@ def attention_bwd_q_kernel(
     h = tl.program_id(1).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < n_q
-    rows = offs_m.to(tl.int64)[:, None]
-    # padded query rows load q = dO = 0, lse = delta = 0: p = 1, dS = 0, no inf/NaN, never stored
-    q = tl.load(q_ptr + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + h * n_q + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + h * n_q + offs_m, mask=row_ok, other=0.0)
+    q, do, lse, delta, row_ok, rows = _query_tiles(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, h, n_q, offs_m, offs_d, stride_qm, stride_qh, stride_dm, stride_dh
+    )
     k_ptrs = k_ptr + h * stride_kh + offs_n[:, None] * stride_km + offs_d[None, :]
     v_ptrs = v_ptr + h * stride_vh + offs_n[:, None] * stride_vm + offs_d[None, :]
 
@@ -219,11 +239,7 @@ def attention_bwd_kv_kernel(
     h = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < n_k
-    keys = offs_n.to(tl.int64)[:, None]
-    # padded key rows load k = v = 0: their columns of dS and P are harmless and never stored
-    k = tl.load(k_ptr + h * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + h * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    k, v, key_ok, keys = _key_tiles(k_ptr, v_ptr, h, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh)
     q_ptrs = q_ptr + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = do_ptr + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :]
     lse_ptrs = lse_ptr + h * n_q + offs_m
@@ -294,12 +310,9 @@ def attention_bwd_q_tma_kernel(
     h64 = h.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < n_q
-    rows = offs_m.to(tl.int64)[:, None]
-    q = tl.load(q_ptr + h64 * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + h64 * stride_dh + rows * stride_dm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + h64 * n_q + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + h64 * n_q + offs_m, mask=row_ok, other=0.0)
+    q, do, lse, delta, row_ok, rows = _query_tiles(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, h64, n_q, offs_m, offs_d, stride_qm, stride_qh, stride_dm, stride_dh
+    )
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     n_full = n_k // BLOCK_N
@@ -348,10 +361,7 @@ def attention_bwd_kv_tma_kernel(
     h64 = h.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < n_k
-    keys = offs_n.to(tl.int64)[:, None]
-    k = tl.load(k_ptr + h64 * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + h64 * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    k, v, key_ok, keys = _key_tiles(k_ptr, v_ptr, h64, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh)
     stat = h64 * n_q
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)

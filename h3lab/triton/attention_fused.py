@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.triton.attention import CONFIG_KEYS, F32, LOG2E, _bwd_meta, _bwd_operands, _row_desc
-from h3lab.triton.attention_bwd import _dkdv_grads
+from h3lab.triton.attention_bwd import _dkdv_grads, _key_tiles
 from h3lab.triton.configs import cdiv
 
 
@@ -70,11 +70,8 @@ def attention_bwd_fused_kernel(
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < n_k
-    keys = offs_n.to(tl.int64)[:, None]
     # padded key rows load k = v = 0; their dS is zeroed below so they add nothing to dq
-    k = tl.load(k_ptr + h64 * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + h64 * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    k, v, key_ok, keys = _key_tiles(k_ptr, v_ptr, h64, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh)
     stat = h64 * n_q
     n_qb = tl.cdiv(n_q, BLOCK_M)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
