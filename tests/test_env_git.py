@@ -36,7 +36,7 @@ def test_tree_is_the_commit_tree_the_files_match(tmp_path, monkeypatch):
     (repo / "c.py").write_text("z = 4\n")
     env.worktree_id.cache_clear()
     record = env._git()
-    assert record["dirty"] is False and record["tree"] != record["head_tree"]
+    assert record["dirty"] is False and record["tree"] != record["head_tree"] and env.files_changed(record)
     assert env.code_label(record).endswith(f", tree {record['tree'][:7]}")
     (repo / "c.py").unlink()
 

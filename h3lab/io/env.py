@@ -97,11 +97,17 @@ def code_label(git: dict[str, Any]) -> str | None:
     """`git describe --dirty` of a record's git state, and when the files are not HEAD's (changed or
     new files) the tree they form ("2dfed9c-dirty, tree 3e913a0"): `git log --all --format='%h %T' |
     grep 3e913a0` finds the commit with those files."""
-    label, tree, head_tree = git.get("describe"), git.get("tree"), git.get("head_tree")
-    changed = tree != head_tree if head_tree else git.get("dirty")  # records before head_tree: dirty
-    if label and tree and changed:
+    label, tree = git.get("describe"), git.get("tree")
+    if label and tree and files_changed(git):
         label += f", tree {tree[:7]}"
     return label
+
+
+def files_changed(git: dict[str, Any]) -> bool:
+    """Whether a record's checkout had other files than its HEAD (changed or new); records made
+    before head_tree was recorded answer by git's dirty flag (changes to tracked files)."""
+    tree, head_tree = git.get("tree"), git.get("head_tree")
+    return bool(tree != head_tree if tree and head_tree else git.get("dirty"))
 
 
 def _gpus() -> list[dict[str, Any]]:

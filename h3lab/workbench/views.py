@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
+from h3lab.io.env import files_changed
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import error_stats
 from h3lab.run.steps import step_kind
@@ -49,7 +50,7 @@ def _commit(sw: Sweep) -> str:
     git = sw.env.get("git") or {}
     if not git.get("commit"):
         return "commit not recorded"
-    if git.get("dirty"):
+    if files_changed(git):
         files = f"; its files form tree `{git['tree'][:12]}`" if git.get("tree") else ""
         return f"commit `{git['commit'][:12]}` (with changes on top{files})"
     return f"commit `{git['commit'][:12]}`"
