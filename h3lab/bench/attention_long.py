@@ -49,10 +49,16 @@ NODE: str | None = None  # the launchers' node type: None = the device's (CPU te
 # TMA forward, the same bytes; its addresses cost registers the descriptors do not), and a TMA
 # forward with 64-key tiles (another bit class: it rescales its running sums at other keys)
 _FWD = lambda bn, s, tma: {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": s, "TMA": tma}  # noqa: E731
+# the warp-specialised Gluon forwards (h3lab.triton.attention_fwd_sm90): the pinned forward's bytes
+_GLUON = _FWD(128, 3, True) | {"IMPL": "gluon"}
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "pinned": None,
     "fwd_pointer_n128s3": _FWD(128, 3, False),
     "fwd_tma_n64s3": _FWD(64, 3, True),
+    "fwd_gluon_ws": _GLUON,
+    "fwd_gluon_pingpong": _GLUON | {"PINGPONG": True},
+    "fwd_gluon_ws_s3": _GLUON | {"GLUON_STAGES": 3},
+    "fwd_gluon_pingpong_s3": _GLUON | {"PINGPONG": True, "GLUON_STAGES": 3},
 }
 
 

@@ -181,8 +181,8 @@ def attention_variants() -> list[tuple[str, dict[str, Any]]]:
     from h3lab.triton.attention import config_for
 
     out = [(k, config_for(k, 128, "sm90")) for k in ("attention_fwd", "attention_bwd_q", "attention_bwd_kv")]
-    for fwd in VARIANTS.values():
-        if fwd is not None and ("attention_fwd", fwd) not in out:
+    for fwd in VARIANTS.values():  # the Gluon forwards: h3lab.triton.attention_fwd_sm90.compile_for_sm90
+        if fwd is not None and fwd.get("IMPL") != "gluon" and ("attention_fwd", fwd) not in out:
             out.append(("attention_fwd", fwd))
     return out
 

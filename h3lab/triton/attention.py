@@ -47,7 +47,7 @@ LOG2E = 1.4426950408889634  # 1 / ln 2; qk_scale = scale * LOG2E is rounded once
 KERNELS = ("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd_kv")
 # the keys each kernel's configuration may carry (a candidate with another key is refused, not ignored)
 CONFIG_KEYS = {
-    "attention_fwd": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
+    "attention_fwd": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "IMPL", "PINGPONG", "GLUON_STAGES"},
     "attention_delta": {"BLOCK_R", "num_warps", "num_stages"},
     "attention_bwd_q": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
     "attention_bwd_kv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
@@ -88,6 +88,31 @@ def _row_desc(t: Tensor, block_rows: int) -> TensorDescriptor | None:
     if rows == 0 or t.stride(2) != 1 or (heads > 1 and t.stride(1) != dh) or not aligned or overlapping:
         return None
     return TensorDescriptor(t, [rows, heads * dh], [t.stride(0), 1], [block_rows, dh])
+
+
+def _runs_gluon(cfg: Mapping[str, Any], q: Tensor) -> bool:
+    """Whether the warp-specialised Gluon forward (h3lab.triton.attention_fwd_sm90) takes this call:
+    "IMPL": "gluon" with "TMA": true, a compiled run on an sm90 device. The caller has found TMA
+    descriptors for q, k, v; without them the Triton kernels run the config's tile with its
+    num_warps and num_stages, with the same bits (the GPU tests compare the forwards byte for byte).
+    The Gluon kernel's own warps follow from "PINGPONG" and its ring depth is "GLUON_STAGES" (2 or
+    3, default 2). A Gluon config the kernel cannot run raises."""
+    impl = cfg.get("IMPL", "triton")
+    if impl not in ("triton", "gluon"):
+        raise ValueError(f"attention_fwd IMPL {impl!r}; allowed: 'triton', 'gluon'")
+    if impl == "triton" or interpreting():
+        return False
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        raise ValueError(f"attention_fwd IMPL gluon: device capability {cap}; allowed: (9, 0) (sm90)")
+    allowed = {"BLOCK_M": [128], "BLOCK_N": [128], "TMA": [True], "GLUON_STAGES": [2, 3]}
+    for key, values in allowed.items():
+        value = cfg.get(key, 2 if key == "GLUON_STAGES" else None)
+        if value not in values:
+            raise ValueError(f"attention_fwd IMPL gluon: {key}={value}; allowed: {values}")
+    if q.shape[-1] != 128:
+        raise ValueError(f"attention_fwd IMPL gluon: head_dim {q.shape[-1]}; allowed: 128")
+    return True
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -162,6 +187,10 @@ def attention_fwd(
     grid = (cdiv(Q, cfg["BLOCK_M"]), H)
     tma = cfg.get("TMA", False)  # descriptors only for a TMA config: each costs host time per call
     descs = [_row_desc(t, cfg[b]) for t, b in ((q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"))] if tma else [None]
+    if all(d is not None for d in descs) and _runs_gluon(cfg, q):
+        from h3lab.triton.attention_fwd_sm90 import attention_fwd_sm90  # Gluon (Hopper only): imported where it runs
+
+        return attention_fwd_sm90(q, k, v, scale * LOG2E, out_dtype, cfg)
     if all(d is not None for d in descs):
         attention_fwd_tma_kernel[grid](
             *descs,
