@@ -63,6 +63,15 @@ def bits(x: Tensor) -> Tensor:
     return view & ((1 << fmt.width) - 1)
 
 
+def from_fields(sign: Tensor, field: Tensor, frac: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bf16, fp16 or fp32 values with these sign bits, biased exponent fields and fraction bits."""
+    fmt = format_of(dtype)
+    b = (sign.to(I64) << (fmt.width - 1)) | (field.to(I64) << fmt.frac_bits) | frac.to(I64)
+    if fmt.width == 32:
+        return fp32_from_bits(b)
+    return (b - ((b & 0x8000) << 1)).to(torch.int16).view(dtype)
+
+
 def fp32_from_bits(b: Tensor) -> Tensor:
     """FP32 tensor with the given unsigned 32-bit patterns (int64)."""
     b = b.to(I64) & 0xFFFFFFFF

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from h3lab.emulate.floats import FP32, FP32_INF_BITS, decompose, format_of, fp32_from_bits, fp32_rz_bits, shift
 
-I64 = torch.int64
+I64, I32 = torch.int64, torch.int32
 NO_EXP = -(1 << 20)  # the exponent of "no term": below every real one
 MMA_DTYPES = (torch.bfloat16, torch.float16)
 # MmaModel fields no GPU answer has confirmed yet (h3lab.bench.mma_probe's adversarial cases test each)
@@ -70,8 +70,8 @@ class MmaModel:
         for name, values in allowed.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"MmaModel.{name}={getattr(self, name)!r}; allowed: {list(values)}")
-        if self.group < 1 or self.extra_bits < 0:
-            raise ValueError(f"MmaModel group={self.group}, extra_bits={self.extra_bits}; allowed: >= 1, >= 0")
+        if self.group < 1 or not 0 <= self.extra_bits <= 4:  # 4: the aligned products stay below 2^28
+            raise ValueError(f"MmaModel group={self.group}, extra_bits={self.extra_bits}; allowed: >= 1, 0 to 4")
 
 
 SM90 = MmaModel()
@@ -104,40 +104,54 @@ def _specials(pa, pb, flush: bool, c_parts, c_present: bool) -> tuple[Tensor, Te
     return nan | (pos & neg), pos, neg
 
 
-def mma_step(a_MG: Tensor, b_GN: Tensor, c_MN: Tensor | None, model: MmaModel = SM90) -> Tensor:
+def _has_specials(*xs: Tensor | None) -> bool:
+    """Whether any operand holds an infinity or a NaN (one device sync; the step skips their rules if not)."""
+    return any(x is not None and not bool(torch.isfinite(x).all()) for x in xs)
+
+
+def mma_step(
+    a_MG: Tensor, b_GN: Tensor, c_MN: Tensor | None, model: MmaModel = SM90, *, specials: bool = True
+) -> Tensor:
     """One MMA step: FP32 [..., M, N] = c + sum over g of a[..., m, g] * b[..., g, n] (module docstring).
 
     G <= model.group products per element; c is FP32 [..., M, N] or None (no accumulator).
+    `specials=False` skips the infinity and NaN rules: only for operands known to be finite.
     """
     _check_pair(a_MG, b_GN)
     if a_MG.shape[-1] > model.group:
         raise ValueError(f"mma_step: {a_MG.shape[-1]} products; allowed: at most model.group = {model.group}")
-    frac2 = 2 * format_of(a_MG.dtype).frac_bits
+    # a product sig_a * sig_b is worth 2^(e_a + e_b - 2 frac); on the grid 2^(E - 23 - extra) it is
+    # (sig_a * sig_b) << (23 + extra - 2 frac) >> (E - e_a - e_b): one right shift, truncating toward
+    # zero on magnitudes (below 2^28 for extra_bits <= 4: int32)
+    lift = FP32.frac_bits + model.extra_bits - 2 * format_of(a_MG.dtype).frac_bits
     flush = model.subnormal_inputs == "flush"
     pa, pb = decompose(a_MG), decompose(b_GN)
-    sig_a = torch.where(pa.subnormal, 0, pa.sig) if flush else pa.sig
-    sig_b = torch.where(pb.subnormal, 0, pb.sig) if flush else pb.sig
-    (sa, sb), (ea, eb), (ma, mb) = _pairwise(pa.sign, pb.sign), _pairwise(pa.exp, pb.exp), _pairwise(sig_a, sig_b)
-    prod, pexp, psign = ma * mb, ea + eb, sa ^ sb  # [..., M, N, G]: exact products
+    sig_a = (torch.where(pa.subnormal, 0, pa.sig) if flush else pa.sig).to(I32) << lift
+    sig_b = (torch.where(pb.subnormal, 0, pb.sig) if flush else pb.sig).to(I32)
+    (ma, mb), (ea, eb) = _pairwise(sig_a, sig_b), _pairwise(pa.exp.to(I32), pb.exp.to(I32))
+    (sa, sb) = _pairwise(pa.sign.to(torch.bool), pb.sign.to(torch.bool))
+    prod, pexp, psign = ma * mb, ea + eb, sa ^ sb  # [..., M, N, G]: exact products (scaled)
     top = torch.where(prod != 0, pexp, NO_EXP).amax(-1)
     pc = decompose(c_MN) if c_MN is not None else None
     if pc is not None:
-        top = torch.maximum(top, torch.where(pc.sig != 0, pc.exp, NO_EXP))
-    unit = top - FP32.frac_bits - model.extra_bits  # one step of the aligned grid: 2^unit
-    terms = shift(prod, pexp - frac2 - unit.unsqueeze(-1))
-    total = torch.where(psign == 1, -terms, terms).sum(-1)
-    negative = (psign == 1).all(-1)
+        top = torch.maximum(top, torch.where(pc.sig != 0, pc.exp, NO_EXP).to(I32))
+    terms = prod >> (top.unsqueeze(-1) - pexp).clamp(0, 31)
+    total = torch.where(psign, -terms, terms).sum(-1, dtype=I64)
+    negative = psign.all(-1)
     if pc is not None:
-        tc = shift(pc.sig, pc.exp - FP32.frac_bits - unit)
+        tc = shift(pc.sig, pc.exp - top.to(I64) + model.extra_bits)
         total = total + torch.where(pc.sign == 1, -tc, tc)
         negative = negative & (pc.sign == 1)
+    unit = top.to(I64) - FP32.frac_bits - model.extra_bits  # one step of the aligned grid: 2^unit
     sign = (total < 0).to(I64)
     out = fp32_rz_bits(sign, total.abs(), unit, subnormals=model.subnormal_output, overflow=model.overflow)
     zero_sign = negative.to(I64) << 31 if model.zero_sign == "ieee" else torch.zeros_like(out)
     out = torch.where(total == 0, zero_sign, out)
-    nan, pos, neg = _specials(pa, pb, flush, pc, pc is not None)
-    out = torch.where(pos, FP32_INF_BITS, torch.where(neg, FP32_INF_BITS | (1 << 31), out))
-    return fp32_from_bits(torch.where(nan, model.nan_bits, out))
+    if specials:
+        nan, pos, neg = _specials(pa, pb, flush, pc, pc is not None)
+        out = torch.where(pos, FP32_INF_BITS, torch.where(neg, FP32_INF_BITS | (1 << 31), out))
+        out = torch.where(nan, model.nan_bits, out)
+    return fp32_from_bits(out)
 
 
 def dot(
@@ -161,8 +175,10 @@ def dot(
         a_MK = torch.nn.functional.pad(a_MK, (0, pad))
         b_KN = torch.nn.functional.pad(b_KN, (0, 0, 0, pad))
     acc = c_MN
+    specials = model.overflow == "inf" or _has_specials(a_MK, b_KN, c_MN)  # else none can arise
     for k0 in range(0, K + pad, model.group):
-        acc = mma_step(a_MK[..., k0 : k0 + model.group], b_KN[..., k0 : k0 + model.group, :], acc, model)
+        a_g, b_g = a_MK[..., k0 : k0 + model.group], b_KN[..., k0 : k0 + model.group, :]
+        acc = mma_step(a_g, b_g, acc, model, specials=specials)
     if acc is None:  # K = 0 and no accumulator: the empty sum
         shape = (*torch.broadcast_shapes(a_MK.shape[:-2], b_KN.shape[:-2]), a_MK.shape[-2], b_KN.shape[-1])
         acc = torch.zeros(shape, dtype=torch.float32, device=a_MK.device)
