@@ -307,6 +307,7 @@ def compile_only(node_capability: int = 90, tiles: set[str] | None = None) -> li
         k = triton.compile(src, target=GPUTarget("cuda", node_capability, 32), options={"num_warps": t.warps})
         audit = audit_ptx(k.asm["ptx"])
         record = {"kernel": "probe_dot_kernel", "tile": t.name, "dtype": case.dtype, "acc": case.acc}
+        record["shared_bytes"] = k.metadata.shared  # at most 232448 (227 KiB) on sm90
         out.append(
             record | {"flagged": sorted(audit["flagged"]), "mma": audit["mma_operands"], "triton": triton.__version__}
         )
