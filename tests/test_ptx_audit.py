@@ -24,6 +24,7 @@ def _ptx(path: str) -> str:
 	.loc	1 2 33                          // k.py:2:33
 	fma.rn.f32 	%r3, %r4, %r5, %r6;
 	.loc	1 3 18                          // k.py:3:18
+	fma.rn.f32 	%r30, %r31, %r32, %r33;
 	mov.pred 	%p1, -1;
 	wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {{%r7,%r8}}, %rd1, %rd2, 0, 1, 1, 0, 0;
 	wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {{%r7,%r8}}, {{%r9,%r10}}, %rd3, %p1, 1, 1, 1;
@@ -57,9 +58,10 @@ def test_flagged_instructions_name_their_category_site_and_origin(tmp_path):
         "cvt.rzi.s64.f64": "cvt",
         "fma.rn.ftz.f32": "ftz",
     }
-    fma = flagged["fma.rn.f32"]["sites"][0]
+    fma, dot = flagged["fma.rn.f32"]["sites"]
     assert fma["site"] == "h3lab/k.py:2" and fma["code"] == "p = tl.math.exp2(q * scale - m)"
     assert fma["origin"] == "contraction of a multiply and an add written as two operations"
+    assert dot["site"] == "h3lab/k.py:3" and dot["origin"].startswith("tl.dot(input_precision='ieee')")
     assert flagged["fma.rn.ftz.f32"]["sites"][0]["origin"] == "libdevice: tl.math.log2's own sequence of FMAs"
     assert flagged["cvt.f32.bf16"]["why"] == "widening float conversion (exact)"
     assert flagged["cvt.rzi.s64.f64"]["why"] == "float -> integer with the named rounding (exactly specified)"

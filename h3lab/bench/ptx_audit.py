@@ -87,20 +87,32 @@ def _cvt_why(parts: list[str]) -> str:
     return "a conversion with a rounding other than to nearest"
 
 
-CALLEE = re.compile(r"(tl\.math\.\w+|tl\.dot)\s*$")
+CALLEE = re.compile(r"(tl\.math\.\w+)\s*$")
 
 
-def _origin(opcode: str, at: str, via: str) -> str | None:
-    """Who wrote an FMA, from the source text around the instruction's column (`at`: before ^ after;
-    a call's column is its argument list) and its inlined frames."""
+def _inside(text: str, col: int, call: str) -> bool:
+    """Whether column `col` (1-based) of `text` lies inside the parentheses of a call to `call`."""
+    for m in re.finditer(re.escape(call) + r"\s*\(", text):
+        depth, end = 0, m.end() - 1
+        for end in range(m.end() - 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        if m.start() <= col - 1 <= end:
+            return True
+    return False
+
+
+def _origin(opcode: str, code: str, col: int, via: str) -> str | None:
+    """Who wrote an FMA: the source line and the instruction's column (a call's column is its argument
+    list, a dot's its accumulator) and the inlined library frames (`via`)."""
     if not opcode.startswith(("fma.", "mad.")):
         return None
-    before = at.split(" ^ ")[0]
-    callee = CALLEE.search(before)
-    if not at:
+    if not code:
         return "no source line (code of the function named in the PTX labels)"
-    if callee and callee.group(1) == "tl.dot":
+    if _inside(code, col, "tl.dot"):
         return "tl.dot(input_precision='ieee'): one FMA per k, ascending (Triton's FMA dot)"
+    callee = CALLEE.search(code[: max(col - 1, 0)])
     if callee:
         return f"libdevice: {callee.group(1)}'s own sequence of FMAs"
     if "standard.py" in via:
@@ -116,9 +128,9 @@ def _source_line(path: str, line: int) -> str:
         return ""
 
 
-def _frame_site(comment: str, files: dict[int, str], loc: tuple[int, int, int]) -> tuple[str, str, str, str]:
-    """(site, via, code, at): the innermost frame in h3lab (inlined library frames before it are `via`),
-    its source line and the text from its column on."""
+def _frame_site(comment: str, files: dict[int, str], loc: tuple[int, int, int]) -> tuple[str, str, str, int]:
+    """(site, via, code, col): the innermost frame in h3lab (inlined library frames before it are
+    `via`), its source line and the instruction's column in it."""
     by_name = {Path(p).name: p for p in files.values()}
     frames = [(by_name.get(name, name), int(n), int(c or 0)) for name, n, c in FRAME.findall(comment or "")]
     frames = frames or [(files.get(loc[0], "?"), loc[1], loc[2])]
@@ -126,10 +138,9 @@ def _frame_site(comment: str, files: dict[int, str], loc: tuple[int, int, int]) 
     for path, n, col in frames:
         if "/h3lab/" in path:
             rel, text = path[path.index("/h3lab/") + 1 :], _source_line(path, n)
-            at = f"{text[: max(col - 1, 0)].lstrip()[-28:]} ^ {text[max(col - 1, 0) :][:28]}" if text else ""
-            return f"{rel}:{n}", " <- ".join(via), text.strip()[:120], at
+            return f"{rel}:{n}", " <- ".join(via), text, col
         via.append(f"{Path(path).parent.name}/{Path(path).name}:{n}")
-    return (via[-1] if via else "?"), " <- ".join(via[:-1]), "", ""
+    return (via[-1] if via else "?"), " <- ".join(via[:-1]), "", 0
 
 
 def _mma_operands(raw: str, preds: dict[str, str]) -> str:
@@ -152,7 +163,7 @@ def audit_ptx(ptx: str) -> dict[str, Any]:
     preds = {p: {"-1": "1", "0": "0"}.get(v, "predicate") for p, v in MOV_PRED.findall(ptx) if written[p] == 1}
     mma: collections.Counter[tuple[str, str, str]] = collections.Counter()
     fp_ops: collections.Counter[str] = collections.Counter()
-    sites: dict[str, collections.Counter[tuple[str, str, str, str]]] = collections.defaultdict(collections.Counter)
+    sites: dict[str, collections.Counter[tuple[str, str, str, int]]] = collections.defaultdict(collections.Counter)
     loc, comment = (0, 0, 0), ""
     for raw in ptx.splitlines():
         m = LOC.match(raw)
@@ -173,9 +184,10 @@ def audit_ptx(ptx: str) -> dict[str, Any]:
     for opcode, where in sorted(sites.items()):
         category, why = classify(opcode)  # type: ignore[misc]
         rows = []
-        for (site, via, code, at), n in sorted(where.items()):
-            row = {"site": site, "code": code, "at": at, "via": via, "count": n}
-            origin = _origin(opcode, at, via)
+        for (site, via, code, col), n in sorted(where.items()):
+            at = f"{code[: max(col - 1, 0)].lstrip()[-28:]} ^ {code[max(col - 1, 0) :][:28]}" if code else ""
+            row = {"site": site, "code": code.strip()[:120], "at": at, "via": via, "count": n}
+            origin = _origin(opcode, code, col, via)
             rows.append(row | ({"origin": origin} if origin else {}))
         flagged[opcode] = {"category": category, "why": why, "count": sum(where.values()), "sites": rows}
     mma_rows = [{"shape": sh, "site": site, "operands": ops, "count": n} for (sh, site, ops), n in sorted(mma.items())]
