@@ -18,20 +18,22 @@ ROOT = Path(__file__).resolve().parents[1] / "h3lab"
 CORE = "core"  # the flat modules of h3lab/, the torch references (ops) and the GPU kernels (triton)
 MAY_IMPORT: dict[str, set[str]] = {
     CORE: set(),
+    "emulate": {CORE},
     "io": {CORE},
     "model": {CORE, "io"},
     "reference": {CORE, "io", "model"},
     "dist": {CORE},
     "train": {CORE, "io", "model"},
-    "run": {CORE, "io", "model", "reference", "dist", "train"},
-    "bench": {CORE, "io", "model", "reference", "dist", "train", "run"},
-    "workbench": {CORE, "io", "model", "reference", "dist", "train", "run"},
-    "cli": {CORE, "io", "model", "reference", "dist", "train", "run", "bench", "workbench"},
+    "run": {CORE, "emulate", "io", "model", "reference", "dist", "train"},
+    "bench": {CORE, "emulate", "io", "model", "reference", "dist", "train", "run"},
+    "workbench": {CORE, "emulate", "io", "model", "reference", "dist", "train", "run"},
+    "cli": {CORE, "emulate", "io", "model", "reference", "dist", "train", "run", "bench", "workbench"},
     "facade": {CORE, "io"},  # h3lab/__init__.py: the public surface
 }
 PACKAGES = {
     "ops": CORE,
     "triton": CORE,
+    "emulate": "emulate",
     "io": "io",
     "model": "model",
     "reference": "reference",
