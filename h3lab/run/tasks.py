@@ -25,7 +25,7 @@ from torch import Tensor
 from h3lab.batch import PackedBatch
 from h3lab.block import BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
-from h3lab.config import H3Config, block_param_shapes
+from h3lab.config import NUM_UNITS, H3Config, block_param_shapes
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import digest
@@ -151,7 +151,7 @@ def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace
 def canonical(problem: Problem, device: torch.device) -> Computed:
     """The single-process result: tensors under assembled names; digests under per-unit names (as ranks name them)."""
     c = compute(problem, LocalComm(), device)
-    return Computed(assemble_units(c.tensors, problem.config(), units=range(8)), c.digests, c.timings)
+    return Computed(assemble_units(c.tensors, problem.config(), units=range(NUM_UNITS)), c.digests, c.timings)
 
 
 def _shard_fn(layout: Layout, rank: int) -> Callable:
@@ -184,6 +184,14 @@ def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return tensors, {"forward_s": time.perf_counter() - start, "backward_s": 0.0}  # sampling has no backward
+
+
+def space_of(name: str) -> str:
+    """Where a rank's tensor `name` sits in the canonical result (h3lab.dist.assemble): rows, one
+    canonical unit, or replicated."""
+    if name in ROW_TENSORS:
+        return "local"
+    return "unit" if _UNIT.match(name) else "replicated"
 
 
 def assemble_units(tensors: dict[str, Tensor], config: H3Config, units: range) -> dict[str, Tensor]:

@@ -17,12 +17,11 @@ import json
 import re
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from h3lab.dist.assemble import full_tensor
 from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import bit_pattern, bitwise_equal, compare
 
 # how a rank's traced tensor sits in the canonical one: its local rows; TP rows x its unit-major columns;
@@ -71,22 +70,11 @@ def load_trace(prefix: Path | str) -> tuple[dict[str, Tensor], list[tuple[str, s
 
 
 def assemble_trace(layout_dir: Path, layout: Layout, num_rows: int) -> tuple[dict[str, Tensor], list]:
-    """The ranks' traces of one layout -> one trace in the canonical view (rows trimmed to `num_rows`)."""
+    """The ranks' traces of one layout -> one trace in the canonical view (rows trimmed to `num_rows`;
+    h3lab.dist.assemble)."""
     parts = [load_trace(layout_dir / f"rank{r}.trace") for r in range(layout.world)]
     order = parts[0][1]
-    shard = SeqShard(layout, num_rows)
-    full = {}
-    for name, space in order:
-        ranks = [p[0][name] for p in parts]
-        if space == "replicated":
-            full[name] = ranks[0]
-        elif space == "local":
-            full[name] = torch.cat([ranks[o] for o in shard.owner_ranks()])[:num_rows]
-        elif space == "units":  # the TP ranks of CP group 0 hold every unit once, in unit order
-            full[name] = torch.cat([ranks[r] for r in layout.tp_group(0)])
-        else:  # TP rows x unit-major columns: columns over a CP group's TP ranks, then rows over CP groups
-            groups = [torch.cat([ranks[r] for r in layout.tp_group(c)], dim=1) for c in range(layout.cp)]
-            full[name] = torch.cat(groups)[:num_rows]
+    full = {name: full_tensor([p[0][name] for p in parts], layout, space, num_rows) for name, space in order}
     return full, order
 
 
