@@ -5,7 +5,8 @@ balanced tree adds them), so a TP rank's unit subtree root is finished exactly a
 tree would. Baseline mode (`BaselineComm`): what people run today — `all_reduce(SUM)` of the
 bf16 partial, whatever order the backend picks; gathers are copies in both.
 
-`build_comm` must be called by every rank in the same order: it creates all process groups.
+`build_comm` must be called by every rank in the same order: it creates all process groups
+(h3lab.dist.procgroups, from `Layout.groups()`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from h3lab.contract import units_of_rank
+from h3lab.dist.assemble import units_of
 from h3lab.dist.collectives import DeterministicCollective, Finish, new_collective
 from h3lab.dist.layout import Layout
+from h3lab.dist.procgroups import new_groups
 
 
 class Progress:
@@ -73,7 +75,7 @@ class DistComm:
         progress: Progress,
     ) -> None:
         self.layout, self.rank, self.tp, self.cp, self.progress = layout, rank, tp, cp, progress
-        self.units = units_of_rank(layout.coords(rank)[1], layout.tp)
+        self.units = units_of(layout, rank)
         self.seconds = 0.0
 
     def _timed(self, site: str, fn: Callable[[], Any]) -> Any:
@@ -191,27 +193,17 @@ def build_comm(
         raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")
     local_size = layout.local if layout.hierarchical else None
     algo = "hierarchical" if layout.hierarchical else algorithm
-    tp_colls = [
-        new_collective(
-            layout.tp_group(c), algorithm=algo, local_size=local_size, device=device, segment_bytes=segment_bytes
-        )
-        if layout.tp > 1
-        else None
-        for c in range(layout.cp)
-    ]
-    cp_colls = [
-        new_collective(layout.cp_group(t), algorithm=algorithm, device=device, segment_bytes=segment_bytes)
-        if layout.cp > 1
-        else None
-        for t in range(layout.tp)
-    ]
-    groups = None
-    if mode == "baseline":
-        groups = [dist.new_group(layout.tp_group(c)) if layout.tp > 1 else None for c in range(layout.cp)]
+
+    def tp_collective(ranks: list[int]) -> DeterministicCollective:
+        return new_collective(ranks, algorithm=algo, local_size=local_size, device=device, segment_bytes=segment_bytes)
+
+    def cp_collective(ranks: list[int]) -> DeterministicCollective:
+        return new_collective(ranks, algorithm=algorithm, device=device, segment_bytes=segment_bytes)
+
+    colls = new_groups(layout, {"tp": tp_collective, "cp": cp_collective}, rank=rank)
+    baseline = new_groups(layout, {"tp": dist.new_group}, rank=rank) if mode == "baseline" else None
     if rank >= layout.world:
         return None
-    cp_index, tp_index = layout.coords(rank)
-    tp, cp = tp_colls[cp_index], cp_colls[tp_index]
-    if groups is None:
-        return DistComm(layout, rank, tp, cp, progress)
-    return BaselineComm(layout, rank, tp, cp, progress, act_dtype=act_dtype, tp_group=groups[cp_index])
+    if baseline is None:
+        return DistComm(layout, rank, colls.tp, colls.cp, progress)
+    return BaselineComm(layout, rank, colls.tp, colls.cp, progress, act_dtype=act_dtype, tp_group=baseline.tp)

@@ -276,7 +276,7 @@ def run_layout(
             case["local_rows"] = [mine.start, mine.stop]
             case["det"] = det_case(r, layout, comm, w, full, barrier)
             if groups is not None:
-                case["eager"] = eager_case(r, layout, groups, w, full, barrier, _ranks_of(layout, r.rank, groups))
+                case["eager"] = eager_case(r, layout, groups, w, full, barrier, _ranks_of(groups))
             out.append(case)
             write()
             del full
@@ -287,11 +287,8 @@ def run_layout(
         comm.close()
 
 
-def _ranks_of(layout: Layout, rank: int, groups: EagerGroups) -> dict[int, list[int]]:
-    cp_index, tp_index = layout.coords(rank)
-    tp, cp = layout.tp_group(cp_index), layout.cp_group(tp_index)
-    rows = (list(range(layout.world)) if layout.cp > 1 else tp) if layout.sp else cp
-    return {id(groups.tp): tp, id(groups.cp): cp, id(groups.rows): rows}
+def _ranks_of(groups: EagerGroups) -> dict[int, list[int]]:
+    return {id(groups.made.get(kind)): list(ranks) for kind, ranks in groups.members.items()}
 
 
 def main(argv: list[str]) -> int:
