@@ -200,6 +200,7 @@ def _runner_path(r: Any, layout: Layout, comm: DistComm, record: Record) -> dict
     )
     clock = CollectiveClock(r.device)
     timed = TimedComm(comm, clock)
+    backend = r.backend  # the worker's one backend, of this problem's name
     whole_world = layout.world == r.world
     host = r.host_groups[layout.world]
     barrier = dist.barrier if whole_world else (lambda: dist.barrier(group=host))  # rank.py: the default group
@@ -210,7 +211,8 @@ def _runner_path(r: Any, layout: Layout, comm: DistComm, record: Record) -> dict
         got: dict[str, Any] = {}
 
         def fn() -> None:
-            got.update(tasks.compute(problem, timed, r.device, layout=layout, rank=r.rank, inputs=inputs).timings)
+            c = tasks.compute(problem, timed, r.device, backend=backend, layout=layout, rank=r.rank, inputs=inputs)
+            got.update(c.timings)
 
         rec = record(fn, barrier, clock)
         return rec | {"block_timings": dict(got)}

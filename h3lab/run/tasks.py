@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
@@ -70,6 +71,7 @@ def compute(
     comm: BlockComm,
     device: torch.device,
     *,
+    backend: Backend,
     layout: Layout | None = None,
     rank: int = 0,
     trace: Trace | None = None,
@@ -81,18 +83,19 @@ def compute(
     clip coefficient) stay tensors; every other tensor becomes its digest as soon as it exists — a
     50-block real chain's weight gradients are 65 GB.
     `inputs` (`prepare(problem, device)`): the weights and batch to use instead of building them.
+    `backend`: `problem.block_backend` on `device`, built once by the process's entry point.
     """
     shard = None if layout is None else _shard_fn(layout, rank)
     if problem.task == "trajectory":
-        tensors, timings = _trajectory(problem, comm, device, shard)
+        tensors, timings = _trajectory(problem, comm, device, backend, shard)
         return _split(tensors, problem.digests, timings)
     if problem.task == "train":
-        return _train(problem, comm, device, shard, trace)
+        return _train(problem, comm, device, backend, shard, trace)
     batch = inputs.batch if inputs is not None else problem.batch(device)
     local = batch if shard is None else shard(batch)
     if problem.task == "block":
         w = inputs.weights if inputs is not None and inputs.weights is not None else problem.weights(device)
-        step = block_step(unit_weights(w, comm.units), local, comm, backend=problem.block_backend, trace=trace)
+        step = block_step(unit_weights(w, comm.units), local, comm, backend=backend, trace=trace)
         return _split(_step_tensors(step, ""), problem.digests, step.timings)
     digests: dict[str, str] = {}
 
@@ -107,7 +110,7 @@ def compute(
         local,
         comm,
         problem.block_range,
-        backend=problem.block_backend,
+        backend=backend,
         trace=trace,
         keep=keep,
     )
@@ -125,7 +128,9 @@ def _split(tensors: dict[str, Tensor], digests: bool, timings: dict[str, float])
     return Computed(kept, {k: digest(v) for k, v in tensors.items() if k not in kept}, timings)
 
 
-def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace: Trace | None) -> Computed:
+def _train(
+    problem: Problem, comm: BlockComm, device: torch.device, backend: Backend, shard, trace: Trace | None
+) -> Computed:
     """`problem.steps` training steps (h3lab.train.step.Trainer); each step's tensors kept (copied to the
     CPU: the next step overwrites the weights) or digested as the step ends. Timings: each phase summed."""
     trainer = Trainer(
@@ -134,7 +139,7 @@ def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace
         blocks=problem.block_range,
         hyper=problem.hyper(),
         seed=problem.seed,
-        backend=problem.block_backend,
+        backend=backend,
         comm=comm,
         rows_shard=shard,
     )
@@ -148,9 +153,9 @@ def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace
     return Computed(tensors, digests, timings)
 
 
-def canonical(problem: Problem, device: torch.device) -> Computed:
+def canonical(problem: Problem, device: torch.device, backend: Backend) -> Computed:
     """The single-process result: tensors under assembled names; digests under per-unit names (as ranks name them)."""
-    c = compute(problem, LocalComm(), device)
+    c = compute(problem, LocalComm(), device, backend=backend)
     return Computed(assemble_units(c.tensors, problem.config(), units=range(NUM_UNITS)), c.digests, c.timings)
 
 
@@ -165,7 +170,7 @@ def _step_tensors(step: BlockStep, prefix: str) -> dict[str, Tensor]:
     return out
 
 
-def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) -> tuple[dict, dict]:
+def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, backend: Backend, shard) -> tuple[dict, dict]:
     from h3lab.model.trajectory import trajectory
 
     inputs = problem.model_inputs(device)
@@ -174,7 +179,7 @@ def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) 
         problem.model_weights(device),
         inputs,
         steps=problem.steps,
-        backend=problem.block_backend,
+        backend=backend,
         comm=comm,
         rows_shard=shard,
     )

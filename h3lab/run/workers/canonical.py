@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.io.jsonfile import write_json
 from h3lab.io.tensorfile import write_tensors
@@ -39,8 +40,9 @@ from h3lab.run.workers import faults
 def compute_canonical(problem: Problem, out: Path, trace: bool) -> dict:
     """The canonical tensors into `out`; returns the record (time, timings, backend, sha256, non-finite counts)."""
     device = torch.device("cuda" if problem.device == "cuda" else "cpu")
+    backend = get_backend(problem.block_backend, device)  # this process's one backend
     t = time.perf_counter()
-    result = tasks.canonical(problem, device)
+    result = tasks.canonical(problem, device, backend)
     elapsed = time.perf_counter() - t
     tensors = {k: v.contiguous().cpu() for k, v in result.tensors.items()}
     write_tensors(out / "canonical.safetensors", tensors)
@@ -48,7 +50,7 @@ def compute_canonical(problem: Problem, out: Path, trace: bool) -> dict:
         write_json(out / "canonical.digests.json", result.digests)
     if trace:  # a second, traced pass: the finder compares every op of every layout with it
         recorder = TraceRecorder()
-        tasks.compute(problem, LocalComm(), device, trace=recorder)
+        tasks.compute(problem, LocalComm(), device, backend=backend, trace=recorder)
         recorder.save(out / "canonical.trace")
     record = {
         "status": "done",

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from h3lab.backend import get_backend
 from h3lab.batch import PackedBatch, packed_batch
 from h3lab.block import BlockStep, block_step
 from h3lab.config import H3Config
@@ -65,6 +66,7 @@ class Rank:
             dist.init_process_group("gloo", timeout=timeout)
             self.host_group = dist.group.WORLD
         self.cuda = self.device.type == "cuda"
+        self.backend = get_backend(spec["backend"], self.device)  # this process's one backend
         self.timeout = timeout
         self.host_groups: dict[int, Any] = {}  # layout size n -> a gloo group of ranks 0..n-1
         self.runner_diagnosed = False
@@ -151,7 +153,7 @@ def det_case(r: Rank, layout: Layout, comm: DistComm, w: BlockWeights, full: Pac
     uw = unit_weights(w, comm.units)
     clock = CollectiveClock(r.device)
     timed = TimedComm(comm, clock, overlap=r.spec.get("overlap", True))
-    backend = r.spec["backend"]
+    backend = r.backend
 
     def step() -> BlockStep:
         return block_step(uw, local, timed, backend=backend)

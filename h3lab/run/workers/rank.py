@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from h3lab.backend import get_backend
 from h3lab.dist.distcomm import Progress, build_comm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
@@ -156,12 +157,13 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         )
     recorder = TraceRecorder(flip=flip) if spec.get("trace") else None
     inputs = prepare(problem, device)  # once: a repeat that rebuilt them would start its step late
-    result = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder, inputs=inputs)
+    backend = get_backend(problem.block_backend, device)  # this rank's one backend
+    result = compute(problem, comm, device, backend=backend, layout=layout, rank=rank, trace=recorder, inputs=inputs)
     if flip is not None and not recorder.flipped:  # type: ignore[union-attr]
         raise ValueError(f"{faults.FAULT_VAR} flips {flip[0]!r}, which this rank never traced; allowed: a traced op")
     for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
         dist.barrier()  # every rank starts the step together: its forward_s then excludes the others' digests
-        result = compute(problem, comm, device, layout=layout, rank=rank, inputs=inputs)
+        result = compute(problem, comm, device, backend=backend, layout=layout, rank=rank, inputs=inputs)
     tensors, timings = result.tensors, result.timings
     out_dir = Path(spec["layout_dir"])
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
