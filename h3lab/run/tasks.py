@@ -14,7 +14,6 @@ Canonical tensors use the assembled names: `out`, `dx`, `[block{i}.]dtemb`, `[st
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,13 +31,12 @@ from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import digest
 from h3lab.model.chain import chain_step
 from h3lab.run.problem import Problem
+from h3lab.tensorname import TensorName
 from h3lab.train.step import PHASES, Trainer
 from h3lab.units import UNIT_GRAD_FIELDS, assemble_unit_grads, unit_slice, unit_weights
 from h3lab.weights import BlockWeights
 
 ROW_TENSORS = ("out", "dx")
-# a unit slice: an optional step, the block (non-block parameters are never unit-sharded), dw or w
-_UNIT = re.compile(r"^(?P<prefix>(?:step\d+\.)?(?:block\d+\.)?)(?P<kind>dw|w)\.(?P<grad>[^@]+)@u(?P<unit>\d)$")
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,13 +94,13 @@ def compute(
     if problem.task == "block":
         w = inputs.weights if inputs is not None and inputs.weights is not None else problem.weights(device)
         step = block_step(unit_weights(w, comm.units), local, comm, backend=backend, trace=trace)
-        return _split(_step_tensors(step, ""), problem.digests, step.timings)
+        return _split(_step_tensors(step, None), problem.digests, step.timings)
     digests: dict[str, str] = {}
 
     def keep(i: int, step: BlockStep) -> BlockStep:
         if not problem.digests:
             return step
-        digests.update({k: digest(v) for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS})
+        digests.update({k: digest(v) for k, v in _step_tensors(step, i).items() if k not in ROW_TENSORS})
         return dataclasses.replace(step, dw_units={}, dw_replicated={}, dtemb=None)
 
     chain = chain_step(
@@ -117,7 +115,7 @@ def compute(
     tensors = {"out": chain.out, "dx": chain.dx}
     if not problem.digests:
         for i, step in chain.blocks.items():
-            tensors |= {k: v for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
+            tensors |= {k: v for k, v in _step_tensors(step, i).items() if k not in ROW_TENSORS}
     return Computed(tensors, digests, chain.timings)
 
 
@@ -163,11 +161,13 @@ def _shard_fn(layout: Layout, rank: int) -> Callable:
     return lambda batch: SeqShard(layout, batch.num_rows).coshard(batch, rank)
 
 
-def _step_tensors(step: BlockStep, prefix: str) -> dict[str, Tensor]:
-    out = {k: v for k, v in (("out", step.out), ("dx", step.dx), (f"{prefix}dtemb", step.dtemb)) if v is not None}
-    out |= {f"{prefix}dw.{k}": v for k, v in step.dw_replicated.items()}
-    out |= {f"{prefix}dw.{k}@u{u}": t for k, per in step.dw_units.items() for u, t in per.items()}
-    return out
+def _step_tensors(step: BlockStep, block: int | None) -> dict[str, Tensor]:
+    """A block step's tensors by name: out, dx, then `block{i}.` (a chain's block i) dtemb and dW."""
+    named = (("out", step.out), ("dx", step.dx), (str(TensorName("dtemb", block=block)), step.dtemb))
+    out = {k: v for k, v in named if v is not None}
+    out |= {str(TensorName(f"dw.{k}", block=block)): v for k, v in step.dw_replicated.items()}
+    units = step.dw_units.items()
+    return out | {str(TensorName(f"dw.{k}", block=block, unit=u)): t for k, per in units for u, t in per.items()}
 
 
 def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, backend: Backend, shard) -> tuple[dict, dict]:
@@ -185,7 +185,7 @@ def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, backend
     )
     tensors = {}
     for k, s in enumerate(traj.latents_per_step):
-        tensors |= {f"step{k}.video": s.video, f"step{k}.audio": s.audio}
+        tensors |= {str(TensorName("video", step=k)): s.video, str(TensorName("audio", step=k)): s.audio}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return tensors, {"forward_s": time.perf_counter() - start, "backward_s": 0.0}  # sampling has no backward
@@ -196,22 +196,24 @@ def space_of(name: str) -> str:
     canonical unit, or replicated."""
     if name in ROW_TENSORS:
         return "local"
-    return "unit" if _UNIT.match(name) else "replicated"
+    return "unit" if TensorName.parse(name).unit_slice else "replicated"
 
 
 def assemble_units(tensors: dict[str, Tensor], config: H3Config, units: range) -> dict[str, Tensor]:
     """Replace `...dw.<grad>@u{u}` (and `...w.<grad>@u{u}`) entries by diffusers-shaped `...dw.<parameter>`
     (`...w.<parameter>`) covering `units`."""
-    out, per_prefix = {}, {}
+    out, per_tensor = {}, {}
     for k, v in tensors.items():
-        m = _UNIT.match(k)
-        if m is None:
+        n = TensorName.parse(k)
+        if not n.unit_slice:
             out[k] = v
-        else:
-            per_prefix.setdefault(f"{m['prefix']}{m['kind']}.", {}).setdefault(m["grad"], {})[int(m["unit"])] = v
-    for prefix, grads in per_prefix.items():
-        assert set(grads) == set(UNIT_GRAD_FIELDS), (prefix, sorted(grads))
-        out |= {f"{prefix}{k}": v for k, v in assemble_unit_grads(grads, units).items()}
+        else:  # grouped by the name without its unit gradient and unit: (step, block, kind)
+            whole = n.replace(body=n.kind, unit=None)
+            per_tensor.setdefault(whole, {}).setdefault(n.param, {})[n.unit] = v
+    for whole, grads in per_tensor.items():
+        assert set(grads) == set(UNIT_GRAD_FIELDS), (str(whole), sorted(grads))
+        for param, v in assemble_unit_grads(grads, units).items():
+            out[str(whole.replace(body=f"{whole.body}.{param}"))] = v
     return out
 
 
@@ -219,12 +221,12 @@ def expected_shard(name: str, canon: dict[str, Tensor], config: H3Config, rows: 
     """The slice of the canonical result that a rank's tensor `name` must equal byte for byte."""
     if name in ROW_TENSORS:
         return canon[name][rows]
-    m = _UNIT.match(name)
-    if m is None:
+    n = TensorName.parse(name)
+    if not n.unit_slice:
         return canon[name]
-    prefix, params = f"{m['prefix']}{m['kind']}.", set(block_param_shapes(config))
-    block = {k[len(prefix) :]: v for k, v in canon.items() if k.startswith(prefix) and k[len(prefix) :] in params}
-    return unit_slice(unit_weights(BlockWeights(config, block, "canonical")), m["grad"], int(m["unit"]))
+    whole = {p: str(n.replace(body=f"{n.kind}.{p}", unit=None)) for p in block_param_shapes(config)}
+    block = {p: canon[k] for p, k in whole.items() if k in canon}
+    return unit_slice(unit_weights(BlockWeights(config, block, "canonical")), n.param, n.unit)
 
 
 def num_rows(problem: Problem) -> int | None:

@@ -6,7 +6,7 @@ block_step's trace hook), reassembles the ranks' shards into the canonical view 
 op, block and tensor whose bits differ, with its ULP statistics. Traces are safetensors plus a
 JSON list of (name, space) in execution order; nothing else is needed to compare two machines.
 
-Names: `[step{k}.][block{i}.]<op>`. A training run's trace holds its steps in order, each the
+Names: `[step{k}.][block{i}.]<op>` (h3lab.tensorname). A training run's trace holds its steps in order, each the
 model's forward and backward ops, then every gradient the optimizer reads (h3lab.train.step), so a
 divergence is named by its step, block and op.
 """
@@ -14,7 +14,6 @@ divergence is named by its step, block and op.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -23,6 +22,7 @@ from torch import Tensor
 from h3lab.dist.assemble import full_tensor
 from h3lab.dist.layout import Layout
 from h3lab.metrics import bit_pattern, bitwise_equal, compare
+from h3lab.tensorname import TensorName
 
 # how a rank's traced tensor sits in the canonical one: its local rows; TP rows x its unit-major columns;
 # a stack [U_local, ...] of its canonical units; the same on every rank
@@ -83,9 +83,6 @@ def save_trace(prefix: Path, tensors: dict[str, Tensor], order: list) -> None:
     Path(str(prefix) + ".json").write_text(json.dumps(order))
 
 
-_NAME = re.compile(r"^(?:step(?P<step>\d+)\.)?(?:block(?P<block>\d+)\.)?(?P<op>.+)$")
-
-
 def timeline(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> list[dict]:
     """Per op of `a` (execution order): whether `b` has the same bits, and the ULP statistics; `step`
     and `block` are None for an op of no training step or no block."""
@@ -102,14 +99,14 @@ def first_divergence(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) ->
 
 
 def _row(i: int, name: str, space: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> dict:
-    m = _NAME.match(name)
+    n = TensorName.parse(name)
     row = {
         "index": i,
         "name": name,
         "space": space,
-        "step": int(m["step"]) if m["step"] else None,
-        "block": int(m["block"]) if m["block"] else None,
-        "op": m["op"],
+        "step": n.step,
+        "block": n.block,
+        "op": str(n.replace(step=None, block=None)),
     }
     if name not in b:
         return row | {"present": False, "bitwise_equal": False}
