@@ -91,9 +91,8 @@ class RunRequest:
             raise ValueError("nnodes > 1 needs rdzv_endpoint (HOST:PORT of node 0)")
         if self.rdzv_endpoint is not None:
             split_endpoint(self.rdzv_endpoint)
-        config = self.problem.config()
         for layout in self.layouts:
-            layout.check(config)
+            self.problem.check_layout(layout)
             if self.nnodes > 1 and layout.nodes != self.nnodes:
                 raise ValueError(f"layout {layout.name} has {layout.nodes} nodes but the job has nnodes={self.nnodes}")
             try:  # what this machine starts: the whole layout, or this node's share
