@@ -22,11 +22,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "model": {CORE, "io"},
     "reference": {CORE, "io", "model"},
     "dist": {CORE},
+    "launch": {CORE},
     "train": {CORE, "io", "model"},
-    "run": {CORE, "io", "model", "reference", "dist", "train"},
-    "bench": {CORE, "io", "model", "reference", "dist", "train", "run"},
-    "workbench": {CORE, "io", "model", "reference", "dist", "train", "run"},
-    "cli": {CORE, "io", "model", "reference", "dist", "train", "run", "bench", "workbench"},
+    "run": {CORE, "io", "model", "reference", "dist", "launch", "train"},
+    "bench": {CORE, "io", "model", "reference", "dist", "launch", "train", "run"},
+    "workbench": {CORE, "io", "model", "reference", "dist", "launch", "train", "run"},
+    "cli": {CORE, "io", "model", "reference", "dist", "launch", "train", "run", "bench", "workbench"},
     "facade": {CORE, "io"},  # h3lab/__init__.py: the public surface
 }
 PACKAGES = {
@@ -36,6 +37,7 @@ PACKAGES = {
     "model": "model",
     "reference": "reference",
     "dist": "dist",
+    "launch": "launch",
     "train": "train",
     "run": "run",
     "bench": "bench",

@@ -24,8 +24,8 @@ from h3lab.dist.collectives import (
     new_collective,
     tree_string,
 )
+from h3lab.launch.launcher import launch
 from h3lab.ops.fixed import balanced_tree
-from h3lab.run.launch import launch
 from h3lab.run.workers.collective_check import CHECK_SEGMENT_BYTES
 
 SHAPES = "1,7,9973,65537,33x17,3x5"

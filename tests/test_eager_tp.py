@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from h3lab.batch import packed_batch
 from h3lab.config import H3Config
+from h3lab.launch.launcher import launch
 from h3lab.metrics import error_stats
 from h3lab.reference.eager import eager_block, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
-from h3lab.run.launch import launch
 from h3lab.weights import synthetic_block
 
 TOL = 2e-2

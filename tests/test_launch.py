@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from h3lab.run.launch import launch
+from h3lab.launch.launcher import launch
 from tests.conftest import leftovers
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from h3lab import H3Config
 from h3lab.io.checkpoint import synthesize_checkpoint
-from h3lab.run.launch import free_port, launch, worker_env
+from h3lab.launch.launcher import free_port, launch, worker_env
 from tests.conftest import leftovers
 
 

@@ -25,7 +25,7 @@ import torch
 
 from h3lab.io.env import capture
 from h3lab.io.jsonfile import write_json
-from h3lab.run.launch import launch
+from h3lab.launch.launcher import launch
 
 SCATTER_TARGET = 0.85  # of the backend all_reduce's bus bandwidth, for messages of >= 64 MiB
 

@@ -3,7 +3,7 @@
     python -m h3lab.bench.layouts --out FILE.json --layouts tp1,tp2,tp2+sp,cp2 --rows 4096,16384 \\
         [--steps 20] [--warmup 3] [--device cuda] [--diagnose]
 
-or `run_layout_bench(...)` (a papermill-friendly dict). One launch through h3lab.run.launch with one
+or `run_layout_bench(...)` (a papermill-friendly dict). One launch through h3lab.launch.launcher with one
 process per GPU (NCCL; gloo on CPU) runs every layout and row count
 (h3lab.run.workers.layout_bench); a layout smaller than the launch runs on its first ranks.
 
@@ -48,7 +48,7 @@ from h3lab.config import H3Config
 from h3lab.dist.layout import Layout, parse_layouts
 from h3lab.io.env import capture
 from h3lab.io.jsonfile import write_json
-from h3lab.run.launch import launch
+from h3lab.launch.launcher import launch
 
 LARGE_BYTES = 1 << 20  # a collective at least this large is "large" (the skew is read at the first one)
 # the targets on the layout's overhead: (det/eager at the layout) / (det/eager at tp1)

@@ -43,10 +43,7 @@ from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import FINAL_STATES, claim, describe_end, read_record, reserve_space, write_final
 from h3lab.io.tensorfile import write_tensors
-from h3lab.metrics import compare
-from h3lab.run import tasks
-from h3lab.run.diagnose import diagnose
-from h3lab.run.launch import (
+from h3lab.launch.launcher import (
     LaunchResult,
     check_local_processes,
     launch,
@@ -54,6 +51,9 @@ from h3lab.run.launch import (
     new_token,
     split_endpoint,
 )
+from h3lab.metrics import compare
+from h3lab.run import tasks
+from h3lab.run.diagnose import diagnose
 from h3lab.run.problem import Problem
 from h3lab.run.steps import step_verdicts
 from h3lab.run.summary import failure_line

@@ -1,4 +1,4 @@
-"""The modules torchrun starts, launched only through h3lab.run.launch (one module per kind of job).
+"""The modules torchrun starts, launched only through h3lab.launch.launcher (one module per kind of job).
 
 rank              one rank of a layout: the block (or chain, trajectory) on its rows and units
 canonical         the single-process result of a run, in a process of its own (bounded, killable)

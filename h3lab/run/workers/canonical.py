@@ -1,6 +1,6 @@
 """The canonical result of a run: the problem in a single process, in a process of its own.
 
-Launched only by h3lab.run.runner through h3lab.run.launch.launch_process, so that `--timeout`
+Launched only by h3lab.run.runner through h3lab.launch.launcher.launch_process, so that `--timeout`
 bounds it, Ctrl-C or SIGTERM stop it, and a crash or a full disk ends it with a status instead of
 taking the runner down: `python -m h3lab.run.workers.canonical SPEC.json`. Under the run folder
 it writes canonical.safetensors (out, dx, dtemb, dw.<parameter>; a training run's step{k}. tensors),
@@ -28,9 +28,9 @@ from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.io.jsonfile import write_json
 from h3lab.io.tensorfile import write_tensors
+from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import count_nonfinite, sha256_tensor
 from h3lab.run import tasks
-from h3lab.run.lifeline import exit_now, watch
 from h3lab.run.problem import Problem
 from h3lab.run.steps import step_values
 from h3lab.run.trace import TraceRecorder

@@ -3,7 +3,7 @@
     python -m h3lab.run.workers.eager_tp OUT_DIR --config real --rows 264,4096 --device cuda [--reps 10]
     python -m h3lab.run.workers.eager_tp OUT_DIR --config tiny --rows 32 --layouts tp2+sp,cp2 --save
 
-Launched only through `h3lab.run.launch.launch` with one process per rank (NCCL on distinct GPUs,
+Launched only through `h3lab.launch.launcher.launch` with one process per rank (NCCL on distinct GPUs,
 gloo on CPU). Without --layouts: Megatron TP over all ranks (the default group). Writes
 OUT_DIR/rank{r}.json: per row count the median forward and forward+backward seconds
 (CUDA-synchronised, after warm-up), and with --save the rank's out, dx and dW as safetensors
@@ -30,10 +30,10 @@ from h3lab.batch import packed_batch
 from h3lab.config import H3Config
 from h3lab.dist.layout import parse_layouts
 from h3lab.io.jsonfile import write_json
+from h3lab.launch.lifeline import exit_now, watch
 from h3lab.reference.eager import eager_block, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
 from h3lab.run.eager_layouts import eager_groups, eager_inputs, eager_parallel
-from h3lab.run.lifeline import exit_now, watch
 from h3lab.weights import BlockWeights, synthetic_block
 
 

@@ -2,7 +2,7 @@
 
     python -m h3lab.run.workers.layout_bench SPEC.json
 
-Launched only through `h3lab.run.launch.launch`, one process per GPU (NCCL; gloo on CPU), as many
+Launched only through `h3lab.launch.launcher.launch`, one process per GPU (NCCL; gloo on CPU), as many
 as the largest layout of the spec needs; ranks outside a smaller layout wait for it. Per rank: the
 block's weights, every case's batch, shards, comms and event pools are built before its steps;
 each timed step starts after a barrier of the layout's ranks (gloo, on the host) and a device
@@ -37,11 +37,11 @@ from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.dist.timed import CollectiveClock, TimedComm, now_ns
 from h3lab.io.jsonfile import write_json
+from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import digest
 from h3lab.reference.eager import EagerCollectives, eager_block
 from h3lab.run import layout_diagnose
 from h3lab.run.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
-from h3lab.run.lifeline import exit_now, watch
 from h3lab.units import unit_weights
 from h3lab.weights import BlockWeights, synthetic_block
 

@@ -1,6 +1,6 @@
 """One rank of a layout: run the block on its rows and units, compare its shards, write them out.
 
-Launched only by h3lab.run.runner through h3lab.run.launch: `python -m h3lab.run.workers.rank SPEC.json`.
+Launched only by h3lab.run.runner through h3lab.launch.launcher: `python -m h3lab.run.workers.rank SPEC.json`.
 The rank writes, under the layout directory: rank{r}.log (stdout and stderr), rank{r}.status.json
 (running / done / error / terminated, updated at every collective call so a hang can be traced
 to the straggler), rank{r}.safetensors (its out/dx rows, its dW unit slices, replicated grads)
@@ -9,7 +9,7 @@ and rank{r}.json (verdicts against the canonical block, timings, collective deci
 H3LAB_FAULT=<raise|hang|kill|stop>:<rank> injects a fault on one rank after the process group is up,
 H3LAB_FAULT=flip:<rank>:<op>:<index> one flipped bit in a traced op's output (fault-handling and
 finder tests, h3lab.run.workers.faults; never set by the runner itself). A rank exits when
-its agent or its runner is gone (h3lab.run.lifeline), saying so in its status.
+its agent or its runner is gone (h3lab.launch.lifeline), saying so in its status.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from h3lab.dist.distcomm import Progress, build_comm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.io.jsonfile import write_json
+from h3lab.launch.lifeline import watch
 from h3lab.metrics import compare
-from h3lab.run.lifeline import watch
 from h3lab.run.problem import Problem
 from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare
 from h3lab.run.trace import TraceRecorder
