@@ -1,6 +1,6 @@
 """Worker: one rank of the layout benchmark (h3lab.bench.layouts): deterministic and eager steps, timed.
 
-    python -m h3lab.run.workers.layout_bench SPEC.json
+    python -m h3lab.bench.workers.layout_bench SPEC.json
 
 Launched only through `h3lab.launch.launcher.launch`, one process per GPU (NCCL; gloo on CPU), as many
 as the largest layout of the spec needs; ranks outside a smaller layout wait for it. Per rank: the
@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from h3lab.backend import get_backend
 from h3lab.batch import PackedBatch, packed_batch
+from h3lab.bench.workers import layout_diagnose
+from h3lab.bench.workers.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
 from h3lab.block import BlockStep, block_step
 from h3lab.config import H3Config
 from h3lab.dist.distcomm import DistComm, Progress, build_comm
@@ -40,8 +42,6 @@ from h3lab.io.jsonfile import write_json
 from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import digest
 from h3lab.reference.eager import EagerCollectives, eager_block
-from h3lab.run import layout_diagnose
-from h3lab.run.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
 from h3lab.units import unit_weights
 from h3lab.weights import BlockWeights, synthetic_block
 

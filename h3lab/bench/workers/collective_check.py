@@ -1,7 +1,7 @@
 """Worker: deterministic collectives against the local balanced tree, bit for bit; or a bandwidth bench.
 
-    python -m h3lab.run.workers.collective_check OUT_DIR [--configs all:gather_tree ...] [--shapes 7,33x17]
-    python -m h3lab.run.workers.collective_check OUT_DIR --bench --device cuda --backend nccl --bench-mib 1,1024 \
+    python -m h3lab.bench.workers.collective_check OUT_DIR [--configs all:gather_tree ...] [--shapes 7,33x17]
+    python -m h3lab.bench.workers.collective_check OUT_DIR --bench --device cuda --backend nccl --bench-mib 1,1024 \
         [--local-sizes 2] [--segment-mib 32]
 
 Launched only through `h3lab.launch.launcher.launch`. Every rank regenerates every member's partial from
@@ -314,7 +314,7 @@ def _bench_one(args, colls: dict, name: str, op: str, x: Tensor, want: Tensor, w
 
 def main(argv: list[str]) -> int:
     watch(exit_now(), parent_signal=signal.SIGKILL)  # no orphan when the agent or runner is gone
-    parser = argparse.ArgumentParser(prog="h3lab.run.workers.collective_check")
+    parser = argparse.ArgumentParser(prog="h3lab.bench.workers.collective_check")
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", nargs="*", default=None, help="RANKS:ALGORITHM[:LOCAL_SIZE]; default: all")
