@@ -43,7 +43,7 @@ def test_every_store_of_a_two_node_job_binds_the_endpoint_address_only(tmp_path)
 
     def node(rank: int) -> None:
         results[rank] = launch(
-            "h3lab.run.workers.hello",
+            "tests.hello",
             [str(tmp_path)],
             nproc_per_node=1,
             log_dir=tmp_path / f"node{rank}",
