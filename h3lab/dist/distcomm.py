@@ -11,11 +11,8 @@ bf16 partial, whatever order the backend picks; gathers are copies in both.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,43 +25,17 @@ from h3lab.dist.layout import Layout
 from h3lab.dist.procgroups import new_groups
 
 
-class Progress:
-    """Counts this rank's collective calls into a status file, so a hang can name the straggler.
-
-    A tick runs inside the block step, at every collective: it overwrites one fixed-size record of
-    a file it keeps open (os.pwrite, no open, truncate or rename per call, which cost milliseconds
-    of host time per call on some filesystems). The record is JSON padded with spaces, so each
-    write covers the last one whole. A writer that replaces the file (the rank's final status,
-    written atomically) gives the path a new file; later ticks go to the old one and never
-    overwrite that status.
-    """
-
-    RECORD_BYTES = 256
-
-    def __init__(self, path: Path | None) -> None:
-        self.path, self.calls, self.site = path, 0, ""
-        self._fd: int | None = None
-
-    def tick(self, site: str) -> None:
-        self.calls, self.site = self.calls + 1, site
-        if self.path is None:
-            return
-        record = json.dumps({"state": "running", "calls": self.calls, "site": site[:160]}).encode()
-        if len(record) > self.RECORD_BYTES:  # a site of escaped characters: its start is enough
-            record = json.dumps({"state": "running", "calls": self.calls, "site": site[:16]}).encode()
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self._fd, record.ljust(self.RECORD_BYTES), 0)
-
-    def close(self) -> None:
-        """Close the status file (the record written last stays)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+def _no_call(site: str) -> None:
+    pass
 
 
 class DistComm:
-    """Deterministic collectives for one rank of `layout` (TP group, CP group)."""
+    """Deterministic collectives for one rank of `layout` (TP group, CP group).
+
+    `on_call(site)` runs before every call that moves bytes, on the calling thread, with the call's
+    site: the run's status file (h3lab.run.progress), a test's fault. It sees no tensor, so it
+    cannot change a bit; every rank makes the same calls in the same order.
+    """
 
     def __init__(
         self,
@@ -72,14 +43,15 @@ class DistComm:
         rank: int,
         tp: DeterministicCollective | None,
         cp: DeterministicCollective | None,
-        progress: Progress,
+        on_call: Callable[[str], None] | None = None,
     ) -> None:
-        self.layout, self.rank, self.tp, self.cp, self.progress = layout, rank, tp, cp, progress
+        self.layout, self.rank, self.tp, self.cp = layout, rank, tp, cp
+        self.on_call = on_call if on_call is not None else _no_call
         self.units = units_of(layout, rank)
         self.seconds = 0.0
 
     def _timed(self, site: str, fn: Callable[[], Any]) -> Any:
-        self.progress.tick(site)
+        self.on_call(site)
         t = time.perf_counter()
         out = fn()
         self.seconds += time.perf_counter() - t
@@ -137,7 +109,6 @@ class DistComm:
         for c in (self.tp, self.cp):
             if c is not None:
                 c.close()
-        self.progress.close()
 
 
 def _equal(coll: DeterministicCollective, x: Tensor, dim: int) -> list[int]:
@@ -183,12 +154,12 @@ def build_comm(
     algorithm: str,
     device: torch.device,
     act_dtype: torch.dtype,
-    progress: Progress,
+    on_call: Callable[[str], None] | None = None,
     segment_bytes: int | None = None,
 ) -> DistComm | None:
-    """The comm of `rank`; every rank of the world calls this with the same arguments (it creates the
-    groups). A rank outside the layout (a world larger than the layout, as a benchmark that runs
-    several layouts in one launch has) creates the groups and gets None."""
+    """The comm of `rank` (`on_call`: see DistComm); every rank of the world calls this with the same
+    arguments (it creates the groups). A rank outside the layout (a world larger than the layout, as
+    a benchmark that runs several layouts in one launch has) creates the groups and gets None."""
     if mode not in ("deterministic", "baseline"):
         raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")
     local_size = layout.local if layout.hierarchical else None
@@ -205,5 +176,5 @@ def build_comm(
     if rank >= layout.world:
         return None
     if baseline is None:
-        return DistComm(layout, rank, colls.tp, colls.cp, progress)
-    return BaselineComm(layout, rank, colls.tp, colls.cp, progress, act_dtype=act_dtype, tp_group=baseline.tp)
+        return DistComm(layout, rank, colls.tp, colls.cp, on_call)
+    return BaselineComm(layout, rank, colls.tp, colls.cp, on_call, act_dtype=act_dtype, tp_group=baseline.tp)

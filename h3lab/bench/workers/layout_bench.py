@@ -34,7 +34,7 @@ from h3lab.bench.workers import layout_diagnose
 from h3lab.bench.workers.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
 from h3lab.block import BlockStep, block_step
 from h3lab.config import H3Config
-from h3lab.dist.distcomm import DistComm, Progress, build_comm
+from h3lab.dist.distcomm import DistComm, build_comm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.dist.timed import CollectiveClock, TimedComm, now_ns
@@ -262,7 +262,6 @@ def run_layout(
         algorithm=spec["algorithm"],
         device=r.device,
         act_dtype=torch.bfloat16,
-        progress=Progress(None),
         segment_bytes=spec.get("segment_bytes"),
     )
     groups = eager_groups(layout, r.rank) if spec["eager"] else None

@@ -30,13 +30,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from h3lab.backend import get_backend
-from h3lab.dist.distcomm import Progress, build_comm
+from h3lab.dist.distcomm import build_comm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.io.jsonfile import write_json
 from h3lab.launch.lifeline import watch
 from h3lab.metrics import compare
 from h3lab.run.problem import Problem
+from h3lab.run.progress import Progress
 from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare
 from h3lab.run.trace import TraceRecorder
 from h3lab.run.workers import faults
@@ -138,9 +139,8 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
     dist.init_process_group(transport, device_id=device if transport == "nccl" else None)
     progress.tick("process group up")  # phases count as progress, so a hang names its straggler
-    stop_tick = faults.inject(str(rank), progress.tick)
+    on_call = faults.inject(str(rank), progress.tick)  # a `stop` fault: a hook that stops in the next collective
     progress.tick("fault check")
-    progress.tick = stop_tick  # type: ignore[method-assign]  (a `stop` fault stops in the next collective)
     comm = build_comm(
         layout,
         rank,
@@ -148,7 +148,7 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         algorithm=spec.get("algorithm", "auto"),
         device=device,
         act_dtype=torch.bfloat16,
-        progress=progress,
+        on_call=on_call,
     )
     flip = faults.planted_flip(str(rank))
     if flip is not None and not spec.get("trace"):
@@ -196,6 +196,7 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         record["local_rows"] = [rows.start, rows.stop]
     write_json(out_dir / f"rank{rank}.json", record)
     comm.close()
+    progress.close()
     dist.destroy_process_group()
     return record
 
