@@ -9,8 +9,10 @@
   one GEMM per rank over its local K instead of unit partials, physical row order for weight
   gradients. It exists so reports can show where bits diverge; it is never a fallback.
 
-`get_backend` is the only place a backend is chosen; an explicit choice that cannot be honoured
-raises, nothing falls back silently. Every method computes in FP32 and rounds once to `out_dtype`
+`get_backend(name, device)` is the one constructor: an entry point (the CLI, a runner's rank, a
+notebook, a benchmark) builds the backend once and passes the object down; everything below takes
+a `Backend`, never a name, and no `None` stands for torch. A choice that cannot be honoured raises,
+nothing falls back silently. Every method computes in FP32 and rounds once to `out_dtype`
 where it has one; without one it returns FP32.
 
 Dimension legend: M rows, K reduced, N columns, R rows, H heads, Dh head_dim, G segments.
@@ -265,10 +267,9 @@ class BaselineBackend(TorchBackend):
         return dk.transpose(0, 1), dv.transpose(0, 1)
 
 
-def get_backend(name: str | None, device: torch.device | str = "cpu") -> Backend:
-    """The backend named `name` for `device` (None: "torch"). Raises when it cannot be honoured."""
+def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
+    """The backend named `name` for `device`. Raises when it cannot be honoured."""
     device = torch.device(device)
-    name = name or "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; allowed: {list(BACKENDS)}")
     if name == "torch":

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from h3lab.backend import Backend, get_backend
+from h3lab.backend import Backend, TorchBackend
 from h3lab.batch import PackedBatch
 from h3lab.block_backward import backward as run_backward
 from h3lab.block_forward import Step, Trace, forward, zero_padding
@@ -52,6 +52,9 @@ class BlockStep:
     timings: dict[str, float]
 
 
+TORCH = TorchBackend()  # canonical_block's default: the canonical arithmetic, the same bits on every device
+
+
 def _no_trace(name: str, t: Tensor, space: str) -> Tensor:
     return t
 
@@ -60,7 +63,7 @@ def canonical_block(
     weights: BlockWeights,
     batch: PackedBatch,
     *,
-    backend: Backend | str | None = None,
+    backend: Backend = TORCH,
     decided_rows: RowPlan | None = None,
     trace: Trace | None = None,
 ) -> BlockResult:
@@ -69,9 +72,10 @@ def canonical_block(
     Args:
         weights: one block's tensors (`h3lab.load_block` or `h3lab.weights.synthetic_block`).
         batch: one packed request with its upstream gradient (`h3lab.packed_batch`).
-        backend: "torch" (default, CPU and GPU), "triton" (GPU) or "baseline" (library kernels,
-            not layout-invariant: the reference point of the baseline mode), or a backend object
-            (e.g. `TritonBackend("cpu", node=...)` under the Triton interpreter); see h3lab.backend.
+        backend: the kernels, built once by `h3lab.backend.get_backend(name, device)`: "torch" (this
+            entry point's default, CPU and GPU), "triton" (GPU) or "baseline" (library kernels, not
+            layout-invariant: the reference point of the baseline mode); or a backend object such as
+            `TritonBackend("cpu", node=...)` under the Triton interpreter.
         decided_rows: the row plan of this batch's metadata decided beforehand
             (`h3lab.rowplan.decide_rows`, backend "triton"): the step then never waits for the
             host, as a CUDA graph capture needs (h3lab.graph).
@@ -92,7 +96,11 @@ def canonical_block(
     return BlockResult(out=step.out, dx=step.dx, dw={k: dw[k] for k in names}, dtemb=step.dtemb)
 
 
-def _check(uw: UnitWeights, b: PackedBatch) -> None:
+def _check(uw: UnitWeights, b: PackedBatch, backend: Backend) -> None:
+    if isinstance(backend, str):
+        raise ValueError(
+            f"backend {backend!r} is a name; allowed: a backend object, h3lab.backend.get_backend({backend!r}, device)"
+        )
     c = uw.config
     check_device(b.device)
     if b.hidden_states.shape[1] != c.hidden_size:
@@ -111,7 +119,7 @@ def block_step(
     b: PackedBatch,
     comm: BlockComm,
     *,
-    backend: Backend | str | None = None,
+    backend: Backend,
     backward: bool = True,
     trace: Trace | None = None,
     decided_rows: RowPlan | None = None,
@@ -123,13 +131,12 @@ def block_step(
     `decided_rows`: see `canonical_block` (`decided_rows` with `LocalComm` only: a layout's gathered
     metadata are tensors of its own).
     """
-    _check(uw, b)
-    be = get_backend(backend, b.device) if backend is None or isinstance(backend, str) else backend
+    _check(uw, b, backend)
     # Triton launches on the current CUDA device: make it the batch's (rank 1 of a NCCL layout
     # holds cuda:1 while the current device may still be cuda:0)
     on_device = torch.cuda.device(b.device) if b.device.type == "cuda" else contextlib.nullcontext()
     with strict_mode(), torch.no_grad(), on_device, index_cache():
-        return _block_step(uw, b, comm, be, backward, trace or _no_trace, decided_rows)
+        return _block_step(uw, b, comm, backend, backward, trace or _no_trace, decided_rows)
 
 
 def _block_step(

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from h3lab import rowplan
+from h3lab.backend import get_backend
 from h3lab.batch import FIELDS, PackedBatch
 from h3lab.block import canonical_block
 from h3lab.result import BlockResult
@@ -77,8 +78,9 @@ class GraphedBlock:
             self.batch = PackedBatch(**{k: getattr(batch, k).clone() for k in FIELDS})
             self.rows = self.decide(self.batch)
             self.captured_signature = self.signature(self.rows)
+            be = get_backend("triton", self.device)  # built once: every replay runs these kernels
             self.graph, self.result = capture(
-                lambda: canonical_block(weights, self.batch, backend="triton", decided_rows=self.rows), warmup=warmup
+                lambda: canonical_block(weights, self.batch, backend=be, decided_rows=self.rows), warmup=warmup
             )
 
     def decide(self, batch: PackedBatch) -> RowPlan:

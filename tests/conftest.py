@@ -61,7 +61,7 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 def leftovers(token: str) -> list[int]:
     """Processes of the launch tagged `token` still alive (other test sessions' launches carry other
     tokens)."""
-    from h3lab.run.launch import processes_with_token
+    from h3lab.launch.launcher import processes_with_token
 
     return [p.pid for p in processes_with_token(token)]
 

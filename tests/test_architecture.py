@@ -23,11 +23,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "model": {CORE, "io"},
     "reference": {CORE, "io", "model"},
     "dist": {CORE},
+    "launch": {CORE},
     "train": {CORE, "io", "model"},
-    "run": {CORE, "emulate", "io", "model", "reference", "dist", "train"},
-    "bench": {CORE, "emulate", "io", "model", "reference", "dist", "train", "run"},
-    "workbench": {CORE, "emulate", "io", "model", "reference", "dist", "train", "run"},
-    "cli": {CORE, "emulate", "io", "model", "reference", "dist", "train", "run", "bench", "workbench"},
+    "run": {CORE, "emulate", "io", "model", "reference", "dist", "launch", "train"},
+    "bench": {CORE, "emulate", "io", "model", "reference", "dist", "launch", "train", "run"},
+    "workbench": {CORE, "emulate", "io", "model", "reference", "dist", "launch", "train", "run"},
+    "cli": {CORE, "emulate", "io", "model", "reference", "dist", "launch", "train", "run", "bench", "workbench"},
     "facade": {CORE, "io"},  # h3lab/__init__.py: the public surface
 }
 PACKAGES = {
@@ -38,6 +39,7 @@ PACKAGES = {
     "model": "model",
     "reference": "reference",
     "dist": "dist",
+    "launch": "launch",
     "train": "train",
     "run": "run",
     "bench": "bench",

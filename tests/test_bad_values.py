@@ -14,8 +14,8 @@ import torch
 from h3lab import H3Config, packed_batch
 from h3lab.batch import ROW_FIELDS, PackedBatch
 from h3lab.io.rundir import owner_record
+from h3lab.launch.launcher import MAX_LOCAL_PROCESSES
 from h3lab.metrics import compare
-from h3lab.run.launch import MAX_LOCAL_PROCESSES
 from h3lab.run.summary import format_summary
 from tests.conftest import RUN, one_line_error
 

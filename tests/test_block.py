@@ -167,6 +167,12 @@ def test_mismatched_shapes_and_devices_raise(tiny, tiny_weights, tiny_batch):
         canonical_block(tiny_weights, tiny_batch.to("meta"))
 
 
+def test_a_backend_name_is_refused_below_the_entry_point(tiny_weights, tiny_batch):
+    # the block takes the object an entry point built (h3lab.backend.get_backend), never a name
+    with pytest.raises(ValueError, match=r"backend 'torch' is a name; allowed: a backend object, .*get_backend"):
+        canonical_block(tiny_weights, tiny_batch, backend="torch")
+
+
 def test_heads_not_divisible_by_8_raise():
     with pytest.raises(ValueError, match="num_attention_heads=12 is not divisible by the 8"):
         H3Config.tiny().replace(num_attention_heads=12)

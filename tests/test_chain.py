@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h3lab import canonical_block, metrics
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.dist.layout import parse_layouts
 from h3lab.model.chain import canonical_chain, chain_backward, chain_forward
@@ -20,11 +21,12 @@ from tests.conftest import assert_bitwise
 
 LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
 CHAIN = Problem(task="chain", block=0, last_block=3, rows=64, seed=21)
+BE = get_backend("torch")
 
 
 def test_a_one_block_chain_is_the_canonical_block():
     p = dataclasses.replace(CHAIN, last_block=0)
-    tensors = compute(p, LocalComm(), torch.device("cpu")).tensors
+    tensors = compute(p, LocalComm(), torch.device("cpu"), backend=BE).tensors
     ref = canonical_block(p.weights(), p.batch())
     assert_bitwise(tensors["out"], ref.out, "out"), assert_bitwise(tensors["dx"], ref.dx, "dx")
     assert_bitwise(tensors["block0.dw.norm1.weight"], ref.dw["norm1.weight"], "dw")
@@ -39,12 +41,12 @@ def test_the_split_chain_is_canonical_blocks_by_hand_from_a_separate_gradient():
     p = dataclasses.replace(CHAIN, last_block=1)
     weights, batch = p.model_weights(), p.batch()
     g = torch.randn(batch.hidden_states.shape, generator=torch.Generator().manual_seed(4)).to(batch.grad_out.dtype)
-    fwd = chain_forward(weights, batch, LocalComm(), [0, 1])
+    fwd = chain_forward(weights, batch, LocalComm(), [0, 1], backend=BE)
     assert set(fwd.inputs) == {0, 1} and fwd.blocks == (0, 1)
-    split = chain_backward(weights, batch, LocalComm(), fwd, g)
+    split = chain_backward(weights, batch, LocalComm(), fwd, g, backend=BE)
     assert not fwd.inputs  # each block's input rows are taken off as its backward runs
     with pytest.raises(ValueError, match=r"used by a backward already .*; allowed: one backward per chain_forward"):
-        chain_backward(weights, batch, LocalComm(), fwd, g)
+        chain_backward(weights, batch, LocalComm(), fwd, g, backend=BE)
     b0 = canonical_block(weights.block(0), dataclasses.replace(batch, grad_out=torch.zeros_like(g)))
     b1 = canonical_block(weights.block(1), dataclasses.replace(batch, hidden_states=b0.out, grad_out=g))
     b0 = canonical_block(weights.block(0), dataclasses.replace(batch, grad_out=b1.dx))
@@ -80,7 +82,7 @@ def test_a_two_step_trajectory_is_bitwise_under_layouts(tmp_path):
 
 def _traced(problem: Problem, flip=None) -> tuple[dict, list]:
     rec = TraceRecorder(flip=flip)
-    compute(problem, LocalComm(), torch.device("cpu"), trace=rec)
+    compute(problem, LocalComm(), torch.device("cpu"), backend=BE, trace=rec)
     return rec.tensors, rec.order
 
 

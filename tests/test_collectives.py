@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from h3lab.bench.workers.collective_check import CHECK_SEGMENT_BYTES
 from h3lab.contract import TREE_SHAPE
 from h3lab.dist.collectives import (
     ALGORITHMS,
@@ -24,9 +25,8 @@ from h3lab.dist.collectives import (
     new_collective,
     tree_string,
 )
+from h3lab.launch.launcher import launch
 from h3lab.ops.fixed import balanced_tree
-from h3lab.run.launch import launch
-from h3lab.run.workers.collective_check import CHECK_SEGMENT_BYTES
 
 SHAPES = "1,7,9973,65537,33x17,3x5"
 # world -> (nproc_per_node, agents, worker args): every algorithm on all ranks, plus these extras
@@ -142,7 +142,7 @@ def runs(tmp_path_factory) -> dict[int, list[dict]]:
     for world, (nproc, agents, extra) in LAUNCHES.items():
         run_dir = tmp_path_factory.mktemp(f"collectives_p{world}")
         res = launch(
-            "h3lab.run.workers.collective_check",
+            "h3lab.bench.workers.collective_check",
             [str(run_dir), "--shapes", SHAPES, "--seed", str(world), *extra],
             nproc_per_node=nproc,
             agents=agents,

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from h3lab.batch import packed_batch
 from h3lab.config import H3Config
+from h3lab.launch.launcher import launch
 from h3lab.metrics import error_stats
 from h3lab.reference.eager import eager_block, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
-from h3lab.run.launch import launch
 from h3lab.weights import synthetic_block
 
 TOL = 2e-2
@@ -27,7 +27,7 @@ TOL = 2e-2
 def test_eager_tp2_over_gloo_is_the_unsharded_block(tmp_path):
     c = H3Config.tiny()
     res = launch(
-        "h3lab.run.workers.eager_tp",
+        "h3lab.bench.workers.eager_tp",
         [str(tmp_path), "--config", "tiny", "--rows", "37", "--reps", "1", "--save"],
         nproc_per_node=2,
         log_dir=tmp_path / "logs",
@@ -63,7 +63,7 @@ def test_eager_sp_and_cp_over_gloo_are_the_unsharded_block(tmp_path):
     bucketed reductions, match the unsharded block within TOL."""
     c, rows = H3Config.tiny(), 32
     res = launch(
-        "h3lab.run.workers.eager_tp",
+        "h3lab.bench.workers.eager_tp",
         [str(tmp_path), "--config", "tiny", "--rows", str(rows), "--reps", "1", "--save", "--layouts", "tp2+sp,cp2"],
         nproc_per_node=2,
         log_dir=tmp_path / "logs",

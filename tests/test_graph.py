@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from h3lab import H3Config, canonical_block, packed_batch, synthetic_block
+from h3lab.backend import get_backend
 from h3lab.batch import FIELDS, PackedBatch
 from h3lab.graph import GraphedBlock, capture
 from h3lab.triton import configs
@@ -30,7 +31,7 @@ def test_a_graph_needs_a_cuda_batch_and_a_warm_up(tiny_weights, tiny_batch):
 
 def test_the_torch_backend_refuses_a_decided_row_plan(tiny_weights, tiny_batch):
     with pytest.raises(ValueError, match="allowed: backend 'triton'"):
-        canonical_block(tiny_weights, tiny_batch, backend="torch", decided_rows=object())
+        canonical_block(tiny_weights, tiny_batch, backend=get_backend("torch"), decided_rows=object())
 
 
 def _fresh(b: PackedBatch, seed: int, perm: torch.Tensor | None = None) -> PackedBatch:
@@ -65,7 +66,7 @@ def test_gpu_a_replay_gives_the_eager_steps_bytes(config):
             with torch.cuda.stream(side):
                 early = graphed.decide(nb)
         got = {k: t.clone() for k, t in graphed(nb, decided_rows=early).tensors().items()}
-        want = canonical_block(w, nb, backend="triton").tensors()
+        want = canonical_block(w, nb, backend=get_backend("triton", nb.device)).tensors()
         assert got.keys() == want.keys()
         for k in want:
             assert_bitwise(got[k], want[k], f"{config} draw {seed}: {k}")
@@ -110,7 +111,7 @@ def test_gpu_rows_in_canonical_order_are_their_own_signature():
     )
     for nb in (fresh, in_order):
         got = {k: t.clone() for k, t in graphed(nb).tensors().items()}
-        want = canonical_block(w, nb, backend="triton").tensors()
+        want = canonical_block(w, nb, backend=get_backend("triton", nb.device)).tensors()
         for k in want:
             assert_bitwise(got[k], want[k], k)
     perm = torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(4))

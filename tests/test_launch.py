@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from h3lab.run.launch import launch
+from h3lab.launch.launcher import launch
 from tests.conftest import leftovers
 
 
 @pytest.mark.parametrize("agents", [1, 2])
 def test_every_store_listens_on_loopback_only(tmp_path, agents):
     res = launch(
-        "h3lab.run.workers.hello",
+        "tests.hello",
         [str(tmp_path)],
         nproc_per_node=4 // agents,
         log_dir=tmp_path,
@@ -31,7 +31,7 @@ def test_every_store_listens_on_loopback_only(tmp_path, agents):
 
 def test_a_timeout_kills_every_process(tmp_path):
     res = launch(
-        "h3lab.run.workers.hello",
+        "tests.hello",
         [str(tmp_path)],
         nproc_per_node=2,
         log_dir=tmp_path,
@@ -43,7 +43,5 @@ def test_a_timeout_kills_every_process(tmp_path):
 
 def test_a_failing_worker_fails_the_launch(tmp_path):
     # the workers cannot write into a missing directory: torchrun reports the failure, nobody is left
-    res = launch(
-        "h3lab.run.workers.hello", [str(tmp_path / "missing")], nproc_per_node=2, log_dir=tmp_path, timeout_s=120
-    )
+    res = launch("tests.hello", [str(tmp_path / "missing")], nproc_per_node=2, log_dir=tmp_path, timeout_s=120)
     assert not res.ok and not res.timed_out and res.returncode != 0 and not leftovers(res.token)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.config import H3Config, model_param_shapes, param_dtype
 from h3lab.dist.layout import Layout
@@ -36,6 +37,7 @@ GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-6
 TINY3 = H3Config.tiny().replace(num_layers=3)
 BLOCKS = (1, 2)  # a range that does not start at block 0, two blocks: d temb sums three shares
 OBJECTIVE = FlowObjective(weights={"audio": 0.5})
+BE = get_backend("torch")
 
 
 def _diffusers_grads(model, sample, objective: FlowObjective) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -57,7 +59,7 @@ def test_every_gradient_matches_diffusers_autograd_in_float32(name, seed):
     model = model_in_dtype(random_diffusers_model(config, seed), torch.float32)
     weights = InMemoryWeights(config, {k: p.detach().clone() for k, p in model.named_parameters()})
     inputs = model_inputs(config, seed=1000 + seed)
-    ours = model_grads(weights, inputs, OBJECTIVE, seed=seed, blocks=range(config.num_layers))
+    ours = model_grads(weights, inputs, OBJECTIVE, seed=seed, blocks=range(config.num_layers), backend=BE)
     ref_loss, ref = _diffusers_grads(model, OBJECTIVE.sample(inputs, seed), OBJECTIVE)
     assert abs(float(ours.loss) - float(ref_loss)) <= LOSS_RTOL * float(ref_loss)
     got = ours.assembled()
@@ -73,7 +75,7 @@ def test_every_gradient_matches_diffusers_autograd_in_float32(name, seed):
 def reference():
     weights, inputs = SyntheticWeights(TINY3, seed=5), model_inputs(TINY3, seed=6)
     recorder = TraceRecorder()
-    grads = model_grads(weights, inputs, OBJECTIVE, seed=7, blocks=BLOCKS, trace=recorder)
+    grads = model_grads(weights, inputs, OBJECTIVE, seed=7, blocks=BLOCKS, trace=recorder, backend=BE)
     return weights, inputs, grads, recorder
 
 
@@ -89,14 +91,16 @@ def _assert_same_grads(a, b) -> None:
 
 def test_rows_out_of_key_order_change_no_bit_of_the_loss_or_any_gradient(reference):
     weights, inputs, ref, _ = reference
-    _assert_same_grads(model_grads(weights, shuffle_rows(inputs, 8), OBJECTIVE, seed=7, blocks=BLOCKS), ref)
+    _assert_same_grads(model_grads(weights, shuffle_rows(inputs, 8), OBJECTIVE, seed=7, blocks=BLOCKS, backend=BE), ref)
 
 
 def test_padding_rows_change_no_bit_of_the_loss_or_any_gradient(reference):
     weights, inputs, ref, _ = reference
     shard = SeqShard(Layout(cp=5), inputs.num_rows)  # pads 96 rows to 100: keys (-1, j), zero contents
     assert shard.padded_rows == 100
-    padded = model_grads(weights, inputs, OBJECTIVE, seed=7, blocks=BLOCKS, comm=LocalComm(), rows_shard=shard.pad)
+    padded = model_grads(
+        weights, inputs, OBJECTIVE, seed=7, blocks=BLOCKS, comm=LocalComm(), rows_shard=shard.pad, backend=BE
+    )
     _assert_same_grads(padded, ref)
 
 
@@ -131,8 +135,8 @@ def test_gradients_keep_the_mixed_precision_and_carry_the_tasks_names(reference)
 def test_the_training_forward_is_the_model_forward(reference):
     weights, inputs, _, _ = reference
     sample = OBJECTIVE.sample(inputs, 7)
-    fwd = model_forward(weights, sample.inputs, blocks=BLOCKS)
-    ref = transformer_forward(_Only(weights, BLOCKS), sample.inputs)
+    fwd = model_forward(weights, sample.inputs, blocks=BLOCKS, backend=BE)
+    ref = transformer_forward(_Only(weights, BLOCKS), sample.inputs, backend=BE)
     assert_bitwise(fwd.output.video, ref.video, "video"), assert_bitwise(fwd.output.audio, ref.audio, "audio")
 
 
@@ -178,9 +182,9 @@ def test_a_bad_block_range_fails_naming_the_allowed_range(blocks):
 def test_bad_values_fail_before_any_work():
     weights, inputs = SyntheticWeights(TINY3, seed=5), model_inputs(TINY3, seed=6)
     with pytest.raises(ValueError, match=r"blocks \[3\]; allowed: .* within 0..2"):
-        model_grads(weights, inputs, OBJECTIVE, seed=0, blocks=[3])  # past the model
+        model_grads(weights, inputs, OBJECTIVE, seed=0, blocks=[3], backend=BE)  # past the model
     with pytest.raises(ValueError, match=r"seed=-1; allowed: an int in \[0, 2\*\*64 - 1\]"):
-        model_grads(weights, inputs, OBJECTIVE, seed=-1, blocks=[0])
+        model_grads(weights, inputs, OBJECTIVE, seed=-1, blocks=[0], backend=BE)
     tensors = {k: weights.tensor(k) for k in model_param_shapes(TINY3, 0)}
     with pytest.raises(ValueError, match=r"missing \['proj_in.bias'\]"):
         InMemoryWeights(TINY3, {k: v for k, v in tensors.items() if k != "proj_in.bias"})
@@ -196,7 +200,7 @@ def test_bad_values_fail_before_any_work():
 
 def test_a_gradient_of_the_wrong_shape_fails_naming_the_head():
     weights, inputs = SyntheticWeights(TINY3, seed=5), model_inputs(TINY3, seed=6, num_frames=1)
-    fwd = model_forward(weights, inputs, blocks=[0])
+    fwd = model_forward(weights, inputs, blocks=[0], backend=BE)
     bad = ModelOutput(video=fwd.output.video[1:], audio=fwd.output.audio)
     with pytest.raises(ValueError, match=r"d_out.video: torch.float32 \[47, 16\]; allowed: torch.float32 \[48, 16\]"):
         model_backward(fwd, bad)

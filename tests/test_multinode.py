@@ -12,7 +12,7 @@ from pathlib import Path
 
 from h3lab import H3Config
 from h3lab.io.checkpoint import synthesize_checkpoint
-from h3lab.run.launch import free_port, launch, worker_env
+from h3lab.launch.launcher import free_port, launch, worker_env
 from tests.conftest import leftovers
 
 
@@ -43,7 +43,7 @@ def test_every_store_of_a_two_node_job_binds_the_endpoint_address_only(tmp_path)
 
     def node(rank: int) -> None:
         results[rank] = launch(
-            "h3lab.run.workers.hello",
+            "tests.hello",
             [str(tmp_path)],
             nproc_per_node=1,
             log_dir=tmp_path / f"node{rank}",

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from h3lab.cli import main
 from h3lab.metrics import compare
+from h3lab.run.problem import Problem
 from h3lab.workbench import notebooks
 from h3lab.workbench.params import ExploreParams, ReportParams, ReproduceParams
 from h3lab.workbench.publish import chromium
@@ -74,6 +75,21 @@ def test_sources_are_output_free_with_one_parameters_cell(name):
 def test_parameters_name_the_value_and_the_allowed_set(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"rows": 0}, {"rows": "8"}, {"repeats": 0}, {"block": -1}, {"seed": -1}, {"backend": "cuda"}, {"device": "tpu"}],
+)
+def test_a_notebook_and_the_cli_refuse_a_bad_value_in_one_validator(fields):
+    """ReproduceParams builds the Problems it will run, so a value is checked by Problem.validate, as
+    for `h3lab run`: the same message, after the parameters' prefix."""
+    with pytest.raises(ValueError) as problem:
+        Problem(**fields)
+    param = {"seeds": [fields["seed"]]} if "seed" in fields else fields
+    with pytest.raises(ValueError, match=r"^parameters: ") as notebook:
+        ReproduceParams(**param, layouts="tp2", modes="deterministic")
+    assert str(notebook.value) == f"parameters: {problem.value}"
 
 
 # ---- bad parameters stop the first cell ------------------------------------------------------------

@@ -1,7 +1,7 @@
 """No process outlives the runner, whatever ends it, and a failure blames the right process.
 
 The runner runs as a subprocess; its processes are found in the process table by the run's token
-(h3lab.run.launch.processes_with_token), which every launched process carries.
+(h3lab.launch.launcher.processes_with_token), which every launched process carries.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-import h3lab.run.launch as launch_module
+import h3lab.launch.launcher as launch_module
 from h3lab.cli import main
 from h3lab.dist.layout import parse_layouts
 from h3lab.run.problem import Problem
@@ -103,7 +103,7 @@ def test_a_killed_agent_is_named_not_a_rank(tmp_path, monkeypatch):
 
     def kill_the_agent() -> None:
         _wait_for(lambda: _ranks_running(out / "layouts" / "tp2", 2), what="the ranks")
-        (agent,) = [p for p in _processes(_token(out)) if "h3lab.run.workers.agent" in p.cmdline()]
+        (agent,) = [p for p in _processes(_token(out)) if "h3lab.launch.agent" in p.cmdline()]
         agent.kill()
 
     killer = threading.Thread(target=kill_the_agent)
@@ -122,7 +122,7 @@ def test_a_killed_agent_is_named_not_a_rank(tmp_path, monkeypatch):
 
 
 def _processes(token: str) -> list[psutil.Process]:
-    from h3lab.run.launch import processes_with_token
+    from h3lab.launch.launcher import processes_with_token
 
     return processes_with_token(token)
 
@@ -183,8 +183,8 @@ def _files(d: Path, status: dict[int, dict], beats: dict[int, float]) -> None:
     ],
 )
 def test_the_blame_rules_on_recorded_files(tmp_path, status, beats, timed_out, codes, who, reason):
+    from h3lab.launch.launcher import LaunchResult
     from h3lab.run.diagnose import diagnose
-    from h3lab.run.launch import LaunchResult
 
     _files(tmp_path, status, beats)
     (tmp_path / "agent0.log").write_text("OSError: [Errno 98] Address already in use\n")

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.config import NUM_UNITS
 from h3lab.ops.adamw import adamw_update
@@ -22,6 +23,7 @@ from tests.train_ranks import NARROW, for_units, model_weights, random_grads, ru
 
 CONFIG = NARROW.replace(num_layers=2)
 ALL = range(NUM_UNITS)
+BE = get_backend("torch")
 
 
 def _weights(units: range = ALL) -> dict[Piece, torch.Tensor]:
@@ -31,7 +33,7 @@ def _weights(units: range = ALL) -> dict[Piece, torch.Tensor]:
 def test_step_matches_torch_adamw_on_fp32_masters():
     hyper = AdamWHyper(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, max_grad_norm=0.5)
     weights = _weights()
-    opt = AdamW(weights, config=CONFIG, comm=LocalComm(), hyper=hyper)
+    opt = AdamW(weights, config=CONFIG, comm=LocalComm(), hyper=hyper, backend=BE)
     params = {p: torch.nn.Parameter(w.detach().to(torch.float32).clone()) for p, w in weights.items()}
     ref = torch.optim.AdamW(
         list(params.values()), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, foreach=False
@@ -91,7 +93,7 @@ def canonical_run():
     hyper = AdamWHyper(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0)
     weights = _weights()
     grads = [random_grads(weights, CONFIG, seed=200 + t, scale=1e-1 if t == 0 else 1e-3) for t in range(3)]
-    opt = AdamW(weights, config=CONFIG, comm=LocalComm(), hyper=hyper)
+    opt = AdamW(weights, config=CONFIG, comm=LocalComm(), hyper=hyper, backend=BE)
     records = [opt.step(g) for g in grads]
     assert float(records[0].clip_coef) < 1.0 and float(records[1].clip_coef) == 1.0
     names = opt.named_weights()  # the runner's names, as block{i}.dw.<grad>@u{u} names the gradients
@@ -106,7 +108,7 @@ def test_step_is_bitwise_for_every_tp_split(canonical_run, tp):
     hyper, grads, canon, canon_records = canonical_run
 
     def rank(r, comm):
-        opt = AdamW(_weights(comm.units), config=CONFIG, comm=comm, hyper=hyper)
+        opt = AdamW(_weights(comm.units), config=CONFIG, comm=comm, hyper=hyper, backend=BE)
         return opt, [opt.step(for_units(g, comm.units)) for g in grads]
 
     held = set()
@@ -127,7 +129,7 @@ def test_block_step_gradients_are_the_weights_pieces(tiny, tiny_weights):
     from h3lab.batch import packed_batch
     from h3lab.block import block_step
 
-    step = block_step(unit_weights(tiny_weights), packed_batch(tiny, 24, seed=13), LocalComm())
+    step = block_step(unit_weights(tiny_weights), packed_batch(tiny, 24, seed=13), LocalComm(), backend=BE)
     grads = block_grad_pieces(3, step.dw_units, step.dw_replicated)
     weights = block_weight_pieces(3, unit_weights(tiny_weights))
     assert grads.keys() == weights.keys()
@@ -150,7 +152,7 @@ def test_nonfinite_gradient_refuses_the_step_on_every_rank(piece, value, match):
     grads[piece].view(-1)[7] = value
 
     def rank(r, comm):
-        opt = AdamW(_weights(comm.units), config=CONFIG, comm=comm, hyper=hyper)
+        opt = AdamW(_weights(comm.units), config=CONFIG, comm=comm, hyper=hyper, backend=BE)
         opt.step(for_units(random_grads(full, CONFIG, seed=301, scale=1e-2), comm.units))  # a good step first
         before = {
             p: (w.clone(), opt.state[p].master.clone(), opt.state[p].exp_avg.clone()) for p, w in opt.weights.items()
@@ -190,7 +192,7 @@ def test_bad_hyperparameters_name_the_value_and_the_range(kwargs, match):
 
 def test_gradients_must_match_the_weights():
     weights = _weights(range(4, 8))
-    opt = AdamW(weights, config=CONFIG, comm=_Fixed(range(4, 8)), hyper=AdamWHyper())
+    opt = AdamW(weights, config=CONFIG, comm=_Fixed(range(4, 8)), hyper=AdamWHyper(), backend=BE)
     grads = for_units(random_grads(_weights(), CONFIG, seed=400, scale=1e-2), range(4, 8))
     with pytest.raises(ValueError, match=r"gradients: missing \['block0\.attn\.to_q\.weight@u4'\], unexpected \[\]"):
         opt.step({p: g for p, g in grads.items() if p != Piece(0, "attn.to_q.weight", 4)})
@@ -202,7 +204,7 @@ def test_gradients_must_match_the_weights():
     with pytest.raises(
         ValueError, match=r"pieces for units \[0, 1, 2, 3\]: missing .*unexpected \['block0\.attn\.to_q\.weight@u4',"
     ):
-        AdamW(weights, config=CONFIG, comm=_Fixed(range(4)), hyper=AdamWHyper())
+        AdamW(weights, config=CONFIG, comm=_Fixed(range(4)), hyper=AdamWHyper(), backend=BE)
     assert opt.step_count == 0
 
 

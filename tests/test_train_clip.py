@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.config import NUM_UNITS, H3Config
 from h3lab.ops import fixed
@@ -17,6 +18,8 @@ from h3lab.train.clip import clip_coefficient, global_grad_norm, to_f32
 from h3lab.train.pieces import Piece, canonical_pieces, piece_label, rank_pieces
 from tests.conftest import assert_bitwise
 from tests.train_ranks import for_units, model_weights, random_grads, run_ranks
+
+BE = get_backend("torch")
 
 U24 = 2.0**-24  # FP32 unit roundoff
 
@@ -57,7 +60,7 @@ def model():
 
 def test_global_norm_matches_float64_in_canonical_order(model):
     config, _, grads = model
-    gn = global_grad_norm(grads, LocalComm(), config)
+    gn = global_grad_norm(grads, LocalComm(), config, BE)
     assert gn.order == canonical_pieces(config, {0, 1}, {p.name for p in grads if p.block is None})
     labels = [piece_label(p) for p in gn.order]
     assert labels[0] == "proj_in.weight" and labels[-1] == "audio_proj_out.bias"
@@ -83,10 +86,10 @@ def test_global_norm_matches_float64_in_canonical_order(model):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_global_norm_is_bitwise_for_every_tp_split(model, tp):
     config, _, grads = model
-    canon = global_grad_norm(grads, LocalComm(), config)
+    canon = global_grad_norm(grads, LocalComm(), config, BE)
 
     def rank(r, comm):
-        return global_grad_norm(for_units(grads, comm.units), comm, config)
+        return global_grad_norm(for_units(grads, comm.units), comm, config, BE)
 
     for r, gn in enumerate(run_ranks(tp, rank)):
         assert_bitwise(gn.norm, canon.norm, f"tp{tp} rank {r} norm")
@@ -106,7 +109,7 @@ def test_global_norm_refuses_pieces_a_rank_does_not_hold(model):
     with pytest.raises(ValueError, match=r"\['lm_head.weight'\] are not non-block parameters"):
         canonical_pieces(config, [0], ["lm_head.weight"])
     with pytest.raises(ValueError, match="no gradients"):
-        global_grad_norm({}, LocalComm(), config)
+        global_grad_norm({}, LocalComm(), config, BE)
 
 
 def test_clip_coefficient_formula():

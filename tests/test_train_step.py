@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.config import model_param_shapes
 from h3lab.dist.layout import Layout
@@ -25,12 +26,13 @@ CONFIG = NARROW.replace(num_layers=3)
 BLOCKS = (1, 2)
 HYPER = AdamWHyper(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
 SEED = 31
+BE = get_backend("torch")
 
 
 def _trainer(inputs: ModelInputs | None = None, rows_shard=None) -> Trainer:
     inputs = model_inputs(CONFIG, seed=9) if inputs is None else inputs
     weights = SyntheticWeights(CONFIG, seed=8)
-    return Trainer(weights, inputs, blocks=BLOCKS, hyper=HYPER, seed=SEED, rows_shard=rows_shard)
+    return Trainer(weights, inputs, blocks=BLOCKS, hyper=HYPER, seed=SEED, rows_shard=rows_shard, backend=BE)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +52,10 @@ def reference() -> tuple[list[TrainStep], list[dict[str, torch.Tensor]], torch.T
 def test_each_step_is_model_grads_on_the_updated_weights_then_adamw(reference):
     steps, tensors, before, after = reference
     weights = InMemoryWeights.copy_of(SyntheticWeights(CONFIG, seed=8), BLOCKS)  # the same steps, by hand
-    opt = AdamW(_pieces(weights), config=CONFIG, comm=LocalComm(), hyper=HYPER)
+    opt = AdamW(_pieces(weights), config=CONFIG, comm=LocalComm(), hyper=HYPER, backend=BE)
     inputs, objective = model_inputs(CONFIG, seed=9), FlowObjective()
     for k, (step, got) in enumerate(zip(steps, tensors, strict=True), start=1):
-        ref = model_grads(weights, inputs, objective, seed=step_seed(SEED, k), blocks=BLOCKS)
+        ref = model_grads(weights, inputs, objective, seed=step_seed(SEED, k), blocks=BLOCKS, backend=BE)
         record = opt.step(ref.pieces())
         assert_bitwise(got[f"step{k}.loss"], ref.loss, f"step {k} loss")
         assert_bitwise(got[f"step{k}.grad_norm"], record.grad_norm, f"step {k} norm")
@@ -111,5 +113,12 @@ def test_steps_run_in_order_from_one():
     with pytest.raises(ValueError, match=r"step 2; allowed: 1, the next step"):
         trainer.step(2)
     with pytest.raises(ValueError, match=r"blocks \[2, 1\]; allowed: a non-empty contiguous ascending range"):
-        Trainer(SyntheticWeights(CONFIG, seed=8), model_inputs(CONFIG, seed=9), blocks=(2, 1), hyper=HYPER, seed=1)
+        Trainer(
+            SyntheticWeights(CONFIG, seed=8),
+            model_inputs(CONFIG, seed=9),
+            blocks=(2, 1),
+            hyper=HYPER,
+            seed=1,
+            backend=BE,
+        )
     assert trainer.steps_taken == 0

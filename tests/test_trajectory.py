@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
+from h3lab.backend import get_backend
 from h3lab.config import H3Config
 from h3lab.metrics import error_stats
 from h3lab.model import SyntheticWeights, model_inputs, row_timesteps, transformer_forward
@@ -24,6 +25,7 @@ from tests.conftest import assert_bitwise
 
 TINY = H3Config.tiny().replace(num_layers=2)
 STEPS = 2
+BE = get_backend("torch")
 
 
 @pytest.mark.parametrize(("steps", "shift"), [(2, VIDEO_SHIFT), (2, AUDIO_SHIFT), (8, VIDEO_SHIFT), (30, AUDIO_SHIFT)])
@@ -66,12 +68,12 @@ def test_bad_schedules_fail():
 @pytest.fixture(scope="module")
 def run():
     weights, inputs = SyntheticWeights(TINY, seed=3), model_inputs(TINY, seed=4)
-    return weights, inputs, trajectory(weights, inputs, steps=STEPS)
+    return weights, inputs, trajectory(weights, inputs, steps=STEPS, backend=BE)
 
 
 def test_two_runs_give_identical_latents_and_digests(run):
     _, inputs, ref = run
-    again = trajectory(SyntheticWeights(TINY, seed=3), inputs, steps=STEPS)
+    again = trajectory(SyntheticWeights(TINY, seed=3), inputs, steps=STEPS, backend=BE)
     assert again.digests == ref.digests
     for a, b in zip(again.latents_per_step, ref.latents_per_step, strict=True):
         assert_bitwise(a.video, b.video, "video")
@@ -85,7 +87,7 @@ def test_the_first_step_is_one_forward_and_one_euler_step(run):
     assert float(t_v) == float(t_a) == 0.0  # the first step starts from pure noise
     timestep, indices = row_timesteps(inputs, 0.0, 0.0)
     assert timestep.tolist() == [0.0, pytest.approx(0.999)]  # generated rows and text at 0, the keyframe at 0.999
-    out = transformer_forward(weights, inputs.replace(timestep=timestep, timestep_indices=indices))
+    out = transformer_forward(weights, inputs.replace(timestep=timestep, timestep_indices=indices), backend=BE)
     video = euler_step(inputs.video_rows[nv:], out.video[nv:], t_v, ref.sigmas_video[0], ref.sigmas_video[1])
     audio = euler_step(inputs.audio_rows, out.audio, t_a, ref.sigmas_audio[0], ref.sigmas_audio[1])
     assert_bitwise(ref.latents_per_step[1].video[nv:], video, "video step 1")
@@ -94,7 +96,7 @@ def test_the_first_step_is_one_forward_and_one_euler_step(run):
 
 def test_another_noise_seed_changes_every_step_but_not_the_conditioning(run):
     weights, inputs, ref = run
-    other = trajectory(weights, fresh_noise(inputs, seed=1), steps=STEPS)
+    other = trajectory(weights, fresh_noise(inputs, seed=1), steps=STEPS, backend=BE)
     assert all(a != b for a, b in zip(other.digests, ref.digests, strict=True))
     nv = inputs.num_condition_video_rows
     assert nv == 24

@@ -33,6 +33,7 @@ import torch
 from diffusers.models.embeddings import get_timestep_embedding
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
@@ -63,6 +64,7 @@ CONFIGS = MODEL_CONFIGS
 OUT_RTOL = 1e-5
 BF16_SEEDS = (0, 1)
 TINY = CONFIGS["tiny"]
+BE = get_backend("torch")
 
 
 def _diffusers(model: MiniMaxH3Transformer3DModel, inputs: ModelInputs) -> dict[str, torch.Tensor]:
@@ -90,7 +92,7 @@ def saved(tmp_path_factory):
 def test_fp32_matches_diffusers_through_save_pretrained(saved, name, seed):
     model, folder = saved(name, seed)
     inputs = model_inputs(CONFIGS[name], seed=1000 + seed)
-    ours = transformer_forward(CheckpointWeights(folder, dtype=torch.float32), inputs)
+    ours = transformer_forward(CheckpointWeights(folder, dtype=torch.float32), inputs, backend=BE)
     ref = _diffusers(model_in_dtype(model, torch.float32), inputs)
     for k in ("video", "audio"):
         got = getattr(ours, k)
@@ -105,7 +107,7 @@ def test_bf16_error_is_no_worse_than_diffusers_bf16(saved, name):
     for seed in BF16_SEEDS:
         model, folder = saved(name, seed)
         inputs = model_inputs(CONFIGS[name], seed=100 + seed)
-        ours = transformer_forward(CheckpointWeights(folder), inputs)
+        ours = transformer_forward(CheckpointWeights(folder), inputs, backend=BE)
         theirs = _diffusers(model, inputs)
         fp64 = _diffusers(model_in_dtype(model, torch.float64), inputs)
         for k, acc in sq.items():
@@ -121,23 +123,23 @@ def test_bf16_error_is_no_worse_than_diffusers_bf16(saved, name):
 @pytest.fixture(scope="module")
 def tiny_model():
     weights, inputs = SyntheticWeights(TINY, seed=5), model_inputs(TINY, seed=6)
-    return weights, inputs, transformer_forward(weights, inputs)
+    return weights, inputs, transformer_forward(weights, inputs, backend=BE)
 
 
 def test_two_runs_and_a_checkpoint_give_identical_bytes_and_seeds_matter(tmp_path, tiny_model):
     weights, inputs, ref = tiny_model
     seen: dict[str, str] = {}
     again = transformer_forward(
-        SyntheticWeights(TINY, seed=5), inputs, trace=lambda n, t, space: seen.update({n: space}) or t
+        SyntheticWeights(TINY, seed=5), inputs, trace=lambda n, t, space: seen.update({n: space}) or t, backend=BE
     )
     assert {"embed.temb", "embed.hidden", "block0.norm1", "block1.out", "stack.out", "head.audio"} <= seen.keys()
     assert seen["stack.out"] == "replicated" and seen["block1.out"] == "local"
     path = synthesize_checkpoint(tmp_path / "ckpt", TINY, num_blocks=TINY.num_layers, seed=5)
-    from_disk = transformer_forward(CheckpointWeights(path), inputs)  # manifest-verified, block by block
+    from_disk = transformer_forward(CheckpointWeights(path), inputs, backend=BE)  # manifest-verified, block by block
     for out in (again, from_disk):
         assert_bitwise(out.video, ref.video, "video")
         assert_bitwise(out.audio, ref.audio, "audio")
-    other = transformer_forward(weights, model_inputs(TINY, seed=7))
+    other = transformer_forward(weights, model_inputs(TINY, seed=7), backend=BE)
     assert not torch.equal(other.video, ref.video) and not torch.equal(other.audio, ref.audio)
 
 
@@ -158,7 +160,7 @@ def test_packed_order_and_row_order_change_no_bit(tiny_model):
         audio_indices=new_pos[inputs.audio_indices],
         num_condition_video_rows=0,
     )
-    out = transformer_forward(weights, shuffled)
+    out = transformer_forward(weights, shuffled, backend=BE)
     assert_bitwise(out.video, ref.video[qv], "video")
     assert_bitwise(out.audio, ref.audio, "audio")
 
@@ -167,14 +169,14 @@ def test_padding_rows_from_a_rows_shard_are_invisible(tiny_model):
     weights, inputs, ref = tiny_model
     shard = SeqShard(Layout(cp=5), inputs.num_rows)  # pads 96 rows to 100: keys (-1, j), zero contents
     assert shard.padded_rows == 100
-    out = transformer_forward(weights, inputs, comm=LocalComm(), rows_shard=shard.pad)
+    out = transformer_forward(weights, inputs, comm=LocalComm(), rows_shard=shard.pad, backend=BE)
     assert_bitwise(out.video, ref.video, "video")
     assert_bitwise(out.audio, ref.audio, "audio")
 
 
 def test_gather_sequence_refuses_rows_out_of_order(tiny_model):
     weights, inputs, _ = tiny_model
-    emb = embed(weights, inputs)
+    emb = embed(weights, inputs, backend=BE)
     assert_bitwise(gather_sequence(emb.batch, LocalComm(), emb.batch), emb.batch.hidden_states)
     for bad in (emb.batch.rows(slice(1, None)), emb.batch.rows(torch.arange(inputs.num_rows).flip(0))):
         with pytest.raises(ValueError, match="rows_shard"):
@@ -186,27 +188,21 @@ def test_pre_and_post_processing_are_row_invariant(tiny_model):
     weights, inputs, _ = tiny_model
     act = torch.bfloat16
     for module, rows in (("proj_in", inputs.video_rows), ("audio_proj_in", inputs.audio_rows)):
-        whole = project_rows(weights, module, rows, act)
-        parts = [project_rows(weights, module, rows[i : i + 5], act) for i in range(0, rows.shape[0], 5)]
+        whole = project_rows(weights, module, rows, act, BE)
+        parts = [project_rows(weights, module, rows[i : i + 5], act, BE) for i in range(0, rows.shape[0], 5)]
         assert_bitwise(torch.cat(parts), whole, module)
-    temb = time_embedding(weights, inputs.timestep)
+    temb = time_embedding(weights, inputs.timestep, BE)
     for i in range(inputs.timestep.shape[0]):
-        assert_bitwise(time_embedding(weights, inputs.timestep[i : i + 1]), temb[i : i + 1], f"temb {i}")
-    shift, scale = norm_out_table(weights, temb)
+        assert_bitwise(time_embedding(weights, inputs.timestep[i : i + 1], BE), temb[i : i + 1], f"temb {i}")
+    shift, scale = norm_out_table(weights, temb, BE)
     x = torch.randn(inputs.num_rows, TINY.hidden_size, generator=torch.Generator().manual_seed(9)).to(act)
-    whole = output_rows(weights, "proj_out", x, inputs.timestep_indices, shift, scale)
-    odd = output_rows(weights, "proj_out", x[1::2], inputs.timestep_indices[1::2], shift, scale)
+    whole = output_rows(weights, "proj_out", x, inputs.timestep_indices, shift, scale, backend=BE)
+    odd = output_rows(weights, "proj_out", x[1::2], inputs.timestep_indices[1::2], shift, scale, backend=BE)
     assert_bitwise(odd, whole[1::2], "proj_out rows")
     keys = inputs.logical_keys[inputs.text_indices]
-    text = text_stream(weights, inputs.text_rows, keys, _torch_backend())
+    text = text_stream(weights, inputs.text_rows, keys, BE)
     q = torch.randperm(keys.shape[0], generator=torch.Generator().manual_seed(10))
-    assert_bitwise(text_stream(weights, inputs.text_rows[q], keys[q], _torch_backend()), text[q], "refiner")
-
-
-def _torch_backend():
-    from h3lab.backend import get_backend
-
-    return get_backend("torch")
+    assert_bitwise(text_stream(weights, inputs.text_rows[q], keys[q], BE), text[q], "refiner")
 
 
 # ---- what the inputs mean: diffusers' pipeline layout and sinusoid ------------------------------
@@ -292,7 +288,7 @@ def test_inputs_that_do_not_fit_the_weights_fail():
     weights = SyntheticWeights(TINY, seed=0)
     inputs = model_inputs(TINY.replace(in_channels=3), seed=0)
     with pytest.raises(ValueError, match="video_rows: 12 channels; the config expects 16"):
-        embed(weights, inputs)
+        embed(weights, inputs, backend=BE)
     with pytest.raises(ValueError, match=r"block index 2 out of range; allowed: 0..1"):
         weights.block(2)
     with pytest.raises(ValueError, match="is not a non-block parameter"):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.batch import PackedBatch, packed_batch
 from h3lab.block import canonical_block
 from h3lab.config import H3Config
@@ -147,9 +148,10 @@ def eager_step(w: BlockWeights, b: PackedBatch) -> Callable[[bool], dict]:
 
 def _measure(w: BlockWeights, b: PackedBatch, reps: int, with_error: bool, graphs: bool = True) -> dict:
     eager = eager_step(w, b)
+    be = get_backend("triton", b.device)
 
     def canonical() -> dict:
-        return canonical_block(w, b, backend="triton").tensors()
+        return canonical_block(w, b, backend=be).tensors()
 
     r = {
         "eager_fwd_median_s": statistics.median(cuda_times(lambda: eager(False), reps)),

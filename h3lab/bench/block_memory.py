@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.batch import packed_batch
 from h3lab.block import canonical_block
 from h3lab.config import H3Config
@@ -238,13 +239,14 @@ def measure(c: H3Config, rows: int, top: int) -> dict[str, Any]:
     b = packed_batch(c, rows, seed=1).to(dev)
     cos, sin = (t.to(dev).to(torch.bfloat16) for t in rope_cos_sin(b.position_ids.cpu(), c))
     label = _metadata_setter()
+    be = get_backend("triton", dev)
 
     def mark(name: str, t: torch.Tensor, space: str) -> torch.Tensor:
         label(f"after {name}")  # the allocations that follow are this op's successors'
         return t
 
     def canonical() -> dict:
-        return canonical_block(w, b, backend="triton", trace=mark if label is not None else None).tensors()
+        return canonical_block(w, b, backend=be, trace=mark if label is not None else None).tensors()
 
     def eager() -> dict:
         # autograd's backward on this thread, so that its allocations carry this stack and op names

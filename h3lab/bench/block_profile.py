@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from h3lab.backend import get_backend
 from h3lab.batch import PackedBatch, packed_batch
 from h3lab.bench.block_gpu import cuda_times, eager_step
 from h3lab.bench.gaps import SYNCS, gaps, marker_trace
@@ -73,9 +74,10 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eag
     dev = torch.device("cuda")
     w = synthetic_block(c, 0, seed=0).to(dev)
     b = packed_batch(c, rows, seed=1).to(dev)
+    be = get_backend(backend, dev)
 
     def run() -> None:
-        canonical_block(w, b, backend=backend)
+        canonical_block(w, b, backend=be)
 
     wall = cuda_times(run, reps)  # after 2 warm-up calls that compile every kernel
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -97,10 +99,10 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eag
     # wall against the block's own event laps (first to last GPU mark inside block_step): what the
     # host adds before the block's first launch and after its last mark, outside the GPU's span
     laps: list[float] = []
-    walls = cuda_times(lambda: laps.append(sum(block_step(uw, b, LocalComm(), backend=backend).timings.values())), reps)
+    walls = cuda_times(lambda: laps.append(sum(block_step(uw, b, LocalComm(), backend=be).timings.values())), reps)
     laps = laps[-reps:]  # not the warm-up calls
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as marked:
-        block_step(uw, b, LocalComm(), backend=backend, trace=marker_trace)
+        block_step(uw, b, LocalComm(), backend=be, trace=marker_trace)
         torch.cuda.synchronize()
     marked.export_chrome_trace(str(out / f"trace-{rows}.json"))
     idle = gaps(out / f"trace-{rows}.json")

@@ -3,7 +3,7 @@
     python -m h3lab.bench.collectives --out FILE.json --ranks 2 [--mib 1,4,16,64,256,1024] \\
         [--local-sizes 2] [--segment-mib 32] [--device cuda]
 
-or `run_collectives_bench(...)`. One launch of `h3lab.run.workers.collective_check --bench` with one
+or `run_collectives_bench(...)`. One launch of `h3lab.bench.workers.collective_check --bench` with one
 process per GPU (NCCL; gloo on CPU): for all_reduce and reduce_scatter of FP32 partials of each
 size, gather_tree, scatter_tree (and pipelined in segments with `segment_mib`), the hierarchical
 tree per local size, and the backend's own SUM. Each call is timed by CUDA events after a barrier
@@ -25,7 +25,7 @@ import torch
 
 from h3lab.io.env import capture
 from h3lab.io.jsonfile import write_json
-from h3lab.run.launch import launch
+from h3lab.launch.launcher import launch
 
 SCATTER_TARGET = 0.85  # of the backend all_reduce's bus bandwidth, for messages of >= 64 MiB
 
@@ -59,7 +59,7 @@ def run_collectives_bench(
     if segment_mib:
         args += ["--segment-mib", str(segment_mib)]
     res = launch(
-        "h3lab.run.workers.collective_check", args, nproc_per_node=ranks, log_dir=work / "logs", timeout_s=timeout_s
+        "h3lab.bench.workers.collective_check", args, nproc_per_node=ranks, log_dir=work / "logs", timeout_s=timeout_s
     )
     recs = [json.loads((work / f"rank{r}.json").read_text()) for r in range(ranks) if (work / f"rank{r}.json").exists()]
     rows = summarize(recs) if len(recs) == ranks else []

@@ -3,9 +3,9 @@
     python -m h3lab.bench.layouts --out FILE.json --layouts tp1,tp2,tp2+sp,cp2 --rows 4096,16384 \\
         [--steps 20] [--warmup 3] [--device cuda] [--diagnose]
 
-or `run_layout_bench(...)` (a papermill-friendly dict). One launch through h3lab.run.launch with one
+or `run_layout_bench(...)` (a papermill-friendly dict). One launch through h3lab.launch.launcher with one
 process per GPU (NCCL; gloo on CPU) runs every layout and row count
-(h3lab.run.workers.layout_bench); a layout smaller than the launch runs on its first ranks.
+(h3lab.bench.workers.layout_bench); a layout smaller than the launch runs on its first ranks.
 
 Per case (layout, rows) and mode (`det`: the block under the contract, `eager`: what people run,
 h3lab.reference.eager), from every rank's steps:
@@ -48,7 +48,7 @@ from h3lab.config import H3Config
 from h3lab.dist.layout import Layout, parse_layouts
 from h3lab.io.env import capture
 from h3lab.io.jsonfile import write_json
-from h3lab.run.launch import launch
+from h3lab.launch.launcher import launch
 
 LARGE_BYTES = 1 << 20  # a collective at least this large is "large" (the skew is read at the first one)
 # the issue's targets on the layout's overhead: (det/eager at the layout) / (det/eager at tp1)
@@ -91,7 +91,7 @@ def run_layout_bench(
         steps, warmup: timed steps per mode and rank (the issue asks >= 20), and warm-up steps (>= 1).
         collective_steps: steps with every collective recorded (default: `steps`; 0: none).
         eager: also time the eager layout. digests: check det's bits against tp1's.
-        diagnose: run the arrival-skew suspects (h3lab.run.layout_diagnose) on every layout of > 1 rank,
+        diagnose: run the arrival-skew suspects (h3lab.bench.workers.layout_diagnose) on every layout of > 1 rank,
             at its first row count.
         algorithm, segment_bytes: the deterministic collectives' (h3lab.dist.collectives).
         overlap: False finishes each reduction the block starts at once (no overlap with its work).
@@ -134,7 +134,7 @@ def run_layout_bench(
         "out_dir": str(work.resolve()),
     }
     write_json(work / "spec.json", spec)
-    worker, spec_arg = "h3lab.run.workers.layout_bench", [str((work / "spec.json").resolve())]
+    worker, spec_arg = "h3lab.bench.workers.layout_bench", [str((work / "spec.json").resolve())]
     res = launch(worker, spec_arg, nproc_per_node=world, log_dir=work / "logs", timeout_s=timeout_s)
     record = summarize([_read(work / f"rank{r}.json") for r in range(world)], spec)
     record["launch"] = {"ok": res.ok, "returncode": res.returncode, "timed_out": res.timed_out}
@@ -426,7 +426,7 @@ def merge_digests(per_rank: list[dict[str, str]]) -> dict:
 
 
 def summarize_diagnose(diag: dict[int, dict], *, same_host: bool = True) -> dict:
-    """Each suspect's effect (h3lab.run.layout_diagnose): what its steps' arrivals and times say."""
+    """Each suspect's effect (h3lab.bench.workers.layout_diagnose): what its steps' arrivals and times say."""
     any_rank = diag[min(diag)]
     out: dict[str, Any] = {"steps": any_rank["steps"]}
     barrier = {r: {"collective_steps": d["arrival_barrier"]} for r, d in diag.items()}

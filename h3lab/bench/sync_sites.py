@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.batch import packed_batch
 from h3lab.block import canonical_block
 from h3lab.config import H3Config
@@ -25,7 +26,8 @@ def sync_sites(config: str, rows: int, backend: str) -> dict[str, int]:
     dev = torch.device("cuda")
     w = synthetic_block(H3Config.named(config), 0, seed=0).to(dev)
     b = packed_batch(w.config, rows, seed=1).to(dev)
-    canonical_block(w, b, backend=backend)
+    be = get_backend(backend, dev)
+    canonical_block(w, b, backend=be)
     torch.cuda.synchronize()
     sites: collections.Counter[str] = collections.Counter()
 
@@ -39,7 +41,7 @@ def sync_sites(config: str, rows: int, backend: str) -> dict[str, int]:
         with warnings.catch_warnings():  # restores showwarning on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
-            canonical_block(w, b, backend=backend)
+            canonical_block(w, b, backend=be)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return dict(sites)

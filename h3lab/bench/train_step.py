@@ -55,6 +55,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
+from h3lab.backend import get_backend
 from h3lab.bench.step_timing import StepClock, run_side
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.io.env import capture as capture_env
@@ -164,7 +165,8 @@ def built_and_run(
 
 def canonical_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: ModelInputs) -> dict[str, Any]:
     """`Trainer.step` timed (module docstring), then step 1 of a fresh Trainer against the timed one's."""
-    make = lambda: Trainer(weights, inputs, blocks=a.blocks, hyper=a.hyper, seed=a.seed, backend=a.backend)  # noqa: E731
+    be = get_backend(a.backend, a.device)  # both trainers' kernels
+    make = lambda: Trainer(weights, inputs, blocks=a.blocks, hyper=a.hyper, seed=a.seed, backend=be)  # noqa: E731
     first: dict[str, str] = {}
 
     def step(trainer: Trainer, k: int, clock: StepClock) -> dict[str, Any]:

@@ -98,6 +98,8 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _problem(a: argparse.Namespace) -> Problem:
+    """The flags as a Problem: their combinations are checked here, every value by `Problem.validate`
+    (the one validator, which the notebooks' parameters call too)."""
     first, last = _block_range(a.blocks, a.block)
     return Problem(
         synthetic=a.synthetic,

@@ -5,64 +5,37 @@ balanced tree adds them), so a TP rank's unit subtree root is finished exactly a
 tree would. Baseline mode (`BaselineComm`): what people run today — `all_reduce(SUM)` of the
 bf16 partial, whatever order the backend picks; gathers are copies in both.
 
-`build_comm` must be called by every rank in the same order: it creates all process groups.
+`build_comm` must be called by every rank in the same order: it creates all process groups
+(h3lab.dist.procgroups, from `Layout.groups()`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from h3lab.contract import units_of_rank
+from h3lab.dist.assemble import units_of
 from h3lab.dist.collectives import DeterministicCollective, Finish, new_collective
 from h3lab.dist.layout import Layout
+from h3lab.dist.procgroups import new_groups
 
 
-class Progress:
-    """Counts this rank's collective calls into a status file, so a hang can name the straggler.
-
-    A tick runs inside the block step, at every collective: it overwrites one fixed-size record of
-    a file it keeps open (os.pwrite, no open, truncate or rename per call, which cost milliseconds
-    of host time per call on some filesystems). The record is JSON padded with spaces, so each
-    write covers the last one whole. A writer that replaces the file (the rank's final status,
-    written atomically) gives the path a new file; later ticks go to the old one and never
-    overwrite that status.
-    """
-
-    RECORD_BYTES = 256
-
-    def __init__(self, path: Path | None) -> None:
-        self.path, self.calls, self.site = path, 0, ""
-        self._fd: int | None = None
-
-    def tick(self, site: str) -> None:
-        self.calls, self.site = self.calls + 1, site
-        if self.path is None:
-            return
-        record = json.dumps({"state": "running", "calls": self.calls, "site": site[:160]}).encode()
-        if len(record) > self.RECORD_BYTES:  # a site of escaped characters: its start is enough
-            record = json.dumps({"state": "running", "calls": self.calls, "site": site[:16]}).encode()
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self._fd, record.ljust(self.RECORD_BYTES), 0)
-
-    def close(self) -> None:
-        """Close the status file (the record written last stays)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+def _no_call(site: str) -> None:
+    pass
 
 
 class DistComm:
-    """Deterministic collectives for one rank of `layout` (TP group, CP group)."""
+    """Deterministic collectives for one rank of `layout` (TP group, CP group).
+
+    `on_call(site)` runs before every call that moves bytes, on the calling thread, with the call's
+    site: the run's status file (h3lab.run.progress), a test's fault. It sees no tensor, so it
+    cannot change a bit; every rank makes the same calls in the same order.
+    """
 
     def __init__(
         self,
@@ -70,14 +43,15 @@ class DistComm:
         rank: int,
         tp: DeterministicCollective | None,
         cp: DeterministicCollective | None,
-        progress: Progress,
+        on_call: Callable[[str], None] | None = None,
     ) -> None:
-        self.layout, self.rank, self.tp, self.cp, self.progress = layout, rank, tp, cp, progress
-        self.units = units_of_rank(layout.coords(rank)[1], layout.tp)
+        self.layout, self.rank, self.tp, self.cp = layout, rank, tp, cp
+        self.on_call = on_call if on_call is not None else _no_call
+        self.units = units_of(layout, rank)
         self.seconds = 0.0
 
     def _timed(self, site: str, fn: Callable[[], Any]) -> Any:
-        self.progress.tick(site)
+        self.on_call(site)
         t = time.perf_counter()
         out = fn()
         self.seconds += time.perf_counter() - t
@@ -135,7 +109,6 @@ class DistComm:
         for c in (self.tp, self.cp):
             if c is not None:
                 c.close()
-        self.progress.close()
 
 
 def _equal(coll: DeterministicCollective, x: Tensor, dim: int) -> list[int]:
@@ -181,37 +154,27 @@ def build_comm(
     algorithm: str,
     device: torch.device,
     act_dtype: torch.dtype,
-    progress: Progress,
+    on_call: Callable[[str], None] | None = None,
     segment_bytes: int | None = None,
 ) -> DistComm | None:
-    """The comm of `rank`; every rank of the world calls this with the same arguments (it creates the
-    groups). A rank outside the layout (a world larger than the layout, as a benchmark that runs
-    several layouts in one launch has) creates the groups and gets None."""
+    """The comm of `rank` (`on_call`: see DistComm); every rank of the world calls this with the same
+    arguments (it creates the groups). A rank outside the layout (a world larger than the layout, as
+    a benchmark that runs several layouts in one launch has) creates the groups and gets None."""
     if mode not in ("deterministic", "baseline"):
         raise ValueError(f"unknown mode {mode!r}; allowed: ['deterministic', 'baseline']")
     local_size = layout.local if layout.hierarchical else None
     algo = "hierarchical" if layout.hierarchical else algorithm
-    tp_colls = [
-        new_collective(
-            layout.tp_group(c), algorithm=algo, local_size=local_size, device=device, segment_bytes=segment_bytes
-        )
-        if layout.tp > 1
-        else None
-        for c in range(layout.cp)
-    ]
-    cp_colls = [
-        new_collective(layout.cp_group(t), algorithm=algorithm, device=device, segment_bytes=segment_bytes)
-        if layout.cp > 1
-        else None
-        for t in range(layout.tp)
-    ]
-    groups = None
-    if mode == "baseline":
-        groups = [dist.new_group(layout.tp_group(c)) if layout.tp > 1 else None for c in range(layout.cp)]
+
+    def tp_collective(ranks: list[int]) -> DeterministicCollective:
+        return new_collective(ranks, algorithm=algo, local_size=local_size, device=device, segment_bytes=segment_bytes)
+
+    def cp_collective(ranks: list[int]) -> DeterministicCollective:
+        return new_collective(ranks, algorithm=algorithm, device=device, segment_bytes=segment_bytes)
+
+    colls = new_groups(layout, {"tp": tp_collective, "cp": cp_collective}, rank=rank)
+    baseline = new_groups(layout, {"tp": dist.new_group}, rank=rank) if mode == "baseline" else None
     if rank >= layout.world:
         return None
-    cp_index, tp_index = layout.coords(rank)
-    tp, cp = tp_colls[cp_index], cp_colls[tp_index]
-    if groups is None:
-        return DistComm(layout, rank, tp, cp, progress)
-    return BaselineComm(layout, rank, tp, cp, progress, act_dtype=act_dtype, tp_group=groups[cp_index])
+    if baseline is None:
+        return DistComm(layout, rank, colls.tp, colls.cp, on_call)
+    return BaselineComm(layout, rank, colls.tp, colls.cp, on_call, act_dtype=act_dtype, tp_group=baseline.tp)

@@ -5,12 +5,14 @@ Examples: tp1, tp2, tp4, tp8, tp8:2x4 (TP8 as two nodes of four: the hierarchica
 tp4xcp2+sp, cp2, tp2+sp. Ranks are packed node-major with TP innermost:
 rank = cp_index * tp + tp_index, node = rank // local. A TP group that spans nodes (tp > local)
 reduces through the hierarchical collective (the tree inside each node, then across nodes).
+`Layout.groups()` says which ranks form each TP, CP, row and node group (`Groups`, pure data; the
+process groups are created from it by h3lab.dist.procgroups).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from h3lab.config import NUM_UNITS, H3Config
 
@@ -18,6 +20,38 @@ ALL_LAYOUTS = ("tp1", "tp2", "tp4", "tp8", "tp8:2x4", "tp4xcp2", "tp4xcp2+sp")
 TP_SIZES = (1, 2, 4, 8)  # nested subtrees of the 8-unit tree
 _NAME = re.compile(r"^(?:tp(?P<tp>\d+)(?:xcp(?P<cp>\d+))?|cp(?P<cp_only>\d+))(?P<sp>\+sp)?(?::(?P<n>\d+)x(?P<l>\d+))?$")
 GRAMMAR = "tp{T}[xcp{C}][+sp][:{N}x{L}] or cp{C}[:{N}x{L}], T in 1,2,4,8"
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Which ranks form each group of a layout: tuples of global ranks in member order, the order a
+    collective over the group reduces and gathers in (TP index, CP index, rank, ascending).
+
+    - `tp[c]`: the TP group of CP group c; its ranks hold contiguous canonical units in unit order.
+    - `cp[t]`: the ranks at TP index t of every CP group (each holds its CP group's slice of the rows).
+    - `rows`: the groups whose ranks split the sequence's rows among them, each rank a distinct row
+      shard in row order: under SP the whole layout (SP splits each TP group's rows again), else
+      each `cp[t]`. `rows[0]` holds every row once.
+    - `nodes[n]`: the ranks of node n (rank // local).
+    A group of one rank is a group too; whoever creates process groups skips those.
+    """
+
+    tp: tuple[tuple[int, ...], ...]
+    cp: tuple[tuple[int, ...], ...]
+    rows: tuple[tuple[int, ...], ...]
+    nodes: tuple[tuple[int, ...], ...]
+
+    def of(self, kind: str, rank: int) -> tuple[int, ...]:
+        """The group of `kind` (one of GROUP_KINDS) that holds `rank`."""
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"group kind {kind!r}; allowed: {list(GROUP_KINDS)}")
+        for g in getattr(self, kind):
+            if rank in g:
+                return g
+        raise ValueError(f"rank {rank} out of range [0, {sum(map(len, self.nodes))}) of this layout")
+
+
+GROUP_KINDS = tuple(f.name for f in fields(Groups))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +138,16 @@ class Layout:
 
     def cp_group(self, tp_index: int) -> list[int]:
         return [c * self.tp + tp_index for c in range(self.cp)]
+
+    def groups(self) -> Groups:
+        """Every group of this layout (`Groups`): the only place the groups' rules are written."""
+        cp = tuple(tuple(self.cp_group(t)) for t in range(self.tp))
+        return Groups(
+            tp=tuple(tuple(self.tp_group(c)) for c in range(self.cp)),
+            cp=cp,
+            rows=(tuple(range(self.world)),) if self.sp else cp,
+            nodes=tuple(tuple(range(n * self.local, (n + 1) * self.local)) for n in range(self.nodes)),
+        )
 
     def check(self, config: H3Config) -> None:
         """Raise if this layout cannot run `config` (heads and SwiGLU columns must split over tp)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from h3lab.batch import ROW_FIELDS, PackedBatch
+from h3lab.dist.assemble import row_shard
 from h3lab.dist.layout import Layout
 
 
@@ -38,13 +39,11 @@ class SeqShard:
         return slice(cp_index * per, (cp_index + 1) * per)
 
     def local_rows(self, rank: int) -> slice:
-        """Rows the rank holds between TP regions (its SP slice, or its CP group's rows)."""
-        rows = self.tp_rows(rank)
-        if not self.layout.sp:
-            return rows
-        _, tp_index = self.layout.coords(rank)
-        per = (rows.stop - rows.start) // self.layout.tp
-        return slice(rows.start + tp_index * per, rows.start + (tp_index + 1) * per)
+        """Rows the rank holds between TP regions (its SP slice, or its CP group's rows): its row shard
+        (h3lab.dist.assemble.row_shard, from the row groups of `Layout.groups()`)."""
+        per = self.padded_rows // self.layout.row_shards
+        k = row_shard(self.layout, rank)
+        return slice(k * per, (k + 1) * per)
 
     def pad(self, batch: PackedBatch) -> PackedBatch:
         """`batch` with padding rows appended up to `padded_rows` (key (-1, j), zero contents)."""
@@ -65,8 +64,6 @@ class SeqShard:
         return padded.rows(self.local_rows(rank))
 
     def owner_ranks(self) -> list[int]:
-        """One rank per distinct row shard, in row order: concatenating their local rows gives the sequence."""
-        L = self.layout
-        if L.sp:
-            return list(range(L.world))
-        return [c * L.tp for c in range(L.cp)]
+        """One rank per distinct row shard, in row order: concatenating their local rows gives the sequence
+        (`Layout.groups().rows[0]`)."""
+        return list(self.layout.groups().rows[0])

@@ -130,17 +130,15 @@ class TimedComm:
 
     def __init__(self, inner: DistComm, clock: CollectiveClock, *, overlap: bool = True) -> None:
         self.inner, self.clock, self.units, self.overlap = inner, clock, inner.units, overlap
-        layout, rank = inner.layout, inner.rank
-        cp_index, tp_index = layout.coords(rank)
-        self._tp_ranks, self._cp_ranks = layout.tp_group(cp_index), layout.cp_group(tp_index)
 
     def _timed(self, kind: str, site: str, x: Tensor, fn: Callable[[], Any], *, cp: bool = False) -> Any:
         coll = self.inner.cp if cp else self.inner.tp
         if coll is None:  # no group: the inner comm hands back its input
             return fn()
-        ranks = self._cp_ranks if cp else self._tp_ranks
         counter = coll.bytes_total
-        return self.clock.timed(kind, site, ranks, fn, x=x, pg=coll.process_group, bytes_of=lambda: counter()[:2])
+        return self.clock.timed(
+            kind, site, coll.members, fn, x=x, pg=coll.process_group, bytes_of=lambda: counter()[:2]
+        )
 
     def reduce_units(
         self, root: Tensor, site: str, *, scatter_rows: bool = False, then: Finish | None = None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import Trace
 from h3lab.comm import BlockComm, LocalComm
@@ -55,7 +56,7 @@ class ModelForward:
     chain: ChainForward  # each block's input rows (this rank's)
     weights: ModelWeights
     blocks: tuple[int, ...]
-    backend: str | None
+    backend: Backend
     comm: BlockComm
     rows_shard: RowsShard | None
     trace: Trace | None
@@ -97,7 +98,7 @@ def model_forward(
     inputs: ModelInputs,
     *,
     blocks: Sequence[int],
-    backend: str | None = None,
+    backend: Backend,
     comm: BlockComm | None = None,
     rows_shard: RowsShard | None = None,
     trace: Trace | None = None,

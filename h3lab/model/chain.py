@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
-from h3lab.block import BlockStep, Trace, block_step
+from h3lab.block import TORCH, BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.model.weights import ModelWeights
 from h3lab.units import UnitWeights, unit_weights
@@ -49,7 +50,7 @@ def chain_forward(
     comm: BlockComm,
     blocks: Sequence[int],
     *,
-    backend: str | None = None,
+    backend: Backend,
     trace: Trace | None = None,
 ) -> ChainForward:
     """Blocks `blocks` (in order) forward on this rank's rows, keeping each block's input rows.
@@ -77,7 +78,7 @@ def chain_backward(
     forward: ChainForward,
     grad_out: Tensor,
     *,
-    backend: str | None = None,
+    backend: Backend,
     trace: Trace | None = None,
     keep: Callable[[int, BlockStep], BlockStep] | None = None,
 ) -> ChainStep:
@@ -114,7 +115,7 @@ def chain_step(
     comm: BlockComm,
     blocks: Sequence[int],
     *,
-    backend: str | None = None,
+    backend: Backend,
     trace: Trace | None = None,
     keep: Callable[[int, BlockStep], BlockStep] | None = None,
 ) -> ChainStep:
@@ -144,6 +145,8 @@ def _traced(trace: Trace | None, block: int, *, forward: bool) -> Trace | None:
     return tr
 
 
-def canonical_chain(weights: ModelWeights, batch: PackedBatch, blocks: Sequence[int], **kwargs) -> ChainStep:
-    """The chain in one process (all units, all rows)."""
-    return chain_step(weights, batch, LocalComm(), blocks, **kwargs)
+def canonical_chain(
+    weights: ModelWeights, batch: PackedBatch, blocks: Sequence[int], *, backend: Backend = TORCH, **kwargs
+) -> ChainStep:
+    """The chain in one process (all units, all rows); the backend defaults to torch, as `canonical_block`'s."""
+    return chain_step(weights, batch, LocalComm(), blocks, backend=backend, **kwargs)

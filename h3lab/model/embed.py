@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from h3lab.backend import Backend, get_backend
+from h3lab.backend import Backend
 from h3lab.batch import ACTIVATION_DTYPES, PackedBatch
 from h3lab.contract import check_device, strict_mode
 from h3lab.model.inputs import ModelInputs
@@ -55,12 +55,11 @@ def timestep_sinusoid(t_T: Tensor, freq_dim: int) -> Tensor:
     return torch.cat([cos, sin], dim=-1)  # flip_sin_to_cos=True
 
 
-def linear_f32(x_MK: Tensor, w_NK: Tensor, b_N: Tensor, be: Backend | None = None) -> Tensor:
+def linear_f32(x_MK: Tensor, w_NK: Tensor, b_N: Tensor, be: Backend) -> Tensor:
     """x @ w^T + b for a float32 module: one FP32 chain over k ascending (`chain_mm`'s bits on every
-    backend; None: the torch backend), then the bias."""
+    backend), then the bias."""
     if w_NK.dtype != F32:
         raise ValueError(f"linear_f32 is for float32 modules; got weight dtype {w_NK.dtype}; allowed: torch.float32")
-    be = be or get_backend(None)
     return be.chain_mm(x_MK.to(F32), w_NK.t()) + b_N.to(F32)
 
 
@@ -70,16 +69,14 @@ def f32_row_mm(be: Backend, a_RN: Tensor, b_RK: Tensor, order: Tensor) -> Tensor
     return be.chain_mm(a_RN.index_select(0, order).t(), b_RK.index_select(0, order))
 
 
-def time_embedding(weights: ModelWeights, t_T: Tensor, be: Backend | None = None) -> Tensor:
+def time_embedding(weights: ModelWeights, t_T: Tensor, be: Backend) -> Tensor:
     """temb [T, E] float32: the sinusoid, then linear_1 -> SiLU -> linear_2 (float32 `time_embedder`)."""
     w = lambda n: weights.tensor(f"time_embedder.{n}").to(t_T.device)  # noqa: E731
     h = linear_f32(timestep_sinusoid(t_T, weights.config.freq_dim), w("linear_1.weight"), w("linear_1.bias"), be)
     return linear_f32(silu(h), w("linear_2.weight"), w("linear_2.bias"), be)
 
 
-def project_rows(
-    weights: ModelWeights, module: str, rows: Tensor, act: torch.dtype, be: Backend | None = None
-) -> Tensor:
+def project_rows(weights: ModelWeights, module: str, rows: Tensor, act: torch.dtype, be: Backend) -> Tensor:
     """`proj_in` / `audio_proj_in` (float32) on latent rows, rounded once to the sequence dtype."""
     w, b = (weights.tensor(f"{module}.{n}").to(rows.device) for n in ("weight", "bias"))
     return round_to(linear_f32(rows, w, b, be), act)
@@ -107,7 +104,7 @@ def text_stream(weights: ModelWeights, text_rows: Tensor, keys_R2: Tensor, be: B
     return token_refiner(blocks, final, context_rows(weights, text_rows, be), keys_R2, weights.config, be)
 
 
-def embed(weights: ModelWeights, inputs: ModelInputs, *, backend: str | None = None) -> Embedded:
+def embed(weights: ModelWeights, inputs: ModelInputs, *, backend: Backend) -> Embedded:
     """The packed sequence the first block reads, with temb; computed in full (replicated under a layout).
 
     Raises:
@@ -115,7 +112,7 @@ def embed(weights: ModelWeights, inputs: ModelInputs, *, backend: str | None = N
     """
     inputs.check_config(weights.config)
     check_device(inputs.device)
-    be = get_backend(backend, inputs.device)
+    be = backend
     with strict_mode(), torch.no_grad():
         text = text_stream(weights, inputs.text_rows, inputs.logical_keys[inputs.text_indices], be)
         act, (S, D) = text.dtype, (inputs.num_rows, weights.config.hidden_size)

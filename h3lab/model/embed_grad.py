@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from h3lab.backend import Backend, get_backend
+from h3lab.backend import Backend
 from h3lab.contract import strict_mode
 from h3lab.model.embed import context_rows, f32_row_mm, linear_f32, refiner_weights, timestep_sinusoid
 from h3lab.model.inputs import ModelInputs
@@ -37,7 +37,7 @@ F32 = torch.float32
 
 
 def embed_backward(
-    weights: ModelWeights, inputs: ModelInputs, d_hidden_SD: Tensor, dtemb_TE: Tensor, *, backend: str | None = None
+    weights: ModelWeights, inputs: ModelInputs, d_hidden_SD: Tensor, dtemb_TE: Tensor, *, backend: Backend
 ) -> dict[str, Tensor]:
     """Gradients of every parameter `embed` reads, by diffusers name, each in its parameter's dtype.
 
@@ -59,7 +59,7 @@ def embed_backward(
         raise ValueError(
             f"dtemb_TE: {dtemb_TE.dtype} {list(dtemb_TE.shape)}; allowed: torch.float32 [{T}, {c.time_embed_dim}]"
         )
-    be, keys = get_backend(backend, inputs.device), inputs.logical_keys
+    be, keys = backend, inputs.logical_keys
     with strict_mode(), torch.no_grad():
         grads = {}
         for module, rows, idx in (

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from h3lab.backend import get_backend
+from h3lab.backend import Backend
 from h3lab.contract import strict_mode
 from h3lab.model.embed import Embedded, linear_f32
 from h3lab.model.weights import ModelWeights
@@ -34,9 +34,9 @@ class ModelOutput:
     audio: Tensor  # [Na, Ca]
 
 
-def norm_out_table(weights: ModelWeights, temb_TE: Tensor, backend: str | None = None) -> tuple[Tensor, Tensor]:
+def norm_out_table(weights: ModelWeights, temb_TE: Tensor, backend: Backend) -> tuple[Tensor, Tensor]:
     """(shift [T, D], scale [T, D]) in `norm_out.linear`'s dtype: silu in FP32, one cast, one FP32 chain."""
-    be = get_backend(backend, temb_TE.device)
+    be = backend
     w, b = (weights.tensor(f"norm_out.linear.{n}").to(temb_TE.device) for n in ("weight", "bias"))
     st = round_to(silu(temb_TE), w.dtype)
     table = round_to(be.mm(st, w.t()) + b.to(torch.float32), w.dtype)
@@ -52,10 +52,10 @@ def output_rows(
     shift_TD: Tensor,
     scale_TD: Tensor,
     *,
-    backend: str | None = None,
+    backend: Backend,
 ) -> Tensor:
     """norm_out then the head `module` ("proj_out" / "audio_proj_out") on some rows: [R, C] float32, row-local."""
-    be, dev = get_backend(backend, x_RD.device), x_RD.device
+    be, dev = backend, x_RD.device
     w = lambda n: weights.tensor(n).to(dev)  # noqa: E731
     t = timestep_indices_R
     eps = weights.config.final_norm_eps
@@ -63,7 +63,7 @@ def output_rows(
     return linear_f32(n, w(f"{module}.weight"), w(f"{module}.bias"), be)
 
 
-def head(weights: ModelWeights, hidden_SD: Tensor, emb: Embedded, *, backend: str | None = None) -> ModelOutput:
+def head(weights: ModelWeights, hidden_SD: Tensor, emb: Embedded, *, backend: Backend) -> ModelOutput:
     """norm_out and both heads on the sequence rows `hidden_SD` (all S rows, packed order, no padding)."""
     inputs, c = emb.inputs, weights.config
     if tuple(hidden_SD.shape) != (inputs.num_rows, c.hidden_size):

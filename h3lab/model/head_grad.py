@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from h3lab.backend import Backend, get_backend
+from h3lab.backend import Backend
 from h3lab.contract import strict_mode
 from h3lab.model.embed import Embedded, f32_row_mm
 from h3lab.model.head import ModelOutput, norm_out_table
@@ -48,7 +48,7 @@ class HeadGrads:
 
 
 def head_backward(
-    weights: ModelWeights, hidden_SD: Tensor, emb: Embedded, d_out: ModelOutput, *, backend: str | None = None
+    weights: ModelWeights, hidden_SD: Tensor, emb: Embedded, d_out: ModelOutput, *, backend: Backend
 ) -> HeadGrads:
     """Backward of `head(weights, hidden_SD, emb)` given the gradient at its output.
 
@@ -68,7 +68,7 @@ def head_backward(
         want = [rows.shape[0], weights.tensor(f"{module}.weight").shape[0]]
         if list(d.shape) != want or d.dtype != F32:
             raise ValueError(f"d_out.{name}: {d.dtype} {list(d.shape)}; allowed: torch.float32 {want}, the head's")
-    be = get_backend(backend, hidden_SD.device)
+    be = backend
     with strict_mode(), torch.no_grad():
         shift_TD, scale_TD = norm_out_table(weights, emb.batch.temb, backend)
         d_hidden, grads, shares = torch.zeros_like(hidden_SD), {}, []

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 from h3lab.metrics import sha256_tensor
 from h3lab.model.inputs import ModelInputs
@@ -108,7 +109,7 @@ def trajectory(
     inputs: ModelInputs,
     *,
     steps: int,
-    backend: str | None = "torch",
+    backend: Backend,
     comm: BlockComm | None = None,
     rows_shard: RowsShard | None = None,
     video_shift: float = VIDEO_SHIFT,

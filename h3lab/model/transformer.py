@@ -13,7 +13,8 @@ request packs S ~ 33,000 rows; with Nt ~ 500 the refiner is ~0.06% of the stack'
 heads are float32 GEMMs of 96 + 32 output columns, and the one all-gather of the stack's output per
 forward is the only communication they add.
 
-`transformer_forward(weights, inputs)` with the defaults is the canonical single-process model.
+`transformer_forward(weights, inputs, backend=get_backend("torch"))` with the defaults is the canonical
+single-process model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
@@ -42,7 +44,7 @@ def run_blocks(
     comm: BlockComm,
     *,
     blocks: Iterable[int] | None = None,
-    backend: str | None = None,
+    backend: Backend,
     trace: Trace | None = None,
 ) -> PackedBatch:
     """The block stack on this rank's rows: `batch` with hidden_states replaced by the last block's out.
@@ -92,7 +94,7 @@ def transformer_forward(
     weights: ModelWeights,
     inputs: ModelInputs,
     *,
-    backend: str | None = None,
+    backend: Backend,
     comm: BlockComm | None = None,
     rows_shard: RowsShard | None = None,
     trace: Trace | None = None,
@@ -102,8 +104,8 @@ def transformer_forward(
     Args:
         weights: a `ModelWeights` provider (`CheckpointWeights`, `SyntheticWeights`).
         inputs: one packed request (`model_inputs` makes one).
-        backend: the block stack's backend ("torch" default, "triton", "baseline"); also runs the
-            refiner's and norm_out's bf16 ops. The float32 modules always use `chain_mm`.
+        backend: the block stack's backend (`h3lab.backend.get_backend`: torch, triton, baseline);
+            also runs the refiner's and norm_out's bf16 ops. The float32 modules always use `chain_mm`.
         comm: the layout's `BlockComm` (default `LocalComm()`: one process, all units, all rows).
         rows_shard: the sequence -> this rank's local rows, contiguous and in order, padding only
             at the end, e.g. `lambda b: SeqShard(layout, inputs.num_rows).coshard(b, rank)`;

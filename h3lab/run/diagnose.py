@@ -22,7 +22,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from h3lab.run.launch import LaunchResult
+from h3lab.launch.launcher import LaunchResult
 
 # A heartbeat this much older than the freshest one stopped while the others still ran: far above
 # the beat period and a loaded machine's scheduling delays, far below any useful --timeout.

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from h3lab.backend import CONTRACT_BACKENDS
+from h3lab.backend import CONTRACT_BACKENDS, Backend, get_backend
 from h3lab.block import canonical_block
 from h3lab.contract import CONTRACT_ID
 from h3lab.io.env import KNOWN_GPUS, capture, node_type
@@ -52,38 +52,40 @@ TORCH_SET = "torch"
 RECORD_FIELDS = ("torch", "triton", "cuda", "driver", "platform")
 
 
-def reference_digests(backend: str, device: str) -> dict[str, str]:
+def reference_digests(be: Backend, device: str) -> dict[str, str]:
     """sha256 of every tensor of the reference problem's canonical block, in `BlockResult.tensors()` order."""
-    p = replace(REFERENCE, device=device, backend=backend)
-    result = canonical_block(p.weights(device), p.batch(device), backend=backend)
+    p = replace(REFERENCE, device=device, backend=be.name)
+    result = canonical_block(p.weights(device), p.batch(device), backend=be)
     return {k: sha256_tensor(v) for k, v in result.tensors().items()}
 
 
-def trajectory_digests(backend: str, device: str) -> dict[str, str]:
+def trajectory_digests(be: Backend, device: str) -> dict[str, str]:
     """sha256 of the reference trajectory's latents after every step (`step{k}.video`, `step{k}.audio`)."""
     from h3lab.comm import LocalComm
     from h3lab.run import tasks
 
-    p = replace(TRAJECTORY, device=device, backend=backend)
-    tensors = tasks.compute(p, LocalComm(), torch.device(device)).tensors
+    p = replace(TRAJECTORY, device=device, backend=be.name)
+    tensors = tasks.compute(p, LocalComm(), torch.device(device), backend=be).tensors
     return {k: sha256_tensor(v) for k, v in tensors.items()}
 
 
-def real_digests(backend: str, device: str) -> dict[str, str]:
+def real_digests(be: Backend, device: str) -> dict[str, str]:
     """sha256 of the real-shape problem's tensors as one process computes them: out, dx, dtemb, the
     replicated dW and every per-unit dW slice (`dw.<grad>@u<u>`), in the order the block returns them."""
     from h3lab.comm import LocalComm
     from h3lab.run import tasks
 
-    p = replace(REAL, device=device, backend=backend)
-    tensors = tasks.compute(p, LocalComm(), torch.device(device)).tensors
+    p = replace(REAL, device=device, backend=be.name)
+    tensors = tasks.compute(p, LocalComm(), torch.device(device), backend=be).tensors
     return {k: sha256_tensor(v) for k, v in tensors.items()}
 
 
 def compute(backend: str, device: str, parts: list[str]) -> dict[str, dict[str, str]]:
-    """The digests of each named part (`PARTS`) computed here with `backend` on `device`."""
+    """The digests of each named part (`PARTS`) computed here with the backend named `backend` on
+    `device` (built once, for every part)."""
+    be = get_backend(backend, device)
     by_part = {"block": reference_digests, "trajectory": trajectory_digests, "real": real_digests}
-    return {part: by_part[part](backend, device) for part in parts}
+    return {part: by_part[part](be, device) for part in parts}
 
 
 def arch_of(device: torch.device | str) -> str:

@@ -58,6 +58,18 @@ class Problem:
     digests: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.betas, list):  # JSON gives a list
+            object.__setattr__(self, "betas", tuple(self.betas))
+        self.validate()
+
+    def validate(self) -> None:
+        """The one validator of a run request: `h3lab run`, the notebooks' parameters
+        (h3lab.workbench.params) and every worker build a Problem, and building one calls this. Each
+        refusal is one ValueError naming the field, its value and what is allowed."""
+        for name in ("rows", "repeats", "steps", "text_rows", "padding", "block"):
+            _check_int(name, getattr(self, name))
+        if self.last_block is not None:
+            _check_int("last_block", self.last_block)
         if (self.synthetic is None) == (self.checkpoint is None):
             raise ValueError("give exactly one of a synthetic config (tiny, real) or a checkpoint folder")
         if self.synthetic is not None and self.synthetic not in NAMED_CONFIGS:
@@ -72,8 +84,6 @@ class Problem:
             raise ValueError(f"unknown row_order {self.row_order!r}; allowed: {list(ROW_ORDERS)}")
         if self.row_order != "packed" and self.task != "train":
             raise ValueError(f"row_order {self.row_order!r} is for task 'train'; allowed for {self.task!r}: ['packed']")
-        if isinstance(self.betas, list):  # JSON gives a list
-            object.__setattr__(self, "betas", tuple(self.betas))
         self.hyper()  # one ValueError per bad optimizer value
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; allowed: {list(MODES)}")
@@ -157,6 +167,10 @@ class Problem:
             max_grad_norm=self.max_grad_norm,
         )
 
+    def check_layout(self, layout: Layout) -> None:
+        """Raise if `layout` cannot run this problem's config (heads and SwiGLU columns split over tp)."""
+        layout.check(self.config())
+
     def rank_device(self, local_rank: int) -> torch.device:
         if self.device == "cpu":
             return torch.device("cpu")
@@ -184,3 +198,9 @@ class Problem:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Problem:
         return cls(**raw)
+
+
+def _check_int(name: str, value: object) -> None:
+    """A count or an index of the request: an int (not a bool; JSON and papermill give any type)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r}; allowed: an int")

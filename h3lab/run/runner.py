@@ -36,17 +36,14 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from h3lab.contract import describe
+from h3lab.contract import NUM_UNITS, describe
+from h3lab.dist.assemble import full_tensors, replicas_agree
 from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import FINAL_STATES, claim, describe_end, read_record, reserve_space, write_final
 from h3lab.io.tensorfile import write_tensors
-from h3lab.metrics import bitwise_equal, compare
-from h3lab.run import tasks
-from h3lab.run.diagnose import diagnose
-from h3lab.run.launch import (
+from h3lab.launch.launcher import (
     LaunchResult,
     check_local_processes,
     launch,
@@ -54,6 +51,9 @@ from h3lab.run.launch import (
     new_token,
     split_endpoint,
 )
+from h3lab.metrics import compare
+from h3lab.run import tasks
+from h3lab.run.diagnose import diagnose
 from h3lab.run.problem import Problem
 from h3lab.run.steps import step_verdicts
 from h3lab.run.summary import failure_line
@@ -91,9 +91,8 @@ class RunRequest:
             raise ValueError("nnodes > 1 needs rdzv_endpoint (HOST:PORT of node 0)")
         if self.rdzv_endpoint is not None:
             split_endpoint(self.rdzv_endpoint)
-        config = self.problem.config()
         for layout in self.layouts:
-            layout.check(config)
+            self.problem.check_layout(layout)
             if self.nnodes > 1 and layout.nodes != self.nnodes:
                 raise ValueError(f"layout {layout.name} has {layout.nodes} nodes but the job has nnodes={self.nnodes}")
             try:  # what this machine starts: the whole layout, or this node's share
@@ -358,26 +357,12 @@ def _compare_layout(req: RunRequest, layout: Layout, d: Path) -> dict:
 
 
 def _assemble(d: Path, layout: Layout, config, num_rows: int | None) -> tuple[dict[str, torch.Tensor], bool]:
-    """The full result from the ranks' shards (h3lab.run.tasks naming); checks that replicas agree byte for byte."""
+    """The full result from the ranks' shards (h3lab.dist.assemble, h3lab.run.tasks naming); checks
+    that replicas agree byte for byte."""
     parts = [load_file(str(d / f"rank{r}.safetensors")) for r in range(layout.world)]
-    shard = SeqShard(layout, num_rows) if num_rows else None
-    consistent = True
-    for r in range(layout.world):  # ranks holding the same rows or units must hold the same bytes
-        for k, v in parts[r].items():
-            if k in tasks.ROW_TENSORS:
-                owner = next(o for o in shard.owner_ranks() if shard.local_rows(o) == shard.local_rows(r))
-                ref = parts[owner][k]
-            else:  # unit slices: the same TP index in CP group 0; replicated: rank 0
-                ref = parts[layout.coords(r)[1]][k] if "@u" in k else parts[0][k]
-            consistent &= bitwise_equal(v, ref)
-    full = {k: v for k, v in parts[0].items() if k not in tasks.ROW_TENSORS and "@u" not in k}
-    for t in range(layout.tp):  # the TP ranks of CP group 0 hold every unit once
-        full |= {k: v for k, v in parts[t].items() if "@u" in k}
-    full = tasks.assemble_units(full, config, units=range(8))
-    for k in tasks.ROW_TENSORS:
-        if k in parts[0]:
-            full[k] = torch.cat([parts[o][k] for o in shard.owner_ranks()])[:num_rows]
-    return full, consistent
+    consistent = replicas_agree(parts, layout, tasks.space_of)
+    full = full_tensors(parts, layout, tasks.space_of, num_rows)
+    return tasks.assemble_units(full, config, units=range(NUM_UNITS)), consistent
 
 
 def _launch_record(res: LaunchResult) -> dict:

@@ -9,20 +9,19 @@ Names (h3lab.train.step): `step{k}.<rest>`, and the kind of <rest> (a `block{i}.
 
 from __future__ import annotations
 
-import re
-
 from torch import Tensor
 
+from h3lab.tensorname import TensorName
+
 KINDS = ("loss", "clip", "gradients", "weights")
-_STEP = re.compile(r"^step(?P<step>\d+)\.(?:block\d+\.)?(?P<rest>.+)$")
 
 
 def step_kind(name: str) -> tuple[int, str] | None:
     """(step, kind) of a training run's tensor name; None for a name of no training step."""
-    m = _STEP.match(name)
-    if m is None:
+    n = TensorName.parse(name)
+    if n.step is None:
         return None
-    rest = m["rest"]
+    rest = str(n.replace(step=None, block=None))
     if rest == "loss" or rest.startswith("loss."):
         kind = "loss"
     elif rest in ("grad_norm", "clip_coef"):
@@ -33,7 +32,7 @@ def step_kind(name: str) -> tuple[int, str] | None:
         kind = "weights"
     else:
         return None
-    return int(m["step"]), kind
+    return n.step, kind
 
 
 def step_verdicts(verdicts: dict[str, dict]) -> dict[str, dict]:
@@ -61,5 +60,5 @@ def step_values(tensors: dict[str, Tensor]) -> dict[str, dict[str, float]]:
     for name, t in tensors.items():
         sk = step_kind(name)
         if sk is not None and sk[1] in ("loss", "clip") and t.dim() == 0:
-            out.setdefault(sk[0], {})[name.split(".", 1)[1]] = float(t)
+            out.setdefault(sk[0], {})[str(TensorName.parse(name).replace(step=None))] = float(t)
     return {str(k): out[k] for k in sorted(out)}

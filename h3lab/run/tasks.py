@@ -14,7 +14,6 @@ Canonical tensors use the assembled names: `out`, `dx`, `[block{i}.]dtemb`, `[st
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,22 +21,22 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
-from h3lab.config import H3Config, block_param_shapes
+from h3lab.config import NUM_UNITS, H3Config, block_param_shapes
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import digest
 from h3lab.model.chain import chain_step
 from h3lab.run.problem import Problem
+from h3lab.tensorname import TensorName
 from h3lab.train.step import PHASES, Trainer
 from h3lab.units import UNIT_GRAD_FIELDS, assemble_unit_grads, unit_slice, unit_weights
 from h3lab.weights import BlockWeights
 
 ROW_TENSORS = ("out", "dx")
-# a unit slice: an optional step, the block (non-block parameters are never unit-sharded), dw or w
-_UNIT = re.compile(r"^(?P<prefix>(?:step\d+\.)?(?:block\d+\.)?)(?P<kind>dw|w)\.(?P<grad>[^@]+)@u(?P<unit>\d)$")
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +69,7 @@ def compute(
     comm: BlockComm,
     device: torch.device,
     *,
+    backend: Backend,
     layout: Layout | None = None,
     rank: int = 0,
     trace: Trace | None = None,
@@ -81,25 +81,26 @@ def compute(
     clip coefficient) stay tensors; every other tensor becomes its digest as soon as it exists — a
     50-block real chain's weight gradients are 65 GB.
     `inputs` (`prepare(problem, device)`): the weights and batch to use instead of building them.
+    `backend`: `problem.block_backend` on `device`, built once by the process's entry point.
     """
     shard = None if layout is None else _shard_fn(layout, rank)
     if problem.task == "trajectory":
-        tensors, timings = _trajectory(problem, comm, device, shard)
+        tensors, timings = _trajectory(problem, comm, device, backend, shard)
         return _split(tensors, problem.digests, timings)
     if problem.task == "train":
-        return _train(problem, comm, device, shard, trace)
+        return _train(problem, comm, device, backend, shard, trace)
     batch = inputs.batch if inputs is not None else problem.batch(device)
     local = batch if shard is None else shard(batch)
     if problem.task == "block":
         w = inputs.weights if inputs is not None and inputs.weights is not None else problem.weights(device)
-        step = block_step(unit_weights(w, comm.units), local, comm, backend=problem.block_backend, trace=trace)
-        return _split(_step_tensors(step, ""), problem.digests, step.timings)
+        step = block_step(unit_weights(w, comm.units), local, comm, backend=backend, trace=trace)
+        return _split(_step_tensors(step, None), problem.digests, step.timings)
     digests: dict[str, str] = {}
 
     def keep(i: int, step: BlockStep) -> BlockStep:
         if not problem.digests:
             return step
-        digests.update({k: digest(v) for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS})
+        digests.update({k: digest(v) for k, v in _step_tensors(step, i).items() if k not in ROW_TENSORS})
         return dataclasses.replace(step, dw_units={}, dw_replicated={}, dtemb=None)
 
     chain = chain_step(
@@ -107,14 +108,14 @@ def compute(
         local,
         comm,
         problem.block_range,
-        backend=problem.block_backend,
+        backend=backend,
         trace=trace,
         keep=keep,
     )
     tensors = {"out": chain.out, "dx": chain.dx}
     if not problem.digests:
         for i, step in chain.blocks.items():
-            tensors |= {k: v for k, v in _step_tensors(step, f"block{i}.").items() if k not in ROW_TENSORS}
+            tensors |= {k: v for k, v in _step_tensors(step, i).items() if k not in ROW_TENSORS}
     return Computed(tensors, digests, chain.timings)
 
 
@@ -125,7 +126,9 @@ def _split(tensors: dict[str, Tensor], digests: bool, timings: dict[str, float])
     return Computed(kept, {k: digest(v) for k, v in tensors.items() if k not in kept}, timings)
 
 
-def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace: Trace | None) -> Computed:
+def _train(
+    problem: Problem, comm: BlockComm, device: torch.device, backend: Backend, shard, trace: Trace | None
+) -> Computed:
     """`problem.steps` training steps (h3lab.train.step.Trainer); each step's tensors kept (copied to the
     CPU: the next step overwrites the weights) or digested as the step ends. Timings: each phase summed."""
     trainer = Trainer(
@@ -134,7 +137,7 @@ def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace
         blocks=problem.block_range,
         hyper=problem.hyper(),
         seed=problem.seed,
-        backend=problem.block_backend,
+        backend=backend,
         comm=comm,
         rows_shard=shard,
     )
@@ -148,24 +151,26 @@ def _train(problem: Problem, comm: BlockComm, device: torch.device, shard, trace
     return Computed(tensors, digests, timings)
 
 
-def canonical(problem: Problem, device: torch.device) -> Computed:
+def canonical(problem: Problem, device: torch.device, backend: Backend) -> Computed:
     """The single-process result: tensors under assembled names; digests under per-unit names (as ranks name them)."""
-    c = compute(problem, LocalComm(), device)
-    return Computed(assemble_units(c.tensors, problem.config(), units=range(8)), c.digests, c.timings)
+    c = compute(problem, LocalComm(), device, backend=backend)
+    return Computed(assemble_units(c.tensors, problem.config(), units=range(NUM_UNITS)), c.digests, c.timings)
 
 
 def _shard_fn(layout: Layout, rank: int) -> Callable:
     return lambda batch: SeqShard(layout, batch.num_rows).coshard(batch, rank)
 
 
-def _step_tensors(step: BlockStep, prefix: str) -> dict[str, Tensor]:
-    out = {k: v for k, v in (("out", step.out), ("dx", step.dx), (f"{prefix}dtemb", step.dtemb)) if v is not None}
-    out |= {f"{prefix}dw.{k}": v for k, v in step.dw_replicated.items()}
-    out |= {f"{prefix}dw.{k}@u{u}": t for k, per in step.dw_units.items() for u, t in per.items()}
-    return out
+def _step_tensors(step: BlockStep, block: int | None) -> dict[str, Tensor]:
+    """A block step's tensors by name: out, dx, then `block{i}.` (a chain's block i) dtemb and dW."""
+    named = (("out", step.out), ("dx", step.dx), (str(TensorName("dtemb", block=block)), step.dtemb))
+    out = {k: v for k, v in named if v is not None}
+    out |= {str(TensorName(f"dw.{k}", block=block)): v for k, v in step.dw_replicated.items()}
+    units = step.dw_units.items()
+    return out | {str(TensorName(f"dw.{k}", block=block, unit=u)): t for k, per in units for u, t in per.items()}
 
 
-def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) -> tuple[dict, dict]:
+def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, backend: Backend, shard) -> tuple[dict, dict]:
     from h3lab.model.trajectory import trajectory
 
     inputs = problem.model_inputs(device)
@@ -174,31 +179,41 @@ def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, shard) 
         problem.model_weights(device),
         inputs,
         steps=problem.steps,
-        backend=problem.block_backend,
+        backend=backend,
         comm=comm,
         rows_shard=shard,
     )
     tensors = {}
     for k, s in enumerate(traj.latents_per_step):
-        tensors |= {f"step{k}.video": s.video, f"step{k}.audio": s.audio}
+        tensors |= {str(TensorName("video", step=k)): s.video, str(TensorName("audio", step=k)): s.audio}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return tensors, {"forward_s": time.perf_counter() - start, "backward_s": 0.0}  # sampling has no backward
 
 
+def space_of(name: str) -> str:
+    """Where a rank's tensor `name` sits in the canonical result (h3lab.dist.assemble): rows, one
+    canonical unit, or replicated."""
+    if name in ROW_TENSORS:
+        return "local"
+    return "unit" if TensorName.parse(name).unit_slice else "replicated"
+
+
 def assemble_units(tensors: dict[str, Tensor], config: H3Config, units: range) -> dict[str, Tensor]:
     """Replace `...dw.<grad>@u{u}` (and `...w.<grad>@u{u}`) entries by diffusers-shaped `...dw.<parameter>`
     (`...w.<parameter>`) covering `units`."""
-    out, per_prefix = {}, {}
+    out, per_tensor = {}, {}
     for k, v in tensors.items():
-        m = _UNIT.match(k)
-        if m is None:
+        n = TensorName.parse(k)
+        if not n.unit_slice:
             out[k] = v
-        else:
-            per_prefix.setdefault(f"{m['prefix']}{m['kind']}.", {}).setdefault(m["grad"], {})[int(m["unit"])] = v
-    for prefix, grads in per_prefix.items():
-        assert set(grads) == set(UNIT_GRAD_FIELDS), (prefix, sorted(grads))
-        out |= {f"{prefix}{k}": v for k, v in assemble_unit_grads(grads, units).items()}
+        else:  # grouped by the name without its unit gradient and unit: (step, block, kind)
+            whole = n.replace(body=n.kind, unit=None)
+            per_tensor.setdefault(whole, {}).setdefault(n.param, {})[n.unit] = v
+    for whole, grads in per_tensor.items():
+        assert set(grads) == set(UNIT_GRAD_FIELDS), (str(whole), sorted(grads))
+        for param, v in assemble_unit_grads(grads, units).items():
+            out[str(whole.replace(body=f"{whole.body}.{param}"))] = v
     return out
 
 
@@ -206,12 +221,12 @@ def expected_shard(name: str, canon: dict[str, Tensor], config: H3Config, rows: 
     """The slice of the canonical result that a rank's tensor `name` must equal byte for byte."""
     if name in ROW_TENSORS:
         return canon[name][rows]
-    m = _UNIT.match(name)
-    if m is None:
+    n = TensorName.parse(name)
+    if not n.unit_slice:
         return canon[name]
-    prefix, params = f"{m['prefix']}{m['kind']}.", set(block_param_shapes(config))
-    block = {k[len(prefix) :]: v for k, v in canon.items() if k.startswith(prefix) and k[len(prefix) :] in params}
-    return unit_slice(unit_weights(BlockWeights(config, block, "canonical")), m["grad"], int(m["unit"]))
+    whole = {p: str(n.replace(body=f"{n.kind}.{p}", unit=None)) for p in block_param_shapes(config)}
+    block = {p: canon[k] for p, k in whole.items() if k in canon}
+    return unit_slice(unit_weights(BlockWeights(config, block, "canonical")), n.param, n.unit)
 
 
 def num_rows(problem: Problem) -> int | None:

@@ -6,7 +6,7 @@ block_step's trace hook), reassembles the ranks' shards into the canonical view 
 op, block and tensor whose bits differ, with its ULP statistics. Traces are safetensors plus a
 JSON list of (name, space) in execution order; nothing else is needed to compare two machines.
 
-Names: `[step{k}.][block{i}.]<op>`. A training run's trace holds its steps in order, each the
+Names: `[step{k}.][block{i}.]<op>` (h3lab.tensorname). A training run's trace holds its steps in order, each the
 model's forward and backward ops, then every gradient the optimizer reads (h3lab.train.step), so a
 divergence is named by its step, block and op.
 """
@@ -14,16 +14,15 @@ divergence is named by its step, block and op.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from h3lab.dist.assemble import full_tensor
 from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import bit_pattern, bitwise_equal, compare
+from h3lab.tensorname import TensorName
 
 # how a rank's traced tensor sits in the canonical one: its local rows; TP rows x its unit-major columns;
 # a stack [U_local, ...] of its canonical units; the same on every rank
@@ -71,31 +70,17 @@ def load_trace(prefix: Path | str) -> tuple[dict[str, Tensor], list[tuple[str, s
 
 
 def assemble_trace(layout_dir: Path, layout: Layout, num_rows: int) -> tuple[dict[str, Tensor], list]:
-    """The ranks' traces of one layout -> one trace in the canonical view (rows trimmed to `num_rows`)."""
+    """The ranks' traces of one layout -> one trace in the canonical view (rows trimmed to `num_rows`;
+    h3lab.dist.assemble)."""
     parts = [load_trace(layout_dir / f"rank{r}.trace") for r in range(layout.world)]
     order = parts[0][1]
-    shard = SeqShard(layout, num_rows)
-    full = {}
-    for name, space in order:
-        ranks = [p[0][name] for p in parts]
-        if space == "replicated":
-            full[name] = ranks[0]
-        elif space == "local":
-            full[name] = torch.cat([ranks[o] for o in shard.owner_ranks()])[:num_rows]
-        elif space == "units":  # the TP ranks of CP group 0 hold every unit once, in unit order
-            full[name] = torch.cat([ranks[r] for r in layout.tp_group(0)])
-        else:  # TP rows x unit-major columns: columns over a CP group's TP ranks, then rows over CP groups
-            groups = [torch.cat([ranks[r] for r in layout.tp_group(c)], dim=1) for c in range(layout.cp)]
-            full[name] = torch.cat(groups)[:num_rows]
+    full = {name: full_tensor([p[0][name] for p in parts], layout, space, num_rows) for name, space in order}
     return full, order
 
 
 def save_trace(prefix: Path, tensors: dict[str, Tensor], order: list) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(prefix) + ".safetensors")
     Path(str(prefix) + ".json").write_text(json.dumps(order))
-
-
-_NAME = re.compile(r"^(?:step(?P<step>\d+)\.)?(?:block(?P<block>\d+)\.)?(?P<op>.+)$")
 
 
 def timeline(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) -> list[dict]:
@@ -114,14 +99,14 @@ def first_divergence(a: dict[str, Tensor], order: list, b: dict[str, Tensor]) ->
 
 
 def _row(i: int, name: str, space: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> dict:
-    m = _NAME.match(name)
+    n = TensorName.parse(name)
     row = {
         "index": i,
         "name": name,
         "space": space,
-        "step": int(m["step"]) if m["step"] else None,
-        "block": int(m["block"]) if m["block"] else None,
-        "op": m["op"],
+        "step": n.step,
+        "block": n.block,
+        "op": str(n.replace(step=None, block=None)),
     }
     if name not in b:
         return row | {"present": False, "bitwise_equal": False}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from h3lab.backend import get_backend
+from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 from h3lab.config import H3Config
 from h3lab.ops.adamw import ADAMW_SCALARS
@@ -130,7 +130,7 @@ class AdamW:
         config: H3Config,
         comm: BlockComm,
         hyper: AdamWHyper,
-        backend: str | None = None,
+        backend: Backend,
     ) -> None:
         if not weights:
             raise ValueError("AdamW: no weights; allowed: a rank's pieces (h3lab.train.pieces)")
@@ -142,7 +142,7 @@ class AdamW:
                     f"weight {piece_label(p)}: {w.dtype} on {w.device}; allowed: {list(_FLOAT_DTYPES)} on {self.device}"
                 )
         self.config, self.comm, self.hyper = config, comm, hyper
-        self.be = get_backend(backend, self.device)  # the sums of squares and the updates
+        self.be = backend  # the sums of squares and the updates
         self.weights = {p: weights[p] for p in self.order}
         self.state = {p: PieceState.init(w) for p, w in self.weights.items()}
         self.step_count = 0

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from h3lab.backend import Backend, get_backend
+from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 from h3lab.config import NUM_UNITS, H3Config
 from h3lab.ops.fixed import pair_sum, sqrt_f32
@@ -58,14 +58,12 @@ def unit_piece_sums(grads: Mapping[Piece, Tensor], columns: list[tuple[int, str]
     return sums.view(len(units), len(columns))
 
 
-def global_grad_norm(
-    grads: Mapping[Piece, Tensor], comm: BlockComm, config: H3Config, be: Backend | None = None
-) -> GradNorm:
+def global_grad_norm(grads: Mapping[Piece, Tensor], comm: BlockComm, config: H3Config, be: Backend) -> GradNorm:
     """The global norm of the gradients every rank of a layout holds together (module docstring).
 
     Every rank calls it with its own pieces (`rank_pieces`: the same blocks and non-block parameters on
     every rank, the unit pieces of `comm.units`) at the same point: it makes one `gather_units` call.
-    `be` computes the sums of squares (None: the torch backend); every backend gives the same bits.
+    `be` computes the sums of squares; every backend gives the same bits.
 
     Raises:
         ValueError: no gradients, or pieces that differ from what a rank holding `comm.units` holds.
@@ -79,7 +77,6 @@ def global_grad_norm(
     columns = [(p.block, p.name) for p in order if p.unit == 0]
     own = [p for p in order if p.unit is None]
     device = next(iter(grads.values())).device
-    be = be or get_backend(None)
     sources = []
     if own:
         sources.append(be.sums_of_squares([grads[p] for p in own]))

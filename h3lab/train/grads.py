@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.block import Trace
 from h3lab.comm import BlockComm
 from h3lab.config import BLOCK_PREFIX, NUM_UNITS
@@ -82,7 +83,7 @@ def model_grads(
     *,
     seed: int,
     blocks: Sequence[int],
-    backend: str | None = None,
+    backend: Backend,
     comm: BlockComm | None = None,
     rows_shard: RowsShard | None = None,
     trace: Trace | None = None,

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from h3lab.config import NUM_UNITS, H3Config, block_param_shapes, model_param_shapes
+from h3lab.tensorname import TensorName
 from h3lab.units import REPLICATED, UNIT_GRAD_FIELDS, UNIT_SHARDED, UnitWeights
 
 
@@ -95,10 +96,7 @@ def piece_label(piece: Piece, kind: str = "") -> str:
 
     `kind` "w" names updated weights (as "dw" names gradients); "" gives the bare label.
     """
-    name = f"{kind}.{piece.name}" if kind else piece.name
-    if piece.unit is not None:
-        name += f"@u{piece.unit}"
-    return name if piece.block is None else f"block{piece.block}.{name}"
+    return str(TensorName(f"{kind}.{piece.name}" if kind else piece.name, block=piece.block, unit=piece.unit))
 
 
 def block_grad_pieces(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.backend import Backend
 from h3lab.batch import check_seed, derived_seed
 from h3lab.block import Trace
 from h3lab.comm import BlockComm, LocalComm
@@ -90,7 +91,7 @@ class Trainer:
         hyper: AdamWHyper,
         seed: int,
         objective: FlowObjective | None = None,
-        backend: str | None = None,
+        backend: Backend,
         comm: BlockComm | None = None,
         rows_shard: RowsShard | None = None,
     ) -> None:

@@ -76,7 +76,7 @@ def _remove_socket_folders() -> None:
 
 
 def _kill_kernels() -> None:
-    """SIGKILL every kernel this process started; the runner's workers follow theirs (h3lab.run.lifeline)."""
+    """SIGKILL every kernel this process started; the runner's workers follow theirs (h3lab.launch.lifeline)."""
     for km in list(_KERNELS):
         pid = getattr(getattr(km, "provisioner", None), "pid", None)
         if pid:

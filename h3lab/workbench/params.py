@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h3lab.backend import CONTRACT_BACKENDS
-from h3lab.batch import check_seed
-from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.dist.layout import ALL_LAYOUTS, Layout, parse_layouts
-from h3lab.run.problem import DEVICES, MODES
+from h3lab.run.problem import MODES, Problem
 
 TENSOR_NAMES = ("out", "dx", "dtemb")  # plus every "dw.<parameter>" of the block
+WEIGHTS_SEED = 0  # synthetic checkpoints always use weight seed 0: seeds vary the batch, not the block
 
 
 def runs_root() -> Path:
@@ -98,9 +96,9 @@ class ReproduceParams:
     run_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
+        """The sweep's own parameters here; every value of the runs it makes, by building their Problems
+        (`Problem.validate`, the one validator of a run request that `h3lab run` calls too)."""
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
-        if self.device not in DEVICES:
-            raise ValueError(f"parameter device={self.device!r}; allowed: {list(DEVICES)}")
         fix("gpus", _check_gpus(self.gpus, self.device))
         for name in ("digests", "accuracy", "trace"):
             if not isinstance(getattr(self, name), bool):
@@ -126,50 +124,37 @@ class ReproduceParams:
             raise ValueError(f"parameter layouts={self.layouts!r}: {err}") from None
         fix("layouts", [lay.name for lay in layouts])
         fix("modes", _names(self.modes, "modes"))
-        for m in self.modes:
-            if m not in MODES:
-                raise ValueError(f"parameter modes: unknown mode {m!r}; allowed: {list(MODES)}")
         seeds = [self.seeds] if isinstance(self.seeds, int) else self.seeds
-        if not isinstance(seeds, list | tuple) or not seeds or not all(isinstance(s, int) for s in seeds):
+        if not isinstance(seeds, list | tuple) or not seeds:
             raise ValueError(f"parameter seeds={self.seeds!r}; allowed: an int or a non-empty list of ints")
-        for s in seeds:
-            check_seed(s, "parameter seeds: seed")
         fix("seeds", list(seeds))
-        if self.backend not in CONTRACT_BACKENDS:
-            raise ValueError(f"parameter backend={self.backend!r}; allowed: {list(CONTRACT_BACKENDS)}")
-        for name in ("rows", "repeats"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"parameter {name}={getattr(self, name)!r}; allowed: an int >= 1")
-        if not isinstance(self.block, int) or self.block < 0:
-            raise ValueError(f"parameter block={self.block!r}; allowed: an int >= 0")
         if not isinstance(self.timeout, int | float) or not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ValueError(f"parameter timeout={self.timeout!r}; allowed: a finite number of seconds > 0")
         fix("checkpoint", _path(self.checkpoint))
         fix("run_dir", _path(self.run_dir))
-        if self.checkpoint is None and self.config not in NAMED_CONFIGS:
-            raise ValueError(f"parameter config={self.config!r}; allowed: {list(NAMED_CONFIGS)}")
-        config = self.model_config()
-        for lay in layouts:  # e.g. heads not divisible by tp: caught here, not after minutes of sweeping
-            lay.check(config)
-
-    def model_config(self) -> H3Config:
-        """The block's shape: the checkpoint's config.json, or the named synthetic config."""
-        if self.checkpoint is None:
-            return H3Config.named(self.config)
-        from h3lab.io.manifest import find_layout
-
-        if not self.checkpoint.exists():
+        if self.checkpoint is not None and not self.checkpoint.exists():
             raise ValueError(
                 f"parameter checkpoint={str(self.checkpoint)!r} does not exist; allowed: a "
                 "diffusers checkpoint folder (holding config.json) or '' to synthesize one"
             )
-        folder = find_layout(self.checkpoint).folder
-        config = H3Config.from_json(folder)
-        last = block_range(self.blocks)[1] if self.blocks else self.block
-        if last >= config.num_layers:
-            what = f"blocks={self.blocks!r}" if self.blocks else f"block={self.block}"
-            raise ValueError(f"parameter {what}; allowed: blocks 0..{config.num_layers - 1} for this checkpoint")
-        return config
+        self.problems(layouts)
+
+    def problems(self, layouts: list[Layout] | None = None) -> list[Problem]:
+        """The Problem of every (mode, seed) the sweep runs, each validated as it is built, and each
+        layout checked against it (e.g. heads not divisible by tp: caught here, not after minutes of
+        sweeping). A refusal names the parameter's value: `parameters: <Problem's message>`."""
+        fields = self.to_dict()
+        record = fields | {"task": self.task, "checkpoint_path": fields["checkpoint"]}
+        out = []
+        try:
+            for mode in self.modes:
+                for seed in self.seeds:
+                    out.append(sweep_problem(record, mode, seed))
+            for lay in layouts or []:
+                out[0].check_layout(lay)
+        except ValueError as err:
+            raise ValueError(f"parameters: {err}") from None
+        return out
 
     @property
     def task(self) -> str:
@@ -289,4 +274,36 @@ class ReportParams:
             )
 
 
-__all__ = ["ALL_LAYOUTS", "ExploreParams", "ReportParams", "ReproduceParams", "block_range", "runs_root"]
+def sweep_problem(params: dict[str, Any], mode: str, seed: int, *, task: str | None = None) -> Problem:
+    """The runner's Problem for one (mode, seed) of a sweep's params.json (`task` overrides its task)."""
+    task = task or params.get("task", "block")
+    first, last = block_range(params["blocks"]) if params.get("blocks") else (params["block"], None)
+    checkpoint = params.get("checkpoint_path")
+    return Problem(
+        synthetic=None if checkpoint else params["config"],
+        checkpoint=checkpoint,
+        task=task,
+        block=first,
+        last_block=last if task != "block" else None,
+        steps=params.get("trajectory") or params.get("train_steps") or 2,
+        weights_seed=WEIGHTS_SEED,
+        rows=params["rows"],
+        seed=seed,
+        device=params["device"],
+        backend=params["backend"],
+        mode=mode,
+        repeats=params["repeats"],
+        digests=params.get("digests", False),
+    )
+
+
+__all__ = [
+    "ALL_LAYOUTS",
+    "WEIGHTS_SEED",
+    "ExploreParams",
+    "ReportParams",
+    "ReproduceParams",
+    "block_range",
+    "runs_root",
+    "sweep_problem",
+]

@@ -35,14 +35,12 @@ from h3lab.dist.layout import parse_layouts
 from h3lab.io.env import capture, node_type
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import FINAL_STATES, describe_end, owner_record, read_record, reserve_space, write_final
-from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench import tables
-from h3lab.workbench.params import ReproduceParams, block_range, runs_root
+from h3lab.workbench.params import WEIGHTS_SEED, ReproduceParams, runs_root, sweep_problem
 from h3lab.workbench.rundata import Sweep, load_sweep
 
 SWEEP_FORMAT = "h3lab-sweep-v1"
-WEIGHTS_SEED = 0  # synthetic checkpoints always use weight seed 0: seeds vary the batch, not the block
 
 
 def new_run_dir(device: str = "cpu", root: Path | None = None) -> Path:
@@ -94,29 +92,6 @@ def mark_ended(run_dir: str | Path, status: str, error: str) -> None:
 def planned(params: dict[str, Any]) -> list[tuple[str, int, str]]:
     """(mode, seed, layout) in the order the sweep runs them."""
     return [(m, s, lay) for m in params["modes"] for s in params["seeds"] for lay in params["layouts"]]
-
-
-def sweep_problem(params: dict[str, Any], mode: str, seed: int, *, task: str | None = None) -> Problem:
-    """The runner's Problem for one (mode, seed) of a sweep's params.json (`task` overrides its task)."""
-    task = task or params.get("task", "block")
-    first, last = block_range(params["blocks"]) if params.get("blocks") else (params["block"], None)
-    checkpoint = params.get("checkpoint_path")
-    return Problem(
-        synthetic=None if checkpoint else params["config"],
-        checkpoint=checkpoint,
-        task=task,
-        block=first,
-        last_block=last if task != "block" else None,
-        steps=params.get("trajectory") or params.get("train_steps") or 2,
-        weights_seed=WEIGHTS_SEED,
-        rows=params["rows"],
-        seed=seed,
-        device=params["device"],
-        backend=params["backend"],
-        mode=mode,
-        repeats=params["repeats"],
-        digests=params.get("digests", False),
-    )
 
 
 def first_gpus(count: int, visible: str | None) -> str:

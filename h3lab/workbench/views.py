@@ -7,7 +7,6 @@ is one call with no echo; the values come from `tables` and the frame functions 
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from h3lab.io.env import files_changed
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import error_stats
 from h3lab.run.steps import step_kind
+from h3lab.tensorname import TensorName
 from h3lab.workbench import benchmarks as bench_tables
 from h3lab.workbench import figures, tables
 from h3lab.workbench.rundata import RunnerRun, Sweep, oracle_tensors
@@ -103,7 +103,7 @@ def collapsed(tensor: str) -> str:
     kind = step_kind(tensor)
     if kind is not None:
         return kind[1]
-    return re.sub(r"@u\d+$", "", re.sub(r"^block\d+\.", "", tensor))
+    return str(TensorName.parse(tensor).replace(block=None, unit=None))
 
 
 def show_heatmaps(sweeps: list[Sweep], out_dir: Path | None = None) -> None:

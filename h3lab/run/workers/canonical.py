@@ -1,6 +1,6 @@
 """The canonical result of a run: the problem in a single process, in a process of its own.
 
-Launched only by h3lab.run.runner through h3lab.run.launch.launch_process, so that `--timeout`
+Launched only by h3lab.run.runner through h3lab.launch.launcher.launch_process, so that `--timeout`
 bounds it, Ctrl-C or SIGTERM stop it, and a crash or a full disk ends it with a status instead of
 taking the runner down: `python -m h3lab.run.workers.canonical SPEC.json`. Under the run folder
 it writes canonical.safetensors (out, dx, dtemb, dw.<parameter>; a training run's step{k}. tensors),
@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.io.jsonfile import write_json
 from h3lab.io.tensorfile import write_tensors
+from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import count_nonfinite, sha256_tensor
 from h3lab.run import tasks
-from h3lab.run.lifeline import exit_now, watch
 from h3lab.run.problem import Problem
 from h3lab.run.steps import step_values
 from h3lab.run.trace import TraceRecorder
@@ -39,8 +40,9 @@ from h3lab.run.workers import faults
 def compute_canonical(problem: Problem, out: Path, trace: bool) -> dict:
     """The canonical tensors into `out`; returns the record (time, timings, backend, sha256, non-finite counts)."""
     device = torch.device("cuda" if problem.device == "cuda" else "cpu")
+    backend = get_backend(problem.block_backend, device)  # this process's one backend
     t = time.perf_counter()
-    result = tasks.canonical(problem, device)
+    result = tasks.canonical(problem, device, backend)
     elapsed = time.perf_counter() - t
     tensors = {k: v.contiguous().cpu() for k, v in result.tensors.items()}
     write_tensors(out / "canonical.safetensors", tensors)
@@ -48,7 +50,7 @@ def compute_canonical(problem: Problem, out: Path, trace: bool) -> dict:
         write_json(out / "canonical.digests.json", result.digests)
     if trace:  # a second, traced pass: the finder compares every op of every layout with it
         recorder = TraceRecorder()
-        tasks.compute(problem, LocalComm(), device, trace=recorder)
+        tasks.compute(problem, LocalComm(), device, backend=backend, trace=recorder)
         recorder.save(out / "canonical.trace")
     record = {
         "status": "done",

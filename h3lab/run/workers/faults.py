@@ -22,12 +22,13 @@ FAULT_VAR = "H3LAB_FAULT"
 KINDS = ("raise", "hang", "kill", "stop", "flip")
 
 
-def inject(who: str, tick: Callable[[str], None] | None = None) -> Callable[[str], None] | None:
-    """Inject the fault aimed at `who`, if any. For `stop`, returns the progress tick to use from
-    here on (it stops the process right after announcing the next site); otherwise `tick`."""
+def inject(who: str, on_call: Callable[[str], None] | None = None) -> Callable[[str], None] | None:
+    """Inject the fault aimed at `who`, if any. Returns the collective hook (`DistComm.on_call`) to use
+    from here on: for `stop`, `on_call` then a SIGSTOP (the process stops right after announcing the
+    next site); otherwise `on_call` itself."""
     kind, _, target = os.environ.get(FAULT_VAR, "").partition(":")
     if not kind or kind == "flip" or target != who:  # a flip is planted by the trace (planted_flip)
-        return tick
+        return on_call
     if kind not in KINDS:
         raise ValueError(f"{FAULT_VAR} kind {kind!r}; allowed: {list(KINDS)}")
     print(f"{FAULT_VAR}: injecting {kind!r} on {who}", flush=True)
@@ -37,14 +38,14 @@ def inject(who: str, tick: Callable[[str], None] | None = None) -> Callable[[str
         time.sleep(3600)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if tick is None:
+    if on_call is None:
         return None
 
-    def tick_then_stop(site: str) -> None:
-        tick(site)
+    def call_then_stop(site: str) -> None:
+        on_call(site)
         os.kill(os.getpid(), signal.SIGSTOP)
 
-    return tick_then_stop
+    return call_then_stop
 
 
 def planted_flip(who: str) -> tuple[str, int] | None:

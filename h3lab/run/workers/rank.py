@@ -1,6 +1,6 @@
 """One rank of a layout: run the block on its rows and units, compare its shards, write them out.
 
-Launched only by h3lab.run.runner through h3lab.run.launch: `python -m h3lab.run.workers.rank SPEC.json`.
+Launched only by h3lab.run.runner through h3lab.launch.launcher: `python -m h3lab.run.workers.rank SPEC.json`.
 The rank writes, under the layout directory: rank{r}.log (stdout and stderr), rank{r}.status.json
 (running / done / error / terminated, updated at every collective call so a hang can be traced
 to the straggler), rank{r}.safetensors (its out/dx rows, its dW unit slices, replicated grads)
@@ -9,7 +9,7 @@ and rank{r}.json (verdicts against the canonical block, timings, collective deci
 H3LAB_FAULT=<raise|hang|kill|stop>:<rank> injects a fault on one rank after the process group is up,
 H3LAB_FAULT=flip:<rank>:<op>:<index> one flipped bit in a traced op's output (fault-handling and
 finder tests, h3lab.run.workers.faults; never set by the runner itself). A rank exits when
-its agent or its runner is gone (h3lab.run.lifeline), saying so in its status.
+its agent or its runner is gone (h3lab.launch.lifeline), saying so in its status.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from h3lab.dist.distcomm import Progress, build_comm
+from h3lab.backend import get_backend
+from h3lab.dist.distcomm import build_comm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.io.jsonfile import write_json
+from h3lab.launch.lifeline import watch
 from h3lab.metrics import compare
-from h3lab.run.lifeline import watch
 from h3lab.run.problem import Problem
+from h3lab.run.progress import Progress
 from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare
 from h3lab.run.trace import TraceRecorder
 from h3lab.run.workers import faults
@@ -137,9 +139,8 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
     dist.init_process_group(transport, device_id=device if transport == "nccl" else None)
     progress.tick("process group up")  # phases count as progress, so a hang names its straggler
-    stop_tick = faults.inject(str(rank), progress.tick)
+    on_call = faults.inject(str(rank), progress.tick)  # a `stop` fault: a hook that stops in the next collective
     progress.tick("fault check")
-    progress.tick = stop_tick  # type: ignore[method-assign]  (a `stop` fault stops in the next collective)
     comm = build_comm(
         layout,
         rank,
@@ -147,7 +148,7 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         algorithm=spec.get("algorithm", "auto"),
         device=device,
         act_dtype=torch.bfloat16,
-        progress=progress,
+        on_call=on_call,
     )
     flip = faults.planted_flip(str(rank))
     if flip is not None and not spec.get("trace"):
@@ -156,12 +157,13 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         )
     recorder = TraceRecorder(flip=flip) if spec.get("trace") else None
     inputs = prepare(problem, device)  # once: a repeat that rebuilt them would start its step late
-    result = compute(problem, comm, device, layout=layout, rank=rank, trace=recorder, inputs=inputs)
+    backend = get_backend(problem.block_backend, device)  # this rank's one backend
+    result = compute(problem, comm, device, backend=backend, layout=layout, rank=rank, trace=recorder, inputs=inputs)
     if flip is not None and not recorder.flipped:  # type: ignore[union-attr]
         raise ValueError(f"{faults.FAULT_VAR} flips {flip[0]!r}, which this rank never traced; allowed: a traced op")
     for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
         dist.barrier()  # every rank starts the step together: its forward_s then excludes the others' digests
-        result = compute(problem, comm, device, layout=layout, rank=rank, inputs=inputs)
+        result = compute(problem, comm, device, backend=backend, layout=layout, rank=rank, inputs=inputs)
     tensors, timings = result.tensors, result.timings
     out_dir = Path(spec["layout_dir"])
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
@@ -194,6 +196,7 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         record["local_rows"] = [rows.start, rows.stop]
     write_json(out_dir / f"rank{rank}.json", record)
     comm.close()
+    progress.close()
     dist.destroy_process_group()
     return record
 

@@ -1,8 +1,8 @@
 """Worker: one rank of the layout benchmark (h3lab.bench.layouts): deterministic and eager steps, timed.
 
-    python -m h3lab.run.workers.layout_bench SPEC.json
+    python -m h3lab.bench.workers.layout_bench SPEC.json
 
-Launched only through `h3lab.run.launch.launch`, one process per GPU (NCCL; gloo on CPU), as many
+Launched only through `h3lab.launch.launcher.launch`, one process per GPU (NCCL; gloo on CPU), as many
 as the largest layout of the spec needs; ranks outside a smaller layout wait for it. Per rank: the
 block's weights, every case's batch, shards, comms and event pools are built before its steps;
 each timed step starts after a barrier of the layout's ranks (gloo, on the host) and a device
@@ -28,19 +28,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from h3lab.backend import get_backend
 from h3lab.batch import PackedBatch, packed_batch
+from h3lab.bench.workers import layout_diagnose
+from h3lab.bench.workers.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
 from h3lab.block import BlockStep, block_step
 from h3lab.config import H3Config
-from h3lab.dist.distcomm import DistComm, Progress, build_comm
+from h3lab.dist.distcomm import DistComm, build_comm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
 from h3lab.dist.timed import CollectiveClock, TimedComm, now_ns
 from h3lab.io.jsonfile import write_json
+from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import digest
 from h3lab.reference.eager import EagerCollectives, eager_block
-from h3lab.run import layout_diagnose
-from h3lab.run.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
-from h3lab.run.lifeline import exit_now, watch
 from h3lab.units import unit_weights
 from h3lab.weights import BlockWeights, synthetic_block
 
@@ -65,6 +66,7 @@ class Rank:
             dist.init_process_group("gloo", timeout=timeout)
             self.host_group = dist.group.WORLD
         self.cuda = self.device.type == "cuda"
+        self.backend = get_backend(spec["backend"], self.device)  # this process's one backend
         self.timeout = timeout
         self.host_groups: dict[int, Any] = {}  # layout size n -> a gloo group of ranks 0..n-1
         self.runner_diagnosed = False
@@ -151,7 +153,7 @@ def det_case(r: Rank, layout: Layout, comm: DistComm, w: BlockWeights, full: Pac
     uw = unit_weights(w, comm.units)
     clock = CollectiveClock(r.device)
     timed = TimedComm(comm, clock, overlap=r.spec.get("overlap", True))
-    backend = r.spec["backend"]
+    backend = r.backend
 
     def step() -> BlockStep:
         return block_step(uw, local, timed, backend=backend)
@@ -260,7 +262,6 @@ def run_layout(
         algorithm=spec["algorithm"],
         device=r.device,
         act_dtype=torch.bfloat16,
-        progress=Progress(None),
         segment_bytes=spec.get("segment_bytes"),
     )
     groups = eager_groups(layout, r.rank) if spec["eager"] else None
@@ -276,7 +277,7 @@ def run_layout(
             case["local_rows"] = [mine.start, mine.stop]
             case["det"] = det_case(r, layout, comm, w, full, barrier)
             if groups is not None:
-                case["eager"] = eager_case(r, layout, groups, w, full, barrier, _ranks_of(layout, r.rank, groups))
+                case["eager"] = eager_case(r, layout, groups, w, full, barrier, _ranks_of(groups))
             out.append(case)
             write()
             del full
@@ -287,11 +288,8 @@ def run_layout(
         comm.close()
 
 
-def _ranks_of(layout: Layout, rank: int, groups: EagerGroups) -> dict[int, list[int]]:
-    cp_index, tp_index = layout.coords(rank)
-    tp, cp = layout.tp_group(cp_index), layout.cp_group(tp_index)
-    rows = (list(range(layout.world)) if layout.cp > 1 else tp) if layout.sp else cp
-    return {id(groups.tp): tp, id(groups.cp): cp, id(groups.rows): rows}
+def _ranks_of(groups: EagerGroups) -> dict[int, list[int]]:
+    return {id(groups.made.get(kind)): list(ranks) for kind, ranks in groups.members.items()}
 
 
 def main(argv: list[str]) -> int:

@@ -6,9 +6,9 @@ killed rank, Ctrl-C), `launch` ends by killing every process that carries the to
 outlives it and the next launch is unaffected. torchrun starts each worker in its own session,
 which is why a process-group kill alone would not reach them. Where the launcher itself dies
 without that sweep (SIGKILL), every launched process follows it through its lifeline
-(h3lab.run.lifeline).
+(h3lab.launch.lifeline).
 
-Every agent runs through h3lab's wrapper (h3lab.run.workers.agent), which binds each TCP store it
+Every agent runs through h3lab's wrapper (h3lab.launch.agent), which binds each TCP store it
 hosts to one address, never the wildcard: 127.0.0.1 on one machine; across machines
 (`rdzv_endpoint`, `nnodes`, `node_rank`) the endpoint's address, hosted by node 0.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from h3lab.run.lifeline import LIFELINE_VAR, extended
+from h3lab.launch.lifeline import LIFELINE_VAR, extended
 
 TOKEN_VAR = "H3LAB_RUN_TOKEN"
 # Keep NVLink multicast off wherever workers start: a program using it can take a shared host's
@@ -134,7 +134,7 @@ def torchrun_command(
     return [
         sys.executable,
         "-m",
-        "h3lab.run.workers.agent",
+        "h3lab.launch.agent",
         *([f"--local-addr={local_addr}"] if local_addr else []),
         f"--nnodes={nnodes}",
         f"--node-rank={node_rank}",

@@ -15,32 +15,19 @@ from torch import Tensor
 
 from h3lab.batch import PackedBatch
 from h3lab.dist.layout import Layout
+from h3lab.dist.procgroups import RankGroups, new_groups
 from h3lab.dist.seqshard import SeqShard
 from h3lab.reference.eager import EagerCollectives, EagerParallel, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
 from h3lab.weights import BlockWeights
 
-
-@dataclass(frozen=True)
-class EagerGroups:
-    """The process groups of one layout's eager baseline, as this rank sees them (None: not a member)."""
-
-    tp: dist.ProcessGroup | None
-    cp: dist.ProcessGroup | None
-    rows: dist.ProcessGroup | None  # the ranks splitting the rows (the layout's ranks under SP, else CP)
+EagerGroups = RankGroups[dist.ProcessGroup]  # the layout's TP, CP and row groups, as this rank sees them
 
 
 def eager_groups(layout: Layout, rank: int) -> EagerGroups:
-    """Create the groups; every rank of the world calls this in the same order (a rank outside the
-    layout too: it gets no group)."""
-    tp = [dist.new_group(layout.tp_group(c)) if layout.tp > 1 else None for c in range(layout.cp)]
-    cp = [dist.new_group(layout.cp_group(t)) if layout.cp > 1 else None for t in range(layout.tp)]
-    everyone = dist.new_group(list(range(layout.world))) if layout.sp and layout.cp > 1 else None
-    if rank >= layout.world:
-        return EagerGroups(None, None, None)
-    cp_index, tp_index = layout.coords(rank)
-    rows = (everyone if layout.cp > 1 else tp[cp_index]) if layout.sp else cp[tp_index]
-    return EagerGroups(tp[cp_index], cp[tp_index], rows)
+    """Create the groups (h3lab.dist.procgroups); every rank of the world calls this in the same
+    order (a rank outside the layout too: it gets no group)."""
+    return new_groups(layout, dict.fromkeys(("tp", "cp", "rows"), dist.new_group), rank=rank)
 
 
 def eager_parallel(layout: Layout, groups: EagerGroups, ops: EagerCollectives | None = None) -> EagerParallel:

@@ -6,7 +6,7 @@ the machine. The store accepts an already-bound socket (`master_listen_fd`), so 
 pre-binds one to the address the store is hosted on (127.0.0.1 on one machine, the rendezvous
 endpoint's address on node 0 of a multi-node job), then runs `torch.distributed.run` unchanged.
 
-The agent watches its lifeline (h3lab.run.lifeline): when the runner is gone it stops its ranks
+The agent watches its lifeline (h3lab.launch.lifeline): when the runner is gone it stops its ranks
 and exits; the ranks it starts watch the runner and this agent.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 from torch.distributed.run import main
 
-from h3lab.run.lifeline import LIFELINE_VAR, extended, terminate_then_exit, watch
+from h3lab.launch.lifeline import LIFELINE_VAR, extended, terminate_then_exit, watch
 
 
 def _bind(host_name: str, port: int) -> socket.socket:

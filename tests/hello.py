@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from h3lab.io.jsonfile import write_json
-from h3lab.run.lifeline import exit_now, watch
+from h3lab.launch.lifeline import exit_now, watch
 
 
 def main(argv: list[str]) -> int:

@@ -4,8 +4,9 @@ Each suspect of a late rank, run on the deterministic layout's own steps, every 
 (h3lab.dist.timed), so one run on the GPUs says which of them moves the arrivals:
 - `arrival_barrier`: a one-element all_reduce before every collective, timed apart: the wait for
   the late peer measured directly (checks the split the plain records infer from arrival times);
-- `progress_file`: the runner's per-collective status-file write (dist.distcomm.Progress) on, and
-  the cost of one write as the runner wrote it before (a whole file per call) and as it does now;
+- `progress_file`: the runner's per-collective status-file write (h3lab.run.progress.Progress as
+  DistComm.on_call) on, and the cost of one write as the runner wrote it before (a whole file per
+  call) and as it does now;
 - `heartbeat`: the runner's heartbeat thread (a file write every HEARTBEAT_S) running beside the steps;
 - `host_syncs` (CUDA): every host synchronisation one step makes, by the h3lab line that made it;
 - `triton_cache_misses`: kernels Triton had to specialise or compile during steady steps (a
@@ -33,11 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from h3lab.dist.distcomm import DistComm, Progress
+from h3lab.dist.distcomm import DistComm
 from h3lab.dist.layout import Layout
 from h3lab.dist.timed import CollectiveClock, TimedComm, now_ns
 from h3lab.run import tasks
 from h3lab.run.problem import Problem
+from h3lab.run.progress import Progress
 
 HEARTBEAT_S = 0.2  # as h3lab.run.workers.rank beats
 TICKS = 200  # status-file writes timed for the cost of one
@@ -101,13 +103,13 @@ def _progress(r: Any, comm: DistComm, step: Callable, barrier: Callable, record:
     costs = _write_costs(r)
     tick_us = costs[r.spec["out_dir"]]["kept_open_us"] if r.spec["out_dir"] in costs else None
     off = [record(step, barrier) for _ in range(n)]
-    saved, writing = comm.progress, Progress(path)
-    comm.progress = writing
+    saved, writing = comm.on_call, Progress(path)
+    comm.on_call = writing.tick
     try:
         on = [record(step, barrier) for _ in range(n)]
         calls = writing.calls // max(n, 1)
     finally:
-        comm.progress = saved
+        comm.on_call = saved
         writing.close()
     return {"tick_us": tick_us, "write_costs_us": costs, "ticks_per_step": calls, "off": off, "on": on}
 
@@ -200,6 +202,7 @@ def _runner_path(r: Any, layout: Layout, comm: DistComm, record: Record) -> dict
     )
     clock = CollectiveClock(r.device)
     timed = TimedComm(comm, clock)
+    backend = r.backend  # the worker's one backend, of this problem's name
     whole_world = layout.world == r.world
     host = r.host_groups[layout.world]
     barrier = dist.barrier if whole_world else (lambda: dist.barrier(group=host))  # rank.py: the default group
@@ -210,7 +213,8 @@ def _runner_path(r: Any, layout: Layout, comm: DistComm, record: Record) -> dict
         got: dict[str, Any] = {}
 
         def fn() -> None:
-            got.update(tasks.compute(problem, timed, r.device, layout=layout, rank=r.rank, inputs=inputs).timings)
+            c = tasks.compute(problem, timed, r.device, backend=backend, layout=layout, rank=r.rank, inputs=inputs)
+            got.update(c.timings)
 
         rec = record(fn, barrier, clock)
         return rec | {"block_timings": dict(got)}

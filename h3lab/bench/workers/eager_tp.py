@@ -1,9 +1,9 @@
 """Worker: the eager, non-deterministic block (h3lab.reference.eager) at a layout, timed on every rank.
 
-    python -m h3lab.run.workers.eager_tp OUT_DIR --config real --rows 264,4096 --device cuda [--reps 10]
-    python -m h3lab.run.workers.eager_tp OUT_DIR --config tiny --rows 32 --layouts tp2+sp,cp2 --save
+    python -m h3lab.bench.workers.eager_tp OUT_DIR --config real --rows 264,4096 --device cuda [--reps 10]
+    python -m h3lab.bench.workers.eager_tp OUT_DIR --config tiny --rows 32 --layouts tp2+sp,cp2 --save
 
-Launched only through `h3lab.run.launch.launch` with one process per rank (NCCL on distinct GPUs,
+Launched only through `h3lab.launch.launcher.launch` with one process per rank (NCCL on distinct GPUs,
 gloo on CPU). Without --layouts: Megatron TP over all ranks (the default group). Writes
 OUT_DIR/rank{r}.json: per row count the median forward and forward+backward seconds
 (CUDA-synchronised, after warm-up), and with --save the rank's out, dx and dW as safetensors
@@ -27,13 +27,13 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from h3lab.batch import packed_batch
+from h3lab.bench.workers.eager_layouts import eager_groups, eager_inputs, eager_parallel
 from h3lab.config import H3Config
 from h3lab.dist.layout import parse_layouts
 from h3lab.io.jsonfile import write_json
+from h3lab.launch.lifeline import exit_now, watch
 from h3lab.reference.eager import eager_block, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
-from h3lab.run.eager_layouts import eager_groups, eager_inputs, eager_parallel
-from h3lab.run.lifeline import exit_now, watch
 from h3lab.weights import BlockWeights, synthetic_block
 
 
@@ -94,7 +94,7 @@ def _layouts(a: argparse.Namespace, w: BlockWeights, rank: int, world: int, devi
 
 def main(argv: list[str]) -> int:
     watch(exit_now(), parent_signal=signal.SIGKILL)  # no orphan when the agent or runner is gone
-    ap = argparse.ArgumentParser(prog="h3lab.run.workers.eager_tp")
+    ap = argparse.ArgumentParser(prog="h3lab.bench.workers.eager_tp")
     ap.add_argument("out", type=Path)
     ap.add_argument("--config", default="real")
     ap.add_argument("--rows", default="264,4096")

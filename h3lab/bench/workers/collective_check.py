@@ -1,10 +1,10 @@
 """Worker: deterministic collectives against the local balanced tree, bit for bit; or a bandwidth bench.
 
-    python -m h3lab.run.workers.collective_check OUT_DIR [--configs all:gather_tree ...] [--shapes 7,33x17]
-    python -m h3lab.run.workers.collective_check OUT_DIR --bench --device cuda --backend nccl --bench-mib 1,1024 \
+    python -m h3lab.bench.workers.collective_check OUT_DIR [--configs all:gather_tree ...] [--shapes 7,33x17]
+    python -m h3lab.bench.workers.collective_check OUT_DIR --bench --device cuda --backend nccl --bench-mib 1,1024 \
         [--local-sizes 2] [--segment-mib 32]
 
-Launched only through `h3lab.run.launch.launch`. Every rank regenerates every member's partial from
+Launched only through `h3lab.launch.launcher.launch`. Every rank regenerates every member's partial from
 (seed, case, rank), so it computes the expected tree itself and nothing large is shipped back.
 A config is RANKS:ALGORITHM[:LOCAL_SIZE], RANKS = "all" or comma-separated global ranks.
 Writes OUT_DIR/rank{r}.json: verdicts per (config, shape), decision records, byte counts, timings.
@@ -26,9 +26,9 @@ from torch import Tensor
 
 from h3lab.dist.collectives import DeterministicCollective, new_collective
 from h3lab.io.jsonfile import write_json
+from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import bitwise_equal
 from h3lab.ops.fixed import balanced_tree, round_to
-from h3lab.run.lifeline import exit_now, watch
 
 DEFAULT_SHAPES = "1,7,9973,65537,33x17,3x5"  # odd numels, 2-D, and fewer rows than members (empty chunks)
 # scatter_tree configs are checked pipelined too, with segments this small: 9973 and 65537 FP32
@@ -314,7 +314,7 @@ def _bench_one(args, colls: dict, name: str, op: str, x: Tensor, want: Tensor, w
 
 def main(argv: list[str]) -> int:
     watch(exit_now(), parent_signal=signal.SIGKILL)  # no orphan when the agent or runner is gone
-    parser = argparse.ArgumentParser(prog="h3lab.run.workers.collective_check")
+    parser = argparse.ArgumentParser(prog="h3lab.bench.workers.collective_check")
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", nargs="*", default=None, help="RANKS:ALGORITHM[:LOCAL_SIZE]; default: all")
