@@ -64,3 +64,20 @@ def test_a_folder_holding_a_run_says_what_state_that_run_is_in(tmp_path, what):
     (out / what).write_text('{"status": "passed"}')
     with pytest.raises(ValueError, match=r"'.*/run' is passed; it is never overwritten: choose a new folder"):
         claim(out)
+
+
+def test_no_run_folder_goes_inside_the_published_reports(tmp_path, capsys):
+    """reports/ is written only by `h3lab publish`, which swaps in a folder it built whole: a run folder
+    inside it would be mixed into a published folder."""
+    from h3lab.io.env import REPO
+    from tests.conftest import RUN, one_line_error
+
+    clone = tmp_path / "clone"  # another checkout: a reports/ beside pyproject.toml and h3lab/
+    (clone / "h3lab").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text("")
+    (clone / "reports" / "cpu").mkdir(parents=True)
+    for out in (REPO / "reports" / "cpu" / "h3lab-test-run", clone / "reports" / "cpu" / "myrun", clone / "reports"):
+        one_line_error(capsys, [*RUN, "--out", str(out)], f"--out {str(out)!r} is inside", "allowed: a folder outside")
+        assert not out.exists() or out == clone / "reports"
+    assert [p.name for p in (clone / "reports").iterdir()] == ["cpu"] and not any((clone / "reports" / "cpu").iterdir())
+    assert claim(tmp_path / "reports" / "run")  # a folder merely named reports is no published folder
