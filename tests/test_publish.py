@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -244,6 +245,28 @@ def test_sigterm_stops_a_notebook_sweep_at_once_and_leaves_no_process(tmp_path):
     assert json.loads((run / "sweep.json").read_text())["status"] == "interrupted"
     _, alive = psutil.wait_procs(family, timeout=15)
     assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.notebooks
+def test_ctrl_c_of_h3lab_publish_is_one_line_and_an_interrupted_stage(tmp_path):
+    """SIGINT to the terminal's process group as the first sweep starts: its stage (and its sweep, once
+    started) says interrupted, the work folder is released, nothing is published, no traceback."""
+    work, reports = tmp_path / "work", tmp_path / "reports"
+    argv = [sys.executable, "-m", "h3lab", "publish", "--node", "cpu", "--work", str(work), "--reports", str(reports)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (work / "sweep-1" / "owner.json").is_file():  # the stage claimed its run folder: the notebook starts
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=90) == 128 + signal.SIGINT
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "h3lab publish: interrupted (Ctrl-C)", err
+    book = json.loads((work / "stages.json").read_text())
+    assert book["released"] and book["stages"]["sweep"]["state"] == "interrupted"
+    sweep = work / "sweep-1" / "sweep.json"  # written once the notebook's first cells have run
+    assert not sweep.exists() or json.loads(sweep.read_text())["status"] == "interrupted"
+    assert not reports.exists()
 
 
 def test_every_published_benchmark_record_reads_as_its_table():
