@@ -22,6 +22,7 @@ import torch
 
 from h3lab.bench import registry
 from h3lab.cli import main
+from h3lab.io.env import REPO
 from h3lab.workbench import benchmarks, folder, plans
 from h3lab.workbench.publish import chromium
 from h3lab.workbench.stages import StageBook, run_command
@@ -218,6 +219,50 @@ def test_the_published_page_renders_in_chromium(published):
         timeout=120,
     ).stdout
     assert "<table" in dom and dom.count("data:image/png;base64,") >= 2 and "block_cpu" in dom  # heatmap, maps
+
+
+@pytest.mark.notebooks
+def test_report_writes_new_folders_only_and_never_into_the_runs_it_reads(published, tmp_path, monkeypatch, capsys):
+    """`h3lab report RUN --out DIR` wrote report.ipynb into the run it read and replaced DIR's page;
+    `h3lab report RUN` rewrote reports/<node>/ in place. The notebook's execution is faked (its output
+    file and what it returns): where things are written is what counts."""
+    import nbformat
+
+    from h3lab.workbench import notebooks
+    from tests.conftest import one_line_error
+
+    rc, reports, work, _ = published
+    sweep = work / "sweep-1"
+    assert rc == 0 and not (sweep / "report.ipynb").exists()  # publish's notebook is in its work folder
+    assert list(work.glob("render-*.ipynb"))
+
+    def execute(name, output, parameters, **kwargs):
+        nb = nbformat.v4.new_notebook()
+        nbformat.write(nb, str(output))
+        return nb
+
+    monkeypatch.setattr(notebooks, "execute", execute)
+    monkeypatch.setenv("H3LAB_RUNS", str(tmp_path / "runs"))
+    before = {p: p.stat().st_mtime_ns for p in [sweep, *sweep.rglob("*")]}
+    published_before = {p: p.read_bytes() for p in reports.rglob("*") if p.is_file()}
+    os.chmod(sweep, 0o555)  # a read-only archive of runs (root writes anyway: the listing is compared too)
+    try:
+        out = tmp_path / "page"
+        assert main(["report", str(sweep), "--out", str(out), "--no-screenshot", "--no-fp64"]) == 0
+        assert {"report.html", "report.ipynb", "report.json"} <= {p.name for p in out.iterdir()}
+        page = (out / "report.html").read_bytes()
+        one_line_error(capsys, ["report", str(sweep), "--out", str(out)], "holds files", "--force")
+        assert (out / "report.html").read_bytes() == page
+        assert main(["report", str(sweep), "--out", str(out), "--force", "--no-screenshot", "--no-fp64"]) == 0
+        assert (out / "report.html").is_file() and [p.name for p in tmp_path.glob(".page.previous-*")]
+        assert main(["report", str(sweep), "--no-screenshot", "--no-fp64"]) == 0  # a new folder under runs/
+        (made,) = (tmp_path / "runs").glob("report-*")
+        assert (made / "cpu" / "report.html").is_file() and (made / "index.html").is_file()
+        one_line_error(capsys, ["report", str(sweep), "--root", str(REPO / "reports")], "the published reports")
+    finally:
+        os.chmod(sweep, 0o755)
+    assert {p: p.stat().st_mtime_ns for p in [sweep, *sweep.rglob("*")]} == before
+    assert {p: p.read_bytes() for p in reports.rglob("*") if p.is_file()} == published_before
 
 
 def _failing_publish(*args, **kwargs) -> Path:

@@ -81,3 +81,30 @@ def test_no_run_folder_goes_inside_the_published_reports(tmp_path, capsys):
         assert not out.exists() or out == clone / "reports"
     assert [p.name for p in (clone / "reports").iterdir()] == ["cpu"] and not any((clone / "reports" / "cpu").iterdir())
     assert claim(tmp_path / "reports" / "run")  # a folder merely named reports is no published folder
+
+
+def test_explore_never_replaces_an_existing_out_unasked(tmp_path, capsys, monkeypatch):
+    """`workbench explore --out EXISTING.ipynb` replaced the user's file. Now it is refused; --force
+    replaces it and its .json once the notebook has ended, built beside them first (the execution is
+    faked here: what it writes, and where, is what counts)."""
+    from h3lab.workbench import notebooks
+    from tests.conftest import one_line_error
+
+    out = tmp_path / "mine.ipynb"
+    out.write_text("my notebook")
+    one_line_error(capsys, ["workbench", "explore", "--out", str(out)], "mine.ipynb'] exist", "--force")
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.ipynb"] and out.read_text() == "my notebook"
+    written = []
+
+    def execute(name, output, parameters, **kwargs):
+        assert not Path(output).exists() and out.read_text() == "my notebook"  # the old file stays meanwhile
+        written.append((Path(output), Path(parameters["record"])))
+        Path(output).write_text("executed")
+        Path(parameters["record"]).write_text("{}")
+
+    monkeypatch.setattr(notebooks, "execute", execute)
+    assert main(["workbench", "explore", "--out", str(out), "--force"]) == 0
+    assert out.read_text() == "executed" and (tmp_path / "mine.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.ipynb", "mine.json"]
+    assert written[0][0].parent == tmp_path and written[0][0].name.startswith(".mine.ipynb.")
+    one_line_error(capsys, ["workbench", "explore", "--out", str(tmp_path / "x.json")], "ending in .ipynb")
