@@ -277,3 +277,29 @@ def test_the_bound_counts_the_rows_model_inputs_packs():
     tiny = H3Config.tiny()
     for kwargs in ({"num_text": 12}, {"num_text": 7, "num_frames": 3}, {"num_text": 5, "keyframe": False}):
         assert model_inputs_rows(tiny, **kwargs) == model_inputs(tiny, seed=0, **kwargs).num_rows
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--device", "gpu"], ("--device 'gpu'; allowed: cpu, cuda or cuda:<index>",)),
+        (["--device", "cuda:99"], ("--device 'cuda:99'; allowed here: cpu",)),
+        (["--rows", "1000000000"], ("rows + padding=1000000000", "allowed: rows + padding <=")),
+        (["--block", "1000000"], ("block 1000000: a synthetic config has as many blocks", "allowed: 0..49")),
+        (
+            ["--block", "3", "--free-disk", "1000"],
+            ("the synthesized tiny checkpoint of 4 blocks takes", "--checkpoint"),
+        ),
+    ],
+)
+def test_an_accuracy_request_that_cannot_run_writes_nothing(capsys, tmp_path, monkeypatch, extra, expected):
+    """A bad device was a RuntimeError traceback after the folder and a checkpoint were written; a block
+    index a million deep synthesized a million blocks."""
+    if "--free-disk" in extra:  # a disk with 1000 bytes free
+        import shutil
+
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=int(extra[-1])))
+        extra = extra[:-2]
+    one_line_error(capsys, ["accuracy", *extra, "--out", str(tmp_path / "acc")], *expected)
+    assert not (tmp_path / "acc").exists()
