@@ -87,6 +87,22 @@ def test_a_work_folder_has_one_live_owner_and_keeps_done_stages(tmp_path):
         StageBook(tmp_path / "w").claim({"node": "h200"})
 
 
+def test_a_work_folder_is_new_empty_or_a_publish_s_own(tmp_path):
+    """--work ~/notes made stages.json and sweep folders among the user's files; --work inside reports/
+    put a work folder into the published reports."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds \['notes\.txt'\] and no stages\.json: not a publish work folder"):
+        StageBook(mine).claim({"node": "cpu"})
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    with pytest.raises(ValueError, match=r"is inside .*, the published reports"):
+        StageBook(REPO / "reports" / "publish-work").claim({"node": "cpu"})
+    assert not (REPO / "reports" / "publish-work").exists()
+    (tmp_path / "empty").mkdir()
+    StageBook(tmp_path / "empty").claim({"node": "cpu"})  # an empty folder, or one a publish made, is fine
+
+
 def _alive_with(marker: str) -> list[int]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):

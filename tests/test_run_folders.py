@@ -108,3 +108,17 @@ def test_explore_never_replaces_an_existing_out_unasked(tmp_path, capsys, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.ipynb", "mine.json"]
     assert written[0][0].parent == tmp_path and written[0][0].name.startswith(".mine.ipynb.")
     one_line_error(capsys, ["workbench", "explore", "--out", str(tmp_path / "x.json")], "ending in .ipynb")
+
+
+def test_a_sweep_never_mixes_into_a_folder_that_holds_files(tmp_path):
+    """The reproduce notebook run directly (papermill, Jupyter) with run_dir = a folder of the user's
+    wrote env.json, params.json and its runs among the user's files."""
+    from h3lab.workbench.params import ReproduceParams
+    from h3lab.workbench.sweep import prepare
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"run_dir '.*mine' holds \['notes\.txt'\]; allowed: a new or empty folder"):
+        prepare(ReproduceParams(layouts="tp2", run_dir=mine))
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
