@@ -13,9 +13,12 @@ result and a layout's, assembled beside it). The estimate counts what the code h
   gradients, in units of the weights' bytes);
 - the kept results: out and dx, every weight gradient (and a training step's weights), each
   trajectory step's latents; a digests run keeps DIGEST_BYTES per digest instead.
-The machine's memory is its total (the same number in the runner and in every worker), the GPU's
-for the device-resident part of a CUDA run. The refusal says the estimate, the memory and the
-largest value of the field that fits, all else as asked.
+The coefficients are sized on the peak resident memory of the canonical process (a tiny block at
+264 to 2048 rows on a CPU; a real block and training step on an H200, reports/h200/block-long.json,
+train-step.json): an estimate, not a promise, that refuses what cannot fit rather than every
+request that might not. The machine's memory is its total (the same number in the runner and in
+every worker), the GPU's for the device-resident part of a CUDA run. The refusal says the estimate,
+the memory and the largest value of the field that fits, all else as asked.
 """
 
 from __future__ import annotations
