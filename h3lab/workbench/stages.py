@@ -48,10 +48,10 @@ class StageBook:
         """
         check_unpublished(self.work, "--work")
         if self.work.exists() and not self.path.is_file() and (not self.work.is_dir() or any(self.work.iterdir())):
-            shown = sorted(p.name for p in self.work.iterdir())[:5] if self.work.is_dir() else "a file"
+            what = f"holds {sorted(p.name for p in self.work.iterdir())[:5]}" if self.work.is_dir() else "is a file"
             raise ValueError(
-                f"--work {str(self.work)!r} holds {shown} and no {BOOK}: not a publish work folder; allowed: a "
-                "new or empty folder, or one an earlier publish made"
+                f"--work {str(self.work)!r} {what} and no {BOOK}: not a publish work folder; allowed: a new or "
+                "empty folder, or one an earlier publish made"
             )
         self.work.mkdir(parents=True, exist_ok=True)
         old = read_record(self.path) or {}
