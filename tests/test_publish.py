@@ -275,6 +275,7 @@ def test_report_writes_new_folders_only_and_never_into_the_runs_it_reads(publish
         (made,) = (tmp_path / "runs").glob("report-*")
         assert (made / "cpu" / "report.html").is_file() and (made / "index.html").is_file()
         one_line_error(capsys, ["report", str(sweep), "--root", str(REPO / "reports")], "the published reports")
+        one_line_error(capsys, ["report", str(sweep), "--out", str(sweep / "page")], "is inside the run")
     finally:
         os.chmod(sweep, 0o755)
     assert {p: p.stat().st_mtime_ns for p in [sweep, *sweep.rglob("*")]} == before

@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
             groups.setdefault(a.out or root / folder_name(sweep), []).append(run)
         for out in groups:  # every refusal before the first report is built
             check_unpublished(out, "--out" if a.out else "--root")
+            inside = [r for r in a.runs if out.resolve().is_relative_to(r.resolve())]
+            if inside:
+                raise ValueError(
+                    f"{str(out)!r} is inside the run {str(inside[0])!r} it reports; allowed: a folder outside"
+                )
             if _holds_files(out) and not a.force:
                 raise ValueError(f"{str(out)!r} holds files; allowed: a new or empty folder, or --force to replace it")
         status = 0

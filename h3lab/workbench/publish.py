@@ -112,7 +112,8 @@ def publish(
 
     `benchmarks` (name -> {"path", "command", "what"} or {"skipped": reason}) are the speed tables;
     `note` is markdown shown under the title; `notebook` is where the executed notebook goes (default
-    out_dir/report.ipynb; it must not exist: nothing is overwritten, and no run folder is written).
+    out_dir/report.ipynb; it must not exist: nothing is overwritten). Nothing else is written but
+    out_dir: a caller reporting runs it did not make keeps out_dir outside them (`h3lab report`).
 
     The index of the reports beside it (out_dir/../index.html) is not touched: `write_index` is
     the caller's choice (`h3lab report` writes its new root's, `h3lab publish` the reports folder's).
@@ -122,7 +123,7 @@ def publish(
 
     Raises:
         ValueError: a run is not finished (running, interrupted, stale, no canonical result), or the
-            notebook's path exists or lies inside a run.
+            notebook's path exists.
         notebooks.NotebookError: the report notebook stopped (bad runs, a failed figure).
     """
     sweeps = [load_sweep(r) for r in runs]
@@ -130,10 +131,8 @@ def publish(
         sweep.require_complete()
     out_dir = Path(out_dir).resolve()
     executed_path = Path(notebook).resolve() if notebook is not None else out_dir / "report.ipynb"
-    inside = [s.path for s in sweeps if executed_path.is_relative_to(Path(s.path).resolve())]
-    if executed_path.exists() or inside:
-        why = f"is inside the run {str(inside[0])!r}" if inside else "exists"
-        raise ValueError(f"report notebook {str(executed_path)!r} {why}; allowed: a new path outside the runs")
+    if executed_path.exists():
+        raise ValueError(f"report notebook {str(executed_path)!r} exists; allowed: a new path")
     out_dir.mkdir(parents=True, exist_ok=True)
     # no out_dir: the figures live inline in the page, not as files beside it
     params = {
