@@ -16,6 +16,7 @@ from h3lab.batch import ROW_FIELDS, PackedBatch
 from h3lab.io.rundir import owner_record
 from h3lab.metrics import compare
 from h3lab.run.launch import MAX_LOCAL_PROCESSES
+from h3lab.run.limits import check_request
 from h3lab.run.problem import Problem
 from h3lab.run.summary import format_summary
 from tests.conftest import RUN, one_line_error
@@ -196,13 +197,12 @@ def test_a_request_past_its_bounds_is_refused_before_any_process(capsys, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
-def test_the_bound_is_the_largest_request_that_fits_and_says_the_estimate(monkeypatch):
-    import h3lab.run.limits as limits
+def test_the_bound_is_the_largest_request_that_fits_and_says_the_estimate():
+    from h3lab.run import limits
 
-    host = 8 << 30
-    monkeypatch.setattr(limits, "_host_memory", lambda: host)  # this machine may hold more, or less
+    host = 8 << 30  # this machine may hold more, or less: the memory is given
     with pytest.raises(ValueError) as err:
-        Problem(rows=100_000, padding=8)
+        check_request(Problem(rows=100_000, padding=8), host_bytes=host)
     message = str(err.value)
     bound = int(message.rsplit("<= ", 1)[1])
     tiny = H3Config.tiny()
@@ -211,11 +211,12 @@ def test_the_bound_is_the_largest_request_that_fits_and_says_the_estimate(monkey
     need = limits.estimate(tiny, "block", "torch", False, blocks=1, rows=100_008).host("cpu")
     assert f"rows + padding=100008, blocks=1: the canonical process would need ~{need / 2**30:.3g} GiB" in message
     assert "of host memory (block task, tiny config, backend torch); this machine has 8 GiB" in message
-    assert Problem(rows=bound - 8, padding=8).rows == bound - 8  # the bound itself fits
+    check_request(Problem(rows=bound - 8, padding=8), host_bytes=host)  # the bound itself fits
     # a training run keeps every step's gradients and weights: its steps are bounded by the same memory
+    train = Problem(task="train", block=0, last_block=3, steps=100_000)
     with pytest.raises(ValueError, match=r"steps=100000, blocks=4: .* allowed: steps <= \d+$"):
-        Problem(task="train", block=0, last_block=3, steps=100_000)
-    assert Problem(task="train", block=0, last_block=3, steps=10_000, digests=True).steps == 10_000  # digests are small
+        check_request(train, host_bytes=host)
+    check_request(Problem(task="train", block=0, last_block=3, steps=10_000, digests=True), host_bytes=host)
 
 
 @pytest.mark.parametrize(
@@ -229,7 +230,7 @@ def test_the_bound_is_the_largest_request_that_fits_and_says_the_estimate(monkey
 )
 def test_problem_fields_are_ints_within_their_bounds(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        Problem(**kwargs)
+        check_request(Problem(**kwargs))
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from h3lab.io.manifest import MANIFEST_NAME, find_layout
 from h3lab.io.rundir import claim, describe_end, reserve_space, write_final
 from h3lab.reference.accuracy import block_accuracy, format_table
 from h3lab.reference.parity import diffusers_available
+from h3lab.run.limits import check_request
 from h3lab.run.problem import DEVICES, Problem
 
 SUMMARY_FORMAT = "h3lab-reproduce-v1"
@@ -69,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
 
 def _check_request(args: argparse.Namespace, out: Path) -> None:
     """Refuse, naming the value and what is allowed: a device torch cannot use here, a block past the
-    checkpoint (or past a synthetic config's 50), rows past the memory (h3lab.run.limits, through
-    `Problem`), a synthetic checkpoint larger than the free disk under `out`."""
+    checkpoint (or past a synthetic config's 50), rows past the memory (h3lab.run.limits), a synthetic
+    checkpoint larger than the free disk under `out`."""
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -81,7 +82,9 @@ def _check_request(args: argparse.Namespace, out: Path) -> None:
     source = (
         {"synthetic": args.config} if args.checkpoint is None else {"synthetic": None, "checkpoint": args.checkpoint}
     )
-    Problem(**source, block=args.block, rows=args.rows, seed=args.seed, weights_seed=args.seed, device=device.type)
+    check_request(
+        Problem(**source, block=args.block, rows=args.rows, seed=args.seed, weights_seed=args.seed, device=device.type)
+    )
     if args.checkpoint is None:
         config = H3Config.named(args.config)
         shapes = model_param_shapes(config, args.block + 1)

@@ -42,7 +42,8 @@ SYNTHETIC_DEPTH = H3Config.real().num_layers
 
 
 class Request(Protocol):
-    """What the bounds read of a request (h3lab.run.problem.Problem, which calls `check_request`)."""
+    """What the bounds read of a request: an h3lab.run.problem.Problem (the runner's RunRequest and
+    h3lab accuracy call `check_request` on theirs)."""
 
     synthetic: str | None
     task: str

@@ -18,7 +18,6 @@ from h3lab.batch import PackedBatch, check_seed, packed_batch
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.dist.layout import Layout
 from h3lab.model.inputs import ModelInputs
-from h3lab.run.limits import check_request
 from h3lab.train.adamw import AdamWHyper
 from h3lab.weights import BlockWeights, synthetic_block
 
@@ -98,7 +97,6 @@ class Problem:
             last = self.block_range.stop - 1
             if last >= layers:
                 raise ValueError(f"block {last} is past the checkpoint; allowed: 0..{layers - 1} ({self.checkpoint})")
-        check_request(self)  # upper bounds: the memory the request needs against the machine's, blocks, repeats
 
     @property
     def block_backend(self) -> str:
