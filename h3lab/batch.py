@@ -193,12 +193,9 @@ def packed_batch(
     audio shares timestep 1). Logical keys are (request 0, token index in packed order); padding
     rows carry random contents, key (-1, j) and are appended at the end.
     """
-    if not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows must be a positive int, got {rows!r}")
-    if not isinstance(padding, int) or padding < 0:
-        raise ValueError(f"padding must be a non-negative int, got {padding!r}")
-    if not isinstance(num_timesteps, int) or num_timesteps < 2:
-        raise ValueError(f"num_timesteps must be an int >= 2, got {num_timesteps!r}")
+    for name, value, least in (("rows", rows, 1), ("padding", padding, 0), ("num_timesteps", num_timesteps, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:  # True is an int to Python
+            raise ValueError(f"{name}={value!r}; allowed: an int >= {least} (a count, not a bool)")
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype {dtype} not allowed; allowed: {list(ACTIVATION_DTYPES)}")
     gen = torch.Generator().manual_seed(check_seed(seed))
@@ -222,21 +219,25 @@ def packed_batch(
 
 
 def _pack_layout(rows: int, num_timesteps: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(modality [S], timestep index [S], (t, h, w) positions [S, 3]) of an H3-style packing."""
+    """(modality [S], timestep index [S], (t, h, w) positions [S, 3]) of an H3-style packing: `max(1, S // 8)`
+    text rows (i, 0, 0), then latent frames f of 24 video rows (f, h, w) over a 4 x 6 grid followed by 3
+    audio rows (f, 0, a), cut at S rows. Built as tensors: memory and time linear in S."""
     num_text = max(1, rows // 8)
     grid_h, grid_w, audio_per_frame = 4, 6, 3  # 24 video rows then 3 audio rows per latent frame
-    modality, timestep, pos = [], [], []
-    for i in range(num_text):
-        modality.append(MODALITY_TEXT), timestep.append(0), pos.append((i, 0, 0))
-    frame = 0
-    while len(modality) < rows:
-        for h in range(grid_h):
-            for w in range(grid_w):
-                modality.append(MODALITY_VIDEO), timestep.append(0 if frame == 0 else 1)
-                pos.append((frame, h, w))
-        for a in range(audio_per_frame):
-            modality.append(MODALITY_AUDIO), timestep.append(min(2, num_timesteps - 1))
-            pos.append((frame, 0, a))
-        frame += 1
-    to = lambda xs: torch.tensor(xs[:rows], dtype=torch.int64)  # noqa: E731
-    return to(modality), to(timestep), to(pos)
+    per_frame = grid_h * grid_w + audio_per_frame
+    frames = -(-max(0, rows - num_text) // per_frame)
+    cell, audio = torch.arange(grid_h * grid_w), torch.arange(audio_per_frame)
+    one_frame_hw = torch.cat(
+        [torch.stack([cell // grid_w, cell % grid_w], 1), torch.stack([torch.zeros_like(audio), audio], 1)]
+    )
+    one_frame = torch.cat([torch.full_like(cell, MODALITY_VIDEO), torch.full_like(audio, MODALITY_AUDIO)])
+    frame = torch.arange(frames).repeat_interleave(per_frame)  # the latent frame of every frame row
+    frame_modality = one_frame.repeat(frames)
+    video_t = (frame > 0).long()  # the first frame conditions (timestep 0), the others are generated
+    frame_t = torch.where(frame_modality == MODALITY_VIDEO, video_t, min(2, num_timesteps - 1))
+    text = torch.arange(num_text)
+    modality = torch.cat([torch.full_like(text, MODALITY_TEXT), frame_modality])
+    timestep = torch.cat([torch.zeros_like(text), frame_t])
+    text_pos = torch.stack([text, torch.zeros_like(text), torch.zeros_like(text)], 1)
+    pos = torch.cat([text_pos, torch.cat([frame[:, None], one_frame_hw.repeat(frames, 1)], 1)])
+    return modality[:rows], timestep[:rows], pos[:rows]

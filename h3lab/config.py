@@ -141,6 +141,8 @@ class H3Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
+        if path.exists() and not path.is_file():  # a FIFO would block the read below: never opened
+            raise ValueError(f"{str(path)!r} is not a regular file; allowed: a config.json file")
         if not path.is_file():
             raise ValueError(f"no config.json at {str(path)!r}")
         try:

@@ -29,6 +29,7 @@ rows = 64
 device = "cpu"
 timeout = 600.0
 trace = True  # a fresh run records every op (the first-divergence timeline)
+record = ""  # a new file for the key numbers (JSON); "": inside a fresh run's folder, none for a given run_dir
 
 # %%
 from h3lab.dist.layout import Layout
@@ -49,6 +50,7 @@ p = ExploreParams(
     device=device,
     timeout=timeout,
     trace=trace,
+    record=record,
 )
 
 # %%
@@ -95,7 +97,7 @@ decisions = tables.decision_table(run, p.layout)
 decisions
 
 # %%
-record = views.save_record(
-    run.path / "explore" / f"{slug(Layout.parse(p.layout))}.json", tensors=per_tensor, fp64=errors, decisions=decisions
-)
-print(f"key numbers: {record}")
+fresh = run.path / "explore" / f"{slug(Layout.parse(p.layout))}.json" if p.run_dir is None else None
+if p.record or fresh:  # never into a run given to explore: it is read only
+    saved = views.save_record(p.record or fresh, tensors=per_tensor, fp64=errors, decisions=decisions)
+    print(f"key numbers: {saved}")

@@ -16,6 +16,8 @@ from h3lab.batch import ROW_FIELDS, PackedBatch
 from h3lab.io.rundir import owner_record
 from h3lab.launch.launcher import MAX_LOCAL_PROCESSES
 from h3lab.metrics import compare
+from h3lab.run.limits import check_request
+from h3lab.run.problem import Problem
 from h3lab.run.summary import format_summary
 from tests.conftest import RUN, one_line_error
 
@@ -171,3 +173,134 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
     save_file(tensors, str(shard))
     with pytest.raises(ValueError, match=r"attn.norm_q.weight: 1 values in .* are NaN or Inf; allowed: finite"):
         load_block(path, 0)
+
+
+# ---- bounded requests -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--rows", "1000000000"], ("rows + padding=1000000000", "GiB of host memory", "allowed: rows + padding <=")),
+        (
+            ["--train-steps", "1", "--blocks", "0-0", "--text-rows", "100000000"],
+            ("text_rows=100000000", "train task", "allowed: text_rows <="),
+        ),
+        (["--block", "1000000"], ("block 1000000: a synthetic config has as many blocks", "allowed: 0..49")),
+        (["--blocks", "0-1000000"], ("block 1000000", "allowed: 0..49")),
+        (["--repeats", "1000000000"], ("repeats=1000000000", "allowed: 1..1000")),
+    ],
+)
+def test_a_request_past_its_bounds_is_refused_before_any_process(capsys, tmp_path, extra, expected):
+    """Before the bound a billion rows were packed as Python lists in the canonical process until the
+    machine ran out of memory (--timeout 5 keeps that short, should the bound ever go)."""
+    argv = ["run", "--layout", "tp2", "--synthetic", "tiny", *extra, "--timeout", "5"]
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "run")], *expected)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_bound_is_the_largest_request_that_fits_and_says_the_estimate():
+    from h3lab.run import limits
+
+    host = 8 << 30  # this machine may hold more, or less: the memory is given
+    with pytest.raises(ValueError) as err:
+        check_request(Problem(rows=100_000, padding=8), host_bytes=host)
+    message = str(err.value)
+    bound = int(message.rsplit("<= ", 1)[1])
+    tiny = H3Config.tiny()
+    assert limits.estimate(tiny, "block", "torch", False, blocks=1, rows=bound).host("cpu") <= host
+    assert limits.estimate(tiny, "block", "torch", False, blocks=1, rows=bound + 1).host("cpu") > host
+    need = limits.estimate(tiny, "block", "torch", False, blocks=1, rows=100_008).host("cpu")
+    assert f"rows + padding=100008, blocks=1: the canonical process would need ~{need / 2**30:.3g} GiB" in message
+    assert "of host memory (block task, tiny config, backend torch); this machine has 8 GiB" in message
+    check_request(Problem(rows=bound - 8, padding=8), host_bytes=host)  # the bound itself fits
+    # a training run keeps every step's gradients and weights: its steps are bounded by the same memory
+    train = Problem(task="train", block=0, last_block=3, steps=100_000)
+    with pytest.raises(ValueError, match=r"steps=100000, blocks=4: .* allowed: steps <= \d+$"):
+        check_request(train, host_bytes=host)
+    check_request(Problem(task="train", block=0, last_block=3, steps=10_000, digests=True), host_bytes=host)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rows": True}, r"rows=True; allowed: an int"),
+        ({"rows": 2.5}, r"rows=2.5; allowed: an int"),
+        ({"repeats": 1001}, r"repeats=1001; allowed: 1..1000"),
+        ({"synthetic": "real", "block": 50}, r"block 50: .* allowed: 0..49"),
+    ],
+)
+def test_problem_fields_are_ints_within_their_bounds(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        check_request(Problem(**kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rows": True}, r"rows=True; allowed: an int >= 1 \(a count, not a bool\)"),
+        ({"padding": True}, r"padding=True; allowed: an int >= 0"),
+        ({"num_timesteps": True}, r"num_timesteps=True; allowed: an int >= 2"),
+        ({"rows": 0}, r"rows=0; allowed: an int >= 1"),
+    ],
+)
+def test_a_bool_is_not_a_row_count(kwargs, match):
+    args = {"rows": 24} | kwargs
+    with pytest.raises(ValueError, match=match):
+        packed_batch(H3Config.tiny(), args.pop("rows"), seed=0, **args)
+
+
+def test_the_row_packing_is_tensors_linear_in_the_rows():
+    """No Python object per row (the lists before held ~100 bytes a row: 20 MB at 200000 rows); torch's
+    own allocations are not traced by tracemalloc."""
+    import tracemalloc
+
+    from h3lab.batch import MODALITY_AUDIO, MODALITY_TEXT, MODALITY_VIDEO, _pack_layout
+
+    tracemalloc.start()
+    try:
+        modality, timestep, pos = _pack_layout(200_000, 3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert modality.shape == timestep.shape == (200_000,) and pos.shape == (200_000, 3)
+    modality, timestep, pos = _pack_layout(40, 3)  # 5 text rows, frame 0 (24 video, 3 audio), 8 rows of frame 1
+    text, video, audio = MODALITY_TEXT, MODALITY_VIDEO, MODALITY_AUDIO
+    assert modality.tolist() == [text] * 5 + [video] * 24 + [audio] * 3 + [video] * 8
+    assert timestep.tolist() == [0] * 5 + [0] * 24 + [2] * 3 + [1] * 8
+    frame0 = [[0, h, w] for h in range(4) for w in range(6)] + [[0, 0, a] for a in range(3)]
+    frame1 = [[1, h, w] for h in range(4) for w in range(6)][:8]
+    assert pos.tolist() == [[i, 0, 0] for i in range(5)] + frame0 + frame1
+
+
+def test_the_bound_counts_the_rows_model_inputs_packs():
+    from h3lab.model.packing import model_inputs, model_inputs_rows
+
+    tiny = H3Config.tiny()
+    for kwargs in ({"num_text": 12}, {"num_text": 7, "num_frames": 3}, {"num_text": 5, "keyframe": False}):
+        assert model_inputs_rows(tiny, **kwargs) == model_inputs(tiny, seed=0, **kwargs).num_rows
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--device", "gpu"], ("--device 'gpu'; allowed: cpu, cuda or cuda:<index>",)),
+        (["--device", "cuda:99"], ("--device 'cuda:99'; allowed here: cpu",)),
+        (["--rows", "1000000000"], ("rows + padding=1000000000", "allowed: rows + padding <=")),
+        (["--block", "1000000"], ("block 1000000: a synthetic config has as many blocks", "allowed: 0..49")),
+        (
+            ["--block", "3", "--free-disk", "1000"],
+            ("the synthesized tiny checkpoint of 4 blocks takes", "--checkpoint"),
+        ),
+    ],
+)
+def test_an_accuracy_request_that_cannot_run_writes_nothing(capsys, tmp_path, monkeypatch, extra, expected):
+    """A bad device was a RuntimeError traceback after the folder and a checkpoint were written; a block
+    index a million deep synthesized a million blocks."""
+    if "--free-disk" in extra:  # a disk with 1000 bytes free
+        import shutil
+
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=int(extra[-1])))
+        extra = extra[:-2]
+    one_line_error(capsys, ["accuracy", *extra, "--out", str(tmp_path / "acc")], *expected)
+    assert not (tmp_path / "acc").exists()

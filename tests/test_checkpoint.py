@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -354,3 +360,63 @@ def test_cli_manifest_refuses_to_re_pin_changed_files(tmp_path: Path, config: H3
     assert changed[0].startswith(f"re-pinned: file {shard.name} sha256") and len(changed) == 2  # the file, one tensor
     assert changed[1].startswith("re-pinned: tensor transformer_blocks.1.")
     assert len(load_block(path, 1)) == 12  # the new pins hold
+
+
+# ---- regular files only ---------------------------------------------------------------------------
+@contextmanager
+def _within(seconds: float) -> Iterator[None]:
+    """Fail instead of hanging: a reader that opened a FIFO would wait for a writer forever."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still blocked after {seconds} s: a FIFO was opened")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_manifest_refuses_a_fifo_config_json_without_waiting_on_it(tmp_path: Path, config: H3Config) -> None:
+    """The command that hung: it opened config.json to hash it. In a subprocess, bounded by a timeout."""
+    path = synthesize_checkpoint(tmp_path / "ckpt", config, num_blocks=1, seed=51, single_file=True)
+    (path / "config.json").unlink()
+    os.mkfifo(path / "config.json")
+    for force in ([], ["--force"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "h3lab", "manifest", str(path), *force], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 2, res.stderr
+        assert (
+            res.stderr.strip()
+            == f"h3lab manifest: error: {path / 'config.json'} is a FIFO, not a regular file; allowed: regular files"
+        )
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("config.json", "FIFO"), ("manifest.json", "FIFO"), (SINGLE, "FIFO"), (SINGLE, "character device")],
+)
+def test_every_reader_of_a_checkpoint_refuses_what_is_not_a_regular_file(
+    tmp_path: Path, config: H3Config, name: str, kind: str, capsys
+) -> None:
+    """A FIFO, or a link to a device, named like a checkpoint's file: named, never opened (a FIFO
+    manifest.json is not "no manifest", which would load unverified)."""
+    path = synthesize_checkpoint(tmp_path / "ckpt", config, num_blocks=1, seed=52, single_file=True)
+    (path / name).unlink()
+    if kind == "FIFO":
+        os.mkfifo(path / name)
+    else:
+        (path / name).symlink_to("/dev/null")
+    refusal = f"{path / name} is a {kind}, not a regular file; allowed: regular files"
+    with _within(30):
+        with pytest.raises(ValueError) as err:
+            load_block(path, 0)
+        assert str(err.value) == refusal
+        argv = ["run", "--layout", "tp2", "--checkpoint", str(path), "--out", str(tmp_path / "run")]
+        assert main(argv) == 2 and capsys.readouterr().err.strip() == f"h3lab run: error: {refusal}"
+        assert main(["manifest", str(path), "--force"]) == 2
+        assert capsys.readouterr().err.strip() == f"h3lab manifest: error: {refusal}"
+    assert not (tmp_path / "run").exists()

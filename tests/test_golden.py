@@ -189,3 +189,12 @@ def test_a_published_set_says_where_it_was_observed_and_matches_the_code(name):
     stored = {golden.PROBLEM_KEYS[p]: golden.problem_record(s[golden.PROBLEM_KEYS[p]]) for p in parts}
     assert stored == golden._problems(parts)
     assert s["contract"] == golden.CONTRACT_ID
+
+
+def test_a_golden_set_that_is_not_json_is_named(sets, capsys):
+    (sets / "torch.json").write_text("{not json")
+    assert main(["verify"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith(f"h3lab verify: error: {sets / 'torch.json'}: not a golden set (") and len(err.splitlines()) == 1
+    )

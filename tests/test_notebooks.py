@@ -181,11 +181,12 @@ def test_reproduce_writes_the_run_directory_and_exact_verdicts(sweep_dir):
 def test_explore_records_one_layout(sweep_dir, tmp_path):
     out = tmp_path / "explore.ipynb"
     params = {"run_dir": str(sweep_dir), "layout": "tp4xcp2+sp", "mode": "baseline", "tensor": "dx"}
-    nb = notebooks.execute("explore", out, params)
+    nb = notebooks.execute("explore", out, params | {"record": str(tmp_path / "explore.json")})
     assert _errors(nb) == []
     pngs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(pngs) == 2  # the layout's heatmap and the per-element map
-    record = json.loads((sweep_dir / "baseline" / "seed0" / "explore" / "tp4xcp2_sp.json").read_text())
+    assert not list(sweep_dir.glob("*/seed*/explore"))  # the run explored is read, never written
+    record = json.loads((tmp_path / "explore.json").read_text())
     summary = json.loads((sweep_dir / "baseline" / "seed0" / "summary.json").read_text())
     recorded = {r["tensor"]: r["bitwise_equal"] for r in record["tensors"]}
     assert recorded == {k: t["bitwise_equal"] for k, t in summary["layouts"]["tp4xcp2+sp"]["tensors"].items()}

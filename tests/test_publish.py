@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import torch
 
 from h3lab.bench import registry
 from h3lab.cli import main
+from h3lab.io.env import REPO
 from h3lab.workbench import benchmarks, folder, plans
 from h3lab.workbench.publish import chromium
 from h3lab.workbench.stages import StageBook, run_command
@@ -83,6 +85,22 @@ def test_a_work_folder_has_one_live_owner_and_keeps_done_stages(tmp_path):
     book.release()
     with pytest.raises(ValueError, match="holds a publish of"):
         StageBook(tmp_path / "w").claim({"node": "h200"})
+
+
+def test_a_work_folder_is_new_empty_or_a_publish_s_own(tmp_path):
+    """--work ~/notes made stages.json and sweep folders among the user's files; --work inside reports/
+    put a work folder into the published reports."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds \['notes\.txt'\] and no stages\.json: not a publish work folder"):
+        StageBook(mine).claim({"node": "cpu"})
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    with pytest.raises(ValueError, match=r"is inside .*, the published reports"):
+        StageBook(REPO / "reports" / "publish-work").claim({"node": "cpu"})
+    assert not (REPO / "reports" / "publish-work").exists()
+    (tmp_path / "empty").mkdir()
+    StageBook(tmp_path / "empty").claim({"node": "cpu"})  # an empty folder, or one a publish made, is fine
 
 
 def _alive_with(marker: str) -> list[int]:
@@ -219,6 +237,51 @@ def test_the_published_page_renders_in_chromium(published):
     assert "<table" in dom and dom.count("data:image/png;base64,") >= 2 and "block_cpu" in dom  # heatmap, maps
 
 
+@pytest.mark.notebooks
+def test_report_writes_new_folders_only_and_never_into_the_runs_it_reads(published, tmp_path, monkeypatch, capsys):
+    """`h3lab report RUN --out DIR` wrote report.ipynb into the run it read and replaced DIR's page;
+    `h3lab report RUN` rewrote reports/<node>/ in place. The notebook's execution is faked (its output
+    file and what it returns): where things are written is what counts."""
+    import nbformat
+
+    from h3lab.workbench import notebooks
+    from tests.conftest import one_line_error
+
+    rc, reports, work, _ = published
+    sweep = work / "sweep-1"
+    assert rc == 0 and not (sweep / "report.ipynb").exists()  # publish's notebook is in its work folder
+    assert list(work.glob("render-*.ipynb"))
+
+    def execute(name, output, parameters, **kwargs):
+        nb = nbformat.v4.new_notebook()
+        nbformat.write(nb, str(output))
+        return nb
+
+    monkeypatch.setattr(notebooks, "execute", execute)
+    monkeypatch.setenv("H3LAB_RUNS", str(tmp_path / "runs"))
+    before = {p: p.stat().st_mtime_ns for p in [sweep, *sweep.rglob("*")]}
+    published_before = {p: p.read_bytes() for p in reports.rglob("*") if p.is_file()}
+    os.chmod(sweep, 0o555)  # a read-only archive of runs (root writes anyway: the listing is compared too)
+    try:
+        out = tmp_path / "page"
+        assert main(["report", str(sweep), "--out", str(out), "--no-screenshot", "--no-fp64"]) == 0
+        assert {"report.html", "report.ipynb", "report.json"} <= {p.name for p in out.iterdir()}
+        page = (out / "report.html").read_bytes()
+        one_line_error(capsys, ["report", str(sweep), "--out", str(out)], "holds files", "--force")
+        assert (out / "report.html").read_bytes() == page
+        assert main(["report", str(sweep), "--out", str(out), "--force", "--no-screenshot", "--no-fp64"]) == 0
+        assert (out / "report.html").is_file() and [p.name for p in tmp_path.glob(".page.previous-*")]
+        assert main(["report", str(sweep), "--no-screenshot", "--no-fp64"]) == 0  # a new folder under runs/
+        (made,) = (tmp_path / "runs").glob("report-*")
+        assert (made / "cpu" / "report.html").is_file() and (made / "index.html").is_file()
+        one_line_error(capsys, ["report", str(sweep), "--root", str(REPO / "reports")], "the published reports")
+        one_line_error(capsys, ["report", str(sweep), "--out", str(sweep / "page")], "is inside the run")
+    finally:
+        os.chmod(sweep, 0o755)
+    assert {p: p.stat().st_mtime_ns for p in [sweep, *sweep.rglob("*")]} == before
+    assert {p: p.read_bytes() for p in reports.rglob("*") if p.is_file()} == published_before
+
+
 def _failing_publish(*args, **kwargs) -> Path:
     raise RuntimeError("render broke")
 
@@ -244,6 +307,28 @@ def test_sigterm_stops_a_notebook_sweep_at_once_and_leaves_no_process(tmp_path):
     assert json.loads((run / "sweep.json").read_text())["status"] == "interrupted"
     _, alive = psutil.wait_procs(family, timeout=15)
     assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.notebooks
+def test_ctrl_c_of_h3lab_publish_is_one_line_and_an_interrupted_stage(tmp_path):
+    """SIGINT to the terminal's process group as the first sweep starts: its stage (and its sweep, once
+    started) says interrupted, the work folder is released, nothing is published, no traceback."""
+    work, reports = tmp_path / "work", tmp_path / "reports"
+    argv = [sys.executable, "-m", "h3lab", "publish", "--node", "cpu", "--work", str(work), "--reports", str(reports)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (work / "sweep-1" / "owner.json").is_file():  # the stage claimed its run folder: the notebook starts
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=90) == 128 + signal.SIGINT
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "h3lab publish: interrupted (Ctrl-C)", err
+    book = json.loads((work / "stages.json").read_text())
+    assert book["released"] and book["stages"]["sweep"]["state"] == "interrupted"
+    sweep = work / "sweep-1" / "sweep.json"  # written once the notebook's first cells have run
+    assert not sweep.exists() or json.loads(sweep.read_text())["status"] == "interrupted"
+    assert not reports.exists()
 
 
 def test_every_published_benchmark_record_reads_as_its_table():

@@ -64,3 +64,61 @@ def test_a_folder_holding_a_run_says_what_state_that_run_is_in(tmp_path, what):
     (out / what).write_text('{"status": "passed"}')
     with pytest.raises(ValueError, match=r"'.*/run' is passed; it is never overwritten: choose a new folder"):
         claim(out)
+
+
+def test_no_run_folder_goes_inside_the_published_reports(tmp_path, capsys):
+    """reports/ is written only by `h3lab publish`, which swaps in a folder it built whole: a run folder
+    inside it would be mixed into a published folder."""
+    from h3lab.io.env import REPO
+    from tests.conftest import RUN, one_line_error
+
+    clone = tmp_path / "clone"  # another checkout: a reports/ beside pyproject.toml and h3lab/
+    (clone / "h3lab").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text("")
+    (clone / "reports" / "cpu").mkdir(parents=True)
+    for out in (REPO / "reports" / "cpu" / "h3lab-test-run", clone / "reports" / "cpu" / "myrun", clone / "reports"):
+        one_line_error(capsys, [*RUN, "--out", str(out)], f"--out {str(out)!r} is inside", "allowed: a folder outside")
+        assert not out.exists() or out == clone / "reports"
+    assert [p.name for p in (clone / "reports").iterdir()] == ["cpu"] and not any((clone / "reports" / "cpu").iterdir())
+    assert claim(tmp_path / "reports" / "run")  # a folder merely named reports is no published folder
+
+
+def test_explore_never_replaces_an_existing_out_unasked(tmp_path, capsys, monkeypatch):
+    """`workbench explore --out EXISTING.ipynb` replaced the user's file. Now it is refused; --force
+    replaces it and its .json once the notebook has ended, built beside them first (the execution is
+    faked here: what it writes, and where, is what counts)."""
+    from h3lab.workbench import notebooks
+    from tests.conftest import one_line_error
+
+    out = tmp_path / "mine.ipynb"
+    out.write_text("my notebook")
+    one_line_error(capsys, ["workbench", "explore", "--out", str(out)], "mine.ipynb'] exist", "--force")
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.ipynb"] and out.read_text() == "my notebook"
+    written = []
+
+    def execute(name, output, parameters, **kwargs):
+        assert not Path(output).exists() and out.read_text() == "my notebook"  # the old file stays meanwhile
+        written.append((Path(output), Path(parameters["record"])))
+        Path(output).write_text("executed")
+        Path(parameters["record"]).write_text("{}")
+
+    monkeypatch.setattr(notebooks, "execute", execute)
+    assert main(["workbench", "explore", "--out", str(out), "--force"]) == 0
+    assert out.read_text() == "executed" and (tmp_path / "mine.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.ipynb", "mine.json"]
+    assert written[0][0].parent == tmp_path and written[0][0].name.startswith(".mine.ipynb.")
+    one_line_error(capsys, ["workbench", "explore", "--out", str(tmp_path / "x.json")], "ending in .ipynb")
+
+
+def test_a_sweep_never_mixes_into_a_folder_that_holds_files(tmp_path):
+    """The reproduce notebook run directly (papermill, Jupyter) with run_dir = a folder of the user's
+    wrote env.json, params.json and its runs among the user's files."""
+    from h3lab.workbench.params import ReproduceParams
+    from h3lab.workbench.sweep import prepare
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"run_dir '.*mine' holds \['notes\.txt'\]; allowed: a new or empty folder"):
+        prepare(ReproduceParams(layouts="tp2", run_dir=mine))
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 import h3lab.io.rundir as rundir
-import h3lab.run.runner as runner
 from h3lab import H3Config
 from h3lab.cli import main
 from h3lab.dist.layout import parse_layouts
@@ -108,19 +107,33 @@ def _final_records_need_the_reserve(monkeypatch) -> None:
     monkeypatch.setattr(rundir, "write_json", write_json_full_disk)  # write_final's writer
 
 
-def test_a_full_disk_still_ends_the_run_with_a_final_state(tmp_path, monkeypatch):
-    """The disk fills while the layout is assembled, and stays full until the run gives its reserve back."""
+def test_a_full_disk_still_ends_the_run_with_a_final_state(tmp_path, monkeypatch, capsys):
+    """The disk fills while the layout is assembled, and stays full until the run gives its reserve back.
+    safetensors reports it as SafetensorError, which is no OSError: it escaped the CLI as a traceback.
+    The canonical process (a subprocess) writes its file; the layout's, in this process, fails."""
+    from safetensors import SafetensorError
 
-    def disk_full(path, tensors):
-        raise _no_space(path)
+    import h3lab.io.tensorfile as tensorfile
 
-    monkeypatch.setattr(runner, "write_tensors", disk_full)
+    real_save = tensorfile.save_file
+
+    def save_file(tensors, path):
+        if Path(path).parent.name == "layouts":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save(tensors, path)
+
+    monkeypatch.setattr(tensorfile, "save_file", save_file)
     _final_records_need_the_reserve(monkeypatch)
-    with pytest.raises(OSError, match="No space left"):
-        run(_request(tmp_path / "run"))
-    summary = _summary(tmp_path / "run")
-    assert summary["status"] == "failed" and "No space left on device" in summary["error"]
-    assert summary["canonical"]["status"] == "done" and not (tmp_path / "run" / ".reserve").exists()
+    out = tmp_path / "run"
+    assert (
+        main(["run", "--layout", "tp1", "--synthetic", "tiny", "--rows", "8", "--seed", "31", "--out", str(out)]) == 1
+    )
+    err = capsys.readouterr().err.strip()
+    assert err == f"h3lab run: error: [Errno 28] No space left on device: '{out / 'layouts' / 'tp1.safetensors'}'"
+    summary = _summary(out)
+    assert summary["status"] == "failed" and "OSError: [Errno 28] No space left on device" in summary["error"]
+    assert summary["canonical"]["status"] == "done" and not (out / ".reserve").exists()
+    assert [p.name for p in (out / "layouts").iterdir()] == ["tp1"]  # no partial file left
 
 
 def test_a_final_record_no_space_can_hold_shrinks_over_the_old_one(tmp_path, monkeypatch):
@@ -180,8 +193,9 @@ def test_accuracy_run_folders_end_failed_or_interrupted(tmp_path, monkeypatch, c
         raise KeyboardInterrupt
 
     monkeypatch.setattr(accuracy, "block_accuracy", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        main(["accuracy", "--out", str(tmp_path / "acc2"), "--rows", "8"])
+    capsys.readouterr()
+    assert main(["accuracy", "--out", str(tmp_path / "acc2"), "--rows", "8"]) == 130  # 128 + SIGINT
+    assert capsys.readouterr().err.strip() == "h3lab accuracy: interrupted (Ctrl-C)"
     assert _summary(tmp_path / "acc2")["status"] == "interrupted"
 
     def disk_full(*args, **kwargs):
@@ -212,3 +226,26 @@ def test_a_sweep_stopped_short_says_so_in_sweep_json(tmp_path, monkeypatch):
     assert record["status"] == "failed" and record["error"] == "RuntimeError: a broken runner"
     assert not (tmp_path / "sw" / ".reserve").exists()  # given back for the final record
     assert load_sweep(tmp_path / "sw").status == "failed"
+
+
+# ---- one line, never a traceback -------------------------------------------------------------------
+def test_ctrl_c_of_h3lab_run_is_one_line_and_an_interrupted_run(tmp_path):
+    """SIGINT to the terminal's process group, as Ctrl-C sends it: the state was right, the
+    KeyboardInterrupt's traceback was printed after it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "h3lab", "run", "--layout", "tp2", "--synthetic", "tiny", "--rows", "8"]
+    env = {**os.environ, "H3LAB_FAULT": "hang:canonical"}
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while "running" not in _read(out / "canonical.status.json") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    token = json.loads((out / "owner.json").read_text())["token"]
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "h3lab run: interrupted (Ctrl-C)", err
+    summary = _summary(out)
+    assert summary["status"] == "interrupted" and summary["error"] == "KeyboardInterrupt (Ctrl-C)"
+    assert not leftovers(token)

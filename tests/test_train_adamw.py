@@ -15,7 +15,7 @@ from h3lab.comm import LocalComm
 from h3lab.config import NUM_UNITS
 from h3lab.ops.adamw import adamw_update
 from h3lab.ops.fixed import round_to
-from h3lab.train.adamw import AdamW, AdamWHyper, NonFiniteGradError, PieceState, step_scalars
+from h3lab.train.adamw import AdamW, AdamWHyper, NonFiniteGradError, NonFiniteWeightError, PieceState, step_scalars
 from h3lab.train.pieces import Piece, block_grad_pieces, block_weight_pieces, piece_label
 from h3lab.units import unit_weights
 from tests.conftest import assert_bitwise
@@ -166,6 +166,21 @@ def test_nonfinite_gradient_refuses_the_step_on_every_rank(piece, value, match):
         return opt.step_count
 
     assert run_ranks(2, rank) == [1, 1]
+
+
+def test_an_update_that_leaves_a_non_finite_weight_names_the_step_and_the_pieces():
+    """Finite gradients, a finite norm, and an update that overflows one piece: weight decay scales its
+    large weights past FP32 (lr * weight_decay = 1e10) in step 2, while every other piece stays finite.
+    Before, the next step failed inside its forward, naming neither the step nor a weight."""
+    weights = _weights()
+    weights[Piece(1, "ff.gate", 5)].mul_(1e20)
+    hyper = AdamWHyper(lr=1e8, weight_decay=100.0, max_grad_norm=math.inf)
+    opt = AdamW(weights, config=CONFIG, comm=LocalComm(), hyper=hyper)
+    opt.step(random_grads(_weights(), CONFIG, seed=302, scale=1e-2))  # step 1: 1e20 * 1e10 still fits FP32
+    match = r"^step 2: the update left NaN or Inf in \['block1\.w\.ff\.gate@u5'\] \(lr 1e\+08\); the weights hold"
+    with pytest.raises(NonFiniteWeightError, match=match):
+        opt.step(random_grads(_weights(), CONFIG, seed=303, scale=1e-2))
+    assert all(math.isfinite(m) for p, m in opt.largest_weights().items() if p != Piece(1, "ff.gate", 5))
 
 
 @pytest.mark.parametrize(

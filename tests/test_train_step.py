@@ -122,3 +122,18 @@ def test_steps_run_in_order_from_one():
             backend=BE,
         )
     assert trainer.steps_taken == 0
+
+
+def test_an_error_inside_a_later_step_names_the_step_and_the_weights_that_grew():
+    """--lr 1e30 --max-grad-norm inf: step 1's update leaves every weight near 1e30, all finite, and step 2's
+    time embedding overflows. Its error said "temb: 288 values hold NaN or Inf": no step, no weight."""
+    weights = SyntheticWeights(CONFIG, seed=8)
+    hyper = AdamWHyper(lr=1e30, max_grad_norm=float("inf"))
+    trainer = Trainer(weights, model_inputs(CONFIG, seed=9), blocks=BLOCKS, hyper=hyper, seed=SEED)
+    trainer.step(1)
+    with pytest.raises(ValueError) as err:
+        trainer.step(2)
+    message = str(err.value)
+    assert message.startswith("step 2: temb: ") and "hold NaN or Inf" in message, message
+    assert "; after step 1's update (lr 1e+30) the weights hold |w| up to 1." in message and "e+30 in " in message
+    assert trainer.steps_taken == 1

@@ -62,20 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `h3lab ARGV`; a caller error (ValueError) is one line on stderr and exit status 2, an
-    error of the machine (OSError: a full disk, a lost mount) one line and exit status 1."""
-    args = build_parser().parse_args(argv)
+    error of the machine (OSError: a full disk, a lost mount) one line and exit status 1, Ctrl-C
+    one line and exit status 130 (128 + SIGINT), once the command has ended what it started."""
     # SIGTERM and SIGHUP (a closed terminal) unwind like Ctrl-C: `finally` blocks kill launched
     # workers and runs are marked interrupted
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    command = "h3lab"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"h3lab {args.command}"
         return int(args.handler(args) or 0)
     except ValueError as err:  # a caller error: one clear line, no traceback
-        print(f"h3lab {args.command}: error: {err}", file=sys.stderr)
+        print(f"{command}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"h3lab {args.command}: error: {err}", file=sys.stderr)
+        print(f"{command}: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the command's own handlers have written its final state
+        print(f"{command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

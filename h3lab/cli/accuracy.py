@@ -8,13 +8,17 @@ A run folder (claimed exclusively, h3lab.io.rundir) holds `owner.json`, `checkpo
 from __future__ import annotations
 
 import argparse
+import math
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from h3lab.batch import check_seed, packed_batch
-from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.config import NAMED_CONFIGS, H3Config, model_param_shapes, param_dtype
 from h3lab.contract import describe
 from h3lab.io.checkpoint import load_block, synthesize_checkpoint
 from h3lab.io.env import brief, capture
@@ -23,6 +27,8 @@ from h3lab.io.manifest import MANIFEST_NAME, find_layout
 from h3lab.io.rundir import claim, describe_end, reserve_space, write_final
 from h3lab.reference.accuracy import block_accuracy, format_table
 from h3lab.reference.parity import diffusers_available
+from h3lab.run.limits import check_request
+from h3lab.run.problem import DEVICES, Problem
 
 SUMMARY_FORMAT = "h3lab-reproduce-v1"
 
@@ -40,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
         check_seed(args.seed, "--seed")
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         out = Path(args.out or f"runs/accuracy-{stamp}-{secrets.token_hex(2)}")  # the suffix: same-second runs
+        _check_request(args, out)  # before the folder: nothing is written for a request that cannot run
         owner = claim(out)
         summary = {"format": SUMMARY_FORMAT, "status": "running", "owner": owner, "started": owner["started"]}
         summary["contract"] = describe()
@@ -59,6 +66,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
         return 0 if passed else 1
 
     return run
+
+
+def _check_request(args: argparse.Namespace, out: Path) -> None:
+    """Refuse, naming the value and what is allowed: a device torch cannot use here, a block past the
+    checkpoint (or past a synthetic config's 50), rows past the memory (h3lab.run.limits), a synthetic
+    checkpoint larger than the free disk under `out`."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r}; allowed: cpu, cuda or cuda:<index>") from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type not in DEVICES or (device.type == "cuda" and (device.index or 0) >= count):
+        raise ValueError(f"--device {args.device!r}; allowed here: cpu{f', cuda:0..{count - 1}' if count else ''}")
+    source = (
+        {"synthetic": args.config} if args.checkpoint is None else {"synthetic": None, "checkpoint": args.checkpoint}
+    )
+    check_request(
+        Problem(**source, block=args.block, rows=args.rows, seed=args.seed, weights_seed=args.seed, device=device.type)
+    )
+    if args.checkpoint is None:
+        config = H3Config.named(args.config)
+        shapes = model_param_shapes(config, args.block + 1)
+        need = sum(math.prod(shape) * param_dtype(k).itemsize for k, shape in shapes.items())
+        where = next(d for d in (out.absolute(), *out.absolute().parents) if d.exists())
+        free = shutil.disk_usage(where).free
+        if need > free:
+            raise ValueError(
+                f"--block {args.block}: the synthesized {args.config} checkpoint of {args.block + 1} blocks takes "
+                f"{need / 2**30:.3g} GiB, {where} has {free / 2**30:.3g} GiB free; allowed: a smaller --block, "
+                "or --checkpoint"
+            )
 
 
 def _measure(args: argparse.Namespace, out: Path) -> dict:

@@ -181,6 +181,7 @@ def _render(book, a: argparse.Namespace, folder: str, gpus: int, sweeps: dict, b
             benchmarks=benchmarks,
             take_screenshot=not a.no_screenshot,
             fp64=True,
+            notebook=book.attempt("render", ".ipynb"),  # the record of the page, in the work folder
         )
         product.copy_records(staging, runs[0] / "env.json", benchmarks)
         product.readme(staging, folder, command=command, node=a.node, benchmarks=benchmarks, took=_took(book))

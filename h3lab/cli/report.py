@@ -1,12 +1,20 @@
-"""`h3lab report RUN...`: run directories -> a self-contained HTML report under reports/<node type>[x<GPUs>]/.
+"""`h3lab report RUN...`: run directories -> a self-contained HTML report, one folder per node type.
 
-A run on N > 1 GPUs of a node publishes into the folder with N (reports/h200x2/), on one GPU into
-reports/h200/, on CPU into reports/cpu/ (h3lab.workbench.publish.folder_name).
+Without `--out`, the reports go to a new folder, runs/report-<time>-<hex>/<node type>[x<GPUs>]/ with an
+index.html beside them (a run on N > 1 GPUs of a node into the folder with N, on CPU into cpu/:
+h3lab.workbench.publish.folder_name); `--root R` puts them in R/ instead, `--out DIR` puts one report
+of every run in DIR. Nothing is written into a run it reads (the executed report notebook goes beside
+the page), nor into the published reports/ (only `h3lab publish` writes there). A report folder is
+built beside its place and renamed into it when complete; one that exists and holds files is
+replaced only with `--force` (the previous one is then kept beside it, hidden, unless git holds it).
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default=None,
         help="one report of all RUNs here (default: one per node type and GPU count in ROOT/<node type>[x<GPUs>]/)",
     )
-    p.add_argument("--root", type=Path, default=REPORTS, help=f"reports folder holding index.html (default {REPORTS})")
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="folder of the per-node reports and their index.html (default: a new runs/report-<time>-<hex>/)",
+    )
+    p.add_argument("--force", action="store_true", help="replace a report folder (or index.html) that exists")
     p.add_argument("--title", default="", help="the report's title")
     p.add_argument("--element-layout", default="", help="layout of the per-element maps (default: the last)")
     p.add_argument("--element-tensor", default="out", help="tensor of the per-element maps (default: out)")
@@ -34,39 +48,81 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
 
     def handle(a: argparse.Namespace) -> int:
+        from h3lab.io.rundir import check_unpublished
         from h3lab.workbench.notebooks import NotebookError
-        from h3lab.workbench.publish import folder_name, publish, write_index
+        from h3lab.workbench.publish import folder_name, write_index
         from h3lab.workbench.rundata import load_sweep
 
+        root = a.root or _runs() / f"report-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         groups: dict[Path, list[Path]] = {}
         for run in a.runs:
             sweep = load_sweep(run)
             sweep.require_complete()  # before anything is written
-            groups.setdefault(a.out or a.root / folder_name(sweep), []).append(run)
+            groups.setdefault(a.out or root / folder_name(sweep), []).append(run)
+        for out in groups:  # every refusal before the first report is built
+            check_unpublished(out, "--out" if a.out else "--root")
+            inside = [r for r in a.runs if out.resolve().is_relative_to(r.resolve())]
+            if inside:
+                raise ValueError(
+                    f"{str(out)!r} is inside the run {str(inside[0])!r} it reports; allowed: a folder outside"
+                )
+            if _holds_files(out) and not a.force:
+                raise ValueError(f"{str(out)!r} holds files; allowed: a new or empty folder, or --force to replace it")
         status = 0
         for out, runs in groups.items():
             try:
-                page = publish(
-                    runs,
-                    out,
-                    title=a.title,
-                    element_layout=a.element_layout,
-                    element_tensor=a.element_tensor,
-                    fp64=not a.no_fp64,
-                    take_screenshot=not a.no_screenshot,
-                )
+                page = build(runs, out, a)
             except NotebookError as err:
                 print(f"h3lab report: {err}")
                 status = 1
                 continue
             print(f"report: {page}")
-        root = a.root.resolve()
-        if a.out is not None and a.index:  # asked for: the index of the reports beside --out
-            print(f"index: {write_index(a.out.resolve().parent)}")
-        elif all(out.resolve().is_relative_to(root) for out in groups):
-            print(f"index: {write_index(root)}")
-        else:  # a report written elsewhere (--out): an index there may be the user's own
-            print(f"index: not updated ({a.out.resolve().parent / 'index.html'} is left alone; --index rewrites it)")
+        index = a.out.resolve().parent / "index.html" if a.out is not None else root.resolve() / "index.html"
+        if a.out is not None and not a.index:  # an index there may be the user's own
+            print(f"index: not updated ({index} is left alone; --index rewrites it)")
+        elif index.exists() and not a.force and a.out is None:
+            print(f"index: not updated ({index} exists; --force rewrites it)")
+        else:
+            check_unpublished(index, "index")
+            print(f"index: {write_index(index.parent)}")
         return status
 
     return handle
+
+
+def build(runs: list[Path], out: Path, a: argparse.Namespace) -> Path:
+    """The report of `runs` built beside `out`, then renamed into place; returns the page at `out`."""
+    from h3lab.workbench import folder as product
+    from h3lab.workbench.publish import publish
+
+    out = out.resolve()
+    staging = product.staging(out.parent, out.name)
+    try:
+        publish(
+            runs,
+            staging,
+            title=a.title,
+            element_layout=a.element_layout,
+            element_tensor=a.element_tensor,
+            fp64=not a.no_fp64,
+            take_screenshot=not a.no_screenshot,
+        )
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # an empty folder holds nothing to keep
+        kept = product.swap_in(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # ours, half-built: `out` is as it was
+        raise
+    if kept is not None:
+        print(f"the previous {out} is kept at {kept}")
+    return out / "report.html"
+
+
+def _holds_files(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def _runs() -> Path:
+    from h3lab.workbench.params import runs_root
+
+    return runs_root()

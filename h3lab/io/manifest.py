@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,6 +30,56 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFDIR: "folder",
+}
+
+
+# ---- regular files only -----------------------------------------------------------------------
+# A checkpoint folder is read as files: a FIFO would block its reader until some writer came, a
+# device or a socket would never end or not be the bytes pinned. Links are followed (a hub cache
+# links its blobs); what they point to must be a regular file.
+def check_regular(path: str | Path) -> None:
+    """Refuse `path` if it exists and is not a regular file (through links); a missing path passes.
+
+    Raises:
+        ValueError: naming the path and what it is.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is a {_kind(mode)}, not a regular file; allowed: regular files")
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """`path` opened for binary reading, refusing anything but a regular file without waiting on it
+    (O_NONBLOCK: a FIFO opens at once, then is refused).
+
+    Raises:
+        ValueError: not a regular file. OSError: it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is a {_kind(mode)}, not a regular file; allowed: regular files")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "special file")
 
 
 @dataclass(frozen=True)
@@ -53,6 +105,7 @@ class Layout:
 
     def path_of(self, file: str) -> Path:
         path = self.folder / file
+        check_regular(path)
         if not path.is_file():
             raise ValueError(f"weight file {str(path)!r} is missing")
         return path
@@ -63,9 +116,13 @@ def find_layout(path: str | Path) -> Layout:
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"checkpoint path {str(folder)!r} is not a folder")
-    if not (folder / CONFIG_NAME).is_file() and (folder / "transformer").is_dir():
+    if not os.path.lexists(folder / CONFIG_NAME) and (folder / "transformer").is_dir():
         folder = folder / "transformer"  # MiniMax-H3's repo keeps the transformer in a subfolder
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    entries = sorted(p.name for p in folder.iterdir())
+    for name in entries:  # every file a load reads, refused before anything opens it
+        if name in (CONFIG_NAME, MANIFEST_NAME) or name.endswith((".safetensors", ".safetensors.index.json")):
+            check_regular(folder / name)
+    names = [n for n in entries if (folder / n).is_file()]
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
     singles = [n for n in names if n.endswith(".safetensors")]
     if indexes:
@@ -104,7 +161,8 @@ def _read_weight_map(index: Path) -> dict[str, str]:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        with open_regular(path) as f:
+            return json.loads(f.read().decode())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"cannot read {path}: {err}") from err
 
@@ -131,7 +189,7 @@ def read_tensor(f: Any, key: str, path: Path) -> Tensor:
 # ---- hashing ----------------------------------------------------------------------------------
 def file_sha256(path: Path) -> str:
     """sha256 of a file, streamed (hashlib reads 256 KiB at a time), so a 1.3 GB shard costs no memory."""
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -161,8 +219,14 @@ def dump_manifest(manifest: dict, out: Path) -> None:
 
 
 def manifest_path(path: str | Path, out: str | Path | None = None) -> Path:
-    """Where `write_manifest(path, out)` writes: `out`, else manifest.json beside the weights."""
-    return find_layout(path).folder / MANIFEST_NAME if out is None else Path(out)
+    """Where `write_manifest(path, out)` writes: `out`, else manifest.json beside the weights.
+
+    Raises:
+        ValueError: what `find_layout` refuses, or a target that exists and is not a regular file.
+    """
+    target = find_layout(path).folder / MANIFEST_NAME if out is None else Path(out)
+    check_regular(target)  # an existing manifest is read before it is replaced: a FIFO would block
+    return target
 
 
 def write_manifest(path: str | Path, out: str | Path | None = None, *, force: bool = False) -> Path:
@@ -244,6 +308,7 @@ def file_entry(path: Path) -> dict[str, Any]:
 def read_manifest(folder: Path) -> dict | None:
     """The folder's `manifest.json`, checked for format; None when there is none."""
     path = folder / MANIFEST_NAME
+    check_regular(path)  # a FIFO named manifest.json is refused, never read as "no manifest"
     if not path.is_file():
         return None
     manifest = _read_json(path)

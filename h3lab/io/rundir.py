@@ -30,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from h3lab.io.env import REPO
 from h3lab.io.jsonfile import write_json
 
 OWNER_NAME = "owner.json"
@@ -93,12 +94,40 @@ def describe_status(record: dict[str, Any], where: Path) -> str:
     return f"{str(where)!r} is {status}{error}"
 
 
+def published_root(path: str | Path) -> Path | None:
+    """The published reports folder `path` is in or is, or None: an h3lab checkout's `reports/` (this
+    checkout's, or a `reports` folder beside a pyproject.toml and an h3lab/ package). Only `h3lab
+    publish` writes there, by swapping in a folder it built whole."""
+    here = Path(path).expanduser().resolve()  # through links: a link into reports/ is inside it
+    for d in (here, *here.parents):
+        checkout = (d.parent / "pyproject.toml").is_file() and (d.parent / "h3lab").is_dir()
+        if d.name == "reports" and (d == REPO / "reports" or checkout):
+            return d
+    return None
+
+
+def check_unpublished(path: str | Path, flag: str) -> None:
+    """Refuse `path` inside a published reports folder (`published_root`).
+
+    Raises:
+        ValueError: naming the path, the folder and what is allowed.
+    """
+    root = published_root(path)
+    if root is not None:
+        raise ValueError(
+            f"{flag} {str(path)!r} is inside {str(root)!r}, the published reports, which only `h3lab publish` "
+            "writes (a folder built whole, then swapped in); allowed: a folder outside it, e.g. under runs/"
+        )
+
+
 def check_target(out: Path, flag: str = "--out") -> None:
-    """Refuse a path that cannot become a run folder: a file, a dangling link, an unwritable place.
+    """Refuse a path that cannot become a run folder: a file, a dangling link, an unwritable place, a
+    place inside the published reports.
 
     Raises:
         ValueError: naming the path and what is allowed.
     """
+    check_unpublished(out, flag)
     allowed = "allowed: a new folder, or an empty one, in a writable place"
     if out.is_symlink() and not out.exists():
         raise ValueError(f"{flag} {str(out)!r} is a dangling link (to {os.readlink(out)!r}); {allowed}")

@@ -84,12 +84,26 @@ def layout_positions(
     audio = torch.zeros(na, 3, dtype=torch.float64)
     audio[:, 0] = (float(num_text) + torch.arange(num_audio_latents, dtype=torch.float64)).repeat(AUDIO_CHANNELS)
     audio[:num_audio_latents, 2], audio[num_audio_latents:, 2] = float(wg[0]), float(wg[-1])
-    spans = [_ROPE_FRAME_RESCALE * _ROPE_FRAMES_PER_LATENT[i % len(_ROPE_FRAMES_PER_LATENT)] for i in range(num_frames)]
-    times = float(num_text) + torch.cat(
-        [torch.zeros(1, dtype=torch.float64), torch.tensor(spans, dtype=torch.float64)[:-1].cumsum(0)]
-    )
+    per_latent = torch.tensor(_ROPE_FRAMES_PER_LATENT, dtype=torch.float64)  # one IEEE product per frame, as diffusers
+    spans = _ROPE_FRAME_RESCALE * per_latent[torch.arange(num_frames) % len(_ROPE_FRAMES_PER_LATENT)]
+    times = float(num_text) + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
     video = torch.cat([times.repeat_interleave(frame.shape[0])[:, None], frame.repeat(num_frames, 1)], 1)
     return torch.cat([text, *([cond] if keyframe else []), audio, video])
+
+
+def model_inputs_rows(
+    config: H3Config,
+    num_text: int = 12,
+    *,
+    num_frames: int = 2,
+    latent_hw: tuple[int, int] = (8, 12),
+    num_audio_latents: int = 6,
+    keyframe: bool = True,
+) -> int:
+    """The packed rows `model_inputs` builds with these arguments, without building them."""
+    _, ph, pw = config.patch_size
+    frame = (latent_hw[0] // ph) * (latent_hw[1] // pw)
+    return num_text + (num_frames + keyframe) * frame + num_audio_latents * AUDIO_CHANNELS
 
 
 def model_inputs(

@@ -121,7 +121,12 @@ def set_path(name: str) -> Path:
 def load_set(name: str) -> dict[str, Any] | None:
     """The published set `name`, or None when nothing is published for it."""
     path = set_path(name)
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a golden set ({err}); allowed: the file as git holds it") from None
 
 
 def flatten(digests: dict[str, dict[str, str]]) -> dict[str, str]:

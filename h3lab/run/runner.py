@@ -54,6 +54,7 @@ from h3lab.launch.launcher import (
 from h3lab.metrics import compare
 from h3lab.run import tasks
 from h3lab.run.diagnose import diagnose
+from h3lab.run.limits import check_request
 from h3lab.run.problem import Problem
 from h3lab.run.steps import step_verdicts
 from h3lab.run.summary import failure_line
@@ -91,6 +92,9 @@ class RunRequest:
             raise ValueError("nnodes > 1 needs rdzv_endpoint (HOST:PORT of node 0)")
         if self.rdzv_endpoint is not None:
             split_endpoint(self.rdzv_endpoint)
+        # the request's upper bounds (memory, blocks, repeats): here, where a run is asked for, and not in
+        # Problem, which module constants (h3lab.run.golden) and every worker build on any machine
+        check_request(self.problem)
         for layout in self.layouts:
             self.problem.check_layout(layout)
             if self.nnodes > 1 and layout.nodes != self.nnodes:

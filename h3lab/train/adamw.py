@@ -12,6 +12,8 @@ A step updates every piece or none: the clip's global norm needs every gradient,
 serves all pieces. A NaN or Inf in any gradient (or squares that overflow FP32) makes the norm
 non-finite; the step then raises `NonFiniteGradError` before it changes anything (catching it skips
 the step). The norm has the same bits on every rank, so every rank of a layout raises together.
+An update that leaves a NaN or Inf in a weight (finite gradients, an overflowing learning rate)
+raises `NonFiniteWeightError` naming the step and the pieces; the weights then hold those values.
 """
 
 from __future__ import annotations
@@ -104,13 +106,17 @@ class StepRecord:
     grad_norm: Tensor  # 0-d float32, before clipping; identical on every rank
     clip_coef: Tensor  # 0-d float32
     # clip_s: checks, the global norm (its gather included) and the coefficient, up to the host's
-    # finiteness check, which waits for them; update_s: every piece's update and write-back (on CUDA
-    # waited for). Wall clock of this rank.
+    # finiteness check, which waits for them; update_s: every piece's update and write-back, then the
+    # weights' finiteness check, which waits for them. Wall clock of this rank.
     timings: dict[str, float] = field(default_factory=dict)
 
 
 class NonFiniteGradError(ValueError):
     """The gradients' global norm is NaN or Inf: the step was refused and nothing changed."""
+
+
+class NonFiniteWeightError(ValueError):
+    """The update left a NaN or Inf in a weight: the step changed the weights, the training cannot go on."""
 
 
 class AdamW:
@@ -173,11 +179,26 @@ class AdamW:
         for p, w in self.weights.items():
             st = self.state[p]
             self.be.adamw_update(st.master, st.exp_avg, st.exp_avg_sq, grads[p], coef, s, w)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._check_finite_weights()
         timings = {"clip_s": clipped - start, "update_s": time.perf_counter() - clipped}
         self.step_count, self._beta_pows = self.step_count + 1, pows
         return StepRecord(step=self.step_count, grad_norm=gn.norm, clip_coef=coef, timings=timings)
+
+    def largest_weights(self) -> dict[Piece, float]:
+        """max |w| of every piece this rank holds (NaN where a piece holds one), one host sync. The
+        maximum is exact in any order: torch's multi-tensor norm serves, one pass over the weights."""
+        maxima = torch._foreach_norm(list(self.weights.values()), math.inf, dtype=torch.float32)
+        return dict(zip(self.weights, torch.stack(maxima).tolist(), strict=True))
+
+    def _check_finite_weights(self) -> None:
+        """Raise NonFiniteWeightError naming the pieces the update left NaN or Inf in (waits for the update)."""
+        bad = [piece_label(p, "w") for p, m in self.largest_weights().items() if not math.isfinite(m)]
+        if bad:
+            shown = f"{bad[:4]}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}"
+            raise NonFiniteWeightError(
+                f"step {self.step_count + 1}: the update left NaN or Inf in {shown} (lr {self.hyper.lr:g}); the "
+                "weights hold them now; allowed: an update that keeps every weight finite (a smaller lr)"
+            )
 
     def named_weights(self, kind: str = "w") -> dict[str, Tensor]:
         """The rank's weights by runner tensor name (`block{i}.w.<grad>@u{u}`, `block{i}.w.<param>`, `w.<param>`)."""

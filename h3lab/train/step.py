@@ -15,6 +15,7 @@ the update (the same names with `w.` for `dw.`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,6 +108,15 @@ class Trainer:
         self.optimizer = AdamW(held, config=config, comm=self.comm, hyper=hyper, backend=backend)
         self.steps_taken = 0
 
+    def _grown(self, k: int) -> str:
+        """What the earlier steps made of the weights, for an error in step k > 1 (computed on the way out)."""
+        if k == 1:
+            return ""
+        lr = self.optimizer.hyper.lr
+        return (
+            f"; after step {k - 1}'s update (lr {lr:g}) the weights hold {_largest(self.optimizer.largest_weights())}"
+        )
+
     def step(self, k: int, trace: Trace | None = None) -> TrainStep:
         """Training step `k`, which must be the next one (module docstring).
 
@@ -118,21 +128,27 @@ class Trainer:
             ValueError: `k` is not the next step.
             NonFiniteGradError: a NaN or Inf gradient norm (h3lab.train.adamw); nothing changed, and
                 the same step fails again (its sample is fixed by its seed).
+            NonFiniteWeightError: the update left a NaN or Inf in a weight (the step and the pieces named).
+            ValueError: anything the forward or backward refuses (a NaN or Inf they produce from the
+                updated weights), under "step k: ", with the largest weights the earlier steps left.
         """
         if isinstance(k, bool) or k != self.steps_taken + 1:
             raise ValueError(f"step {k!r}; allowed: {self.steps_taken + 1}, the next step (steps run in order from 1)")
         tr = None if trace is None else prefixed(trace, f"step{k}.")
-        g = model_grads(
-            self.weights,
-            self.inputs,
-            self.objective,
-            seed=step_seed(self.seed, k),
-            blocks=self.blocks,
-            backend=self.backend,
-            comm=self.comm,
-            rows_shard=self.rows_shard,
-            trace=tr,
-        )
+        try:
+            g = model_grads(
+                self.weights,
+                self.inputs,
+                self.objective,
+                seed=step_seed(self.seed, k),
+                blocks=self.blocks,
+                backend=self.backend,
+                comm=self.comm,
+                rows_shard=self.rows_shard,
+                trace=tr,
+            )
+        except ValueError as err:  # e.g. a NaN or Inf the updated weights' forward produced
+            raise ValueError(f"step {k}: {err}{self._grown(k)}") from err
         pieces = g.pieces()  # canonical order; AdamW.step names any piece missing or unexpected
         grads = {p: pieces[p] for p in self.optimizer.order if p in pieces} | pieces
         if tr is not None:
@@ -150,6 +166,15 @@ class Trainer:
             weights=dict(self.optimizer.weights),
             timings=timings,
         )
+
+
+def _largest(maxima: dict[Piece, float], shown: int = 3) -> str:
+    """The pieces of the largest max |w| (NaN first): "|w| up to 1.02e+30 in a, b, c and 111 more above 1e+29"."""
+    order = sorted(maxima, key=lambda p: -math.inf if math.isnan(maxima[p]) else -maxima[p])
+    top = maxima[order[0]]
+    near = [p for p in order if math.isnan(maxima[p]) or maxima[p] >= top / 10]
+    more = f" and {len(near) - shown} more above {top / 10:.3g}" if len(near) > shown else ""
+    return f"|w| up to {top:.3g} in {', '.join(piece_label(p, 'w') for p in near[:shown])}{more}"
 
 
 def _traced_grads(grads: dict[Piece, Tensor], units: range, trace: Trace) -> dict[Piece, Tensor]:

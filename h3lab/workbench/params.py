@@ -182,9 +182,15 @@ class ExploreParams:
     device: str = "cpu"
     timeout: float = 600.0
     trace: bool = True  # a fresh run records every op, for the first-divergence timeline
+    # the key numbers' JSON: a new file; None: inside a fresh run's folder, none for a given run_dir
+    # (a run explored is read, never written)
+    record: str | Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", _path(self.run_dir))
+        object.__setattr__(self, "record", _path(self.record))
+        if self.record is not None and os.path.lexists(self.record):
+            raise ValueError(f"parameter record={str(self.record)!r} exists; allowed: a new path ('' for none)")
         if self.run_dir is not None and not self.run_dir.is_dir():
             raise ValueError(
                 f"parameter run_dir={str(self.run_dir)!r} is not a folder; allowed: a run directory "

@@ -3,14 +3,17 @@
 reports/<node type>/ holds report.html (no code cells, figures inline as base64 PNG, no script or
 stylesheet fetched from a CDN: require.js, MathJax, mermaid and widget loaders are dropped, so it
 opens offline), report.json (what reports/index.html lists), data/*.parquet (the report's frames)
-and, when Chromium is installed, screenshot.png. The executed notebook stays in the first run's
-directory (runs/<id>/report.ipynb) as the record of how the page was made.
+and, when Chromium is installed, screenshot.png. The executed notebook, the record of how the page
+was made, goes where the caller says: beside the page by default (`h3lab publish` keeps it in its
+work folder); never into a run it reads.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import os
+import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -103,26 +106,33 @@ def publish(
     take_screenshot: bool = True,
     benchmarks: dict[str, dict[str, str]] | None = None,
     note: str = "",
+    notebook: str | Path | None = None,
 ) -> Path:
     """Execute the report notebook over `runs` and write out_dir/report.html (+ report.json, data/, screenshot).
 
     `benchmarks` (name -> {"path", "command", "what"} or {"skipped": reason}) are the speed tables;
-    `note` is markdown shown under the title.
+    `note` is markdown shown under the title; `notebook` is where the executed notebook goes (default
+    out_dir/report.ipynb; it must not exist: nothing is overwritten). Nothing else is written but
+    out_dir: a caller reporting runs it did not make keeps out_dir outside them (`h3lab report`).
 
     The index of the reports beside it (out_dir/../index.html) is not touched: `write_index` is
-    the caller's choice (`h3lab report` refreshes the repository's reports/index.html only).
+    the caller's choice (`h3lab report` writes its new root's, `h3lab publish` the reports folder's).
 
     Returns:
         The HTML page's path.
 
     Raises:
-        ValueError: a run is not finished (running, interrupted, stale, no canonical result).
+        ValueError: a run is not finished (running, interrupted, stale, no canonical result), or the
+            notebook's path exists.
         notebooks.NotebookError: the report notebook stopped (bad runs, a failed figure).
     """
     sweeps = [load_sweep(r) for r in runs]
     for sweep in sweeps:
         sweep.require_complete()
     out_dir = Path(out_dir).resolve()
+    executed_path = Path(notebook).resolve() if notebook is not None else out_dir / "report.ipynb"
+    if executed_path.exists():
+        raise ValueError(f"report notebook {str(executed_path)!r} exists; allowed: a new path")
     out_dir.mkdir(parents=True, exist_ok=True)
     # no out_dir: the figures live inline in the page, not as files beside it
     params = {
@@ -135,7 +145,7 @@ def publish(
     }
     if title:
         params["title"] = title
-    executed = notebooks.execute("report", sweeps[0].path / "report.ipynb", params)
+    executed = notebooks.execute("report", executed_path, params)
     page = out_dir / "report.html"
     page.write_text(render_html(executed, title or _title(sweeps)), encoding="utf-8")
     data = out_dir / "data"
@@ -240,7 +250,12 @@ def write_index(root: str | Path) -> Path:
             f"<td>{html.escape(rec['generated'])}</td><td>{html.escape(runs)}</td></tr>"
         )
     page = root / "index.html"
-    page.write_text(_INDEX.format(rows="\n".join(rows) or '<tr><td colspan="7">no reports yet</td></tr>'))
+    tmp = page.with_name(f".index.html.{secrets.token_hex(4)}.tmp")  # whole or not at all, as write_json
+    try:
+        tmp.write_text(_INDEX.format(rows="\n".join(rows) or '<tr><td colspan="7">no reports yet</td></tr>'))
+        os.replace(tmp, page)
+    finally:
+        tmp.unlink(missing_ok=True)
     return page
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 
 from h3lab.io.jsonfile import write_json
-from h3lab.io.rundir import describe_end, owner_gone, owner_record, read_record
+from h3lab.io.rundir import check_unpublished, describe_end, owner_gone, owner_record, read_record
 
 BOOK = "stages.json"
 STATES = ("done", "failed", "skipped", "interrupted", "running")
@@ -42,8 +42,17 @@ class StageBook:
         """Take the work folder for this process (`plan`: what is published, recorded beside the stages).
 
         Raises:
-            ValueError: another live process holds it, or it holds a publish of another plan.
+            ValueError: another live process holds it, it holds a publish of another plan, it holds
+                files but no stages.json (not a work folder: nothing is mixed into it), or it lies
+                inside the published reports.
         """
+        check_unpublished(self.work, "--work")
+        if self.work.exists() and not self.path.is_file() and (not self.work.is_dir() or any(self.work.iterdir())):
+            what = f"holds {sorted(p.name for p in self.work.iterdir())[:5]}" if self.work.is_dir() else "is a file"
+            raise ValueError(
+                f"--work {str(self.work)!r} {what} and no {BOOK}: not a publish work folder; allowed: a new or "
+                "empty folder, or one an earlier publish made"
+            )
         self.work.mkdir(parents=True, exist_ok=True)
         old = read_record(self.path) or {}
         owner = old.get("owner")

@@ -34,7 +34,16 @@ from h3lab.config import H3Config
 from h3lab.dist.layout import parse_layouts
 from h3lab.io.env import capture, node_type
 from h3lab.io.jsonfile import write_json
-from h3lab.io.rundir import FINAL_STATES, describe_end, owner_record, read_record, reserve_space, write_final
+from h3lab.io.rundir import (
+    FINAL_STATES,
+    OWNER_NAME,
+    check_unpublished,
+    describe_end,
+    owner_record,
+    read_record,
+    reserve_space,
+    write_final,
+)
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench import tables
 from h3lab.workbench.params import WEIGHTS_SEED, ReproduceParams, runs_root, sweep_problem
@@ -57,12 +66,18 @@ def prepare(p: ReproduceParams) -> Path:
     """Create the run directory; write env.json, synthesize the checkpoint (unless given), write params.json.
 
     Raises:
-        ValueError: the run directory already holds a sweep (nothing is ever overwritten).
+        ValueError: the run directory already holds a sweep or anything else (nothing is ever
+            overwritten or mixed: besides the notebook papermill writes and the caller's claim it must
+            be empty), or lies inside the published reports.
     """
     run_dir = p.run_dir or new_run_dir(p.device)
+    check_unpublished(run_dir, "run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "params.json").exists():
         raise ValueError(f"run_dir {str(run_dir)!r} already holds a sweep; allowed: a new or empty folder")
+    others = sorted(n.name for n in run_dir.iterdir() if n.name not in (OWNER_NAME, "reproduce.ipynb"))
+    if others:
+        raise ValueError(f"run_dir {str(run_dir)!r} holds {others[:5]}; allowed: a new or empty folder")
     write_json(run_dir / "env.json", capture(p.device))
     checkpoint = p.checkpoint
     if checkpoint is None and p.task == "block" and p.config == "tiny":  # the loader's path, with its manifest
