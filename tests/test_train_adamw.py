@@ -175,7 +175,7 @@ def test_an_update_that_leaves_a_non_finite_weight_names_the_step_and_the_pieces
     weights = _weights()
     weights[Piece(1, "ff.gate", 5)].mul_(1e20)
     hyper = AdamWHyper(lr=1e8, weight_decay=100.0, max_grad_norm=math.inf)
-    opt = AdamW(weights, config=CONFIG, comm=LocalComm(), hyper=hyper)
+    opt = AdamW(weights, config=CONFIG, comm=LocalComm(), hyper=hyper, backend=BE)
     opt.step(random_grads(_weights(), CONFIG, seed=302, scale=1e-2))  # step 1: 1e20 * 1e10 still fits FP32
     match = r"^step 2: the update left NaN or Inf in \['block1\.w\.ff\.gate@u5'\] \(lr 1e\+08\); the weights hold"
     with pytest.raises(NonFiniteWeightError, match=match):

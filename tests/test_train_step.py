@@ -129,7 +129,7 @@ def test_an_error_inside_a_later_step_names_the_step_and_the_weights_that_grew()
     time embedding overflows. Its error said "temb: 288 values hold NaN or Inf": no step, no weight."""
     weights = SyntheticWeights(CONFIG, seed=8)
     hyper = AdamWHyper(lr=1e30, max_grad_norm=float("inf"))
-    trainer = Trainer(weights, model_inputs(CONFIG, seed=9), blocks=BLOCKS, hyper=hyper, seed=SEED)
+    trainer = Trainer(weights, model_inputs(CONFIG, seed=9), blocks=BLOCKS, hyper=hyper, seed=SEED, backend=BE)
     trainer.step(1)
     with pytest.raises(ValueError) as err:
         trainer.step(2)
