@@ -23,11 +23,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "reference": {CORE, "io", "model"},
     "dist": {CORE},
     "train": {CORE, "io", "model"},
-    "run": {CORE, "io", "model", "reference", "dist", "train"},
-    "bench": {CORE, "io", "model", "reference", "dist", "train", "run"},
-    "workbench": {CORE, "io", "model", "reference", "dist", "train", "run"},
-    "cli": {CORE, "io", "model", "reference", "dist", "train", "run", "bench", "workbench"},
-    "facade": {CORE, "io"},  # h3lab/__init__.py: the public surface
+    "nn": {CORE, "io", "model", "dist", "train"},
+    "run": {CORE, "io", "model", "reference", "dist", "train", "nn"},
+    "bench": {CORE, "io", "model", "reference", "dist", "train", "nn", "run"},
+    "workbench": {CORE, "io", "model", "reference", "dist", "train", "nn", "run"},
+    "cli": {CORE, "io", "model", "reference", "dist", "train", "nn", "run", "bench", "workbench"},
+    "facade": {CORE, "io", "nn"},  # h3lab/__init__.py: the public surface (nn on first use)
 }
 PACKAGES = {
     "ops": CORE,
@@ -37,6 +38,7 @@ PACKAGES = {
     "reference": "reference",
     "dist": "dist",
     "train": "train",
+    "nn": "nn",
     "run": "run",
     "bench": "bench",
     "workbench": "workbench",
