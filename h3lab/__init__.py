@@ -2,7 +2,8 @@
 
 Public surface (stable): H3Config, PackedBatch, packed_batch, BlockWeights, synthesize_checkpoint,
 load_block, canonical_block, BlockResult. Your own PyTorch code on diffusers' model: `parallelize`,
-`full_state_dict`, `record`, `current_layout` (h3lab.nn), imported on first use.
+`full_state_dict`, `record`, `current_layout` (h3lab.nn) and `h3lab.optim` (AdamW, clip_grad_norm_),
+imported on first use.
 """
 
 from h3lab.batch import PackedBatch, packed_batch
@@ -34,7 +35,7 @@ __all__ = [
 _LAZY_NN = ("parallelize", "full_state_dict", "record", "current_layout")
 
 
-def __getattr__(name: str):  # checkpoint I/O and h3lab.nn are imported on first use
+def __getattr__(name: str):  # checkpoint I/O, h3lab.nn and h3lab.optim are imported on first use
     if name in ("synthesize_checkpoint", "load_block"):
         from h3lab.io import checkpoint
 
@@ -43,4 +44,8 @@ def __getattr__(name: str):  # checkpoint I/O and h3lab.nn are imported on first
         from h3lab import nn
 
         return getattr(nn, name)
+    if name == "optim":
+        import h3lab.optim
+
+        return h3lab.optim
     raise AttributeError(name)

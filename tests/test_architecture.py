@@ -24,11 +24,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "dist": {CORE},
     "train": {CORE, "io", "model"},
     "nn": {CORE, "io", "model", "dist", "train"},
-    "run": {CORE, "io", "model", "reference", "dist", "train", "nn"},
-    "bench": {CORE, "io", "model", "reference", "dist", "train", "nn", "run"},
-    "workbench": {CORE, "io", "model", "reference", "dist", "train", "nn", "run"},
-    "cli": {CORE, "io", "model", "reference", "dist", "train", "nn", "run", "bench", "workbench"},
-    "facade": {CORE, "io", "nn"},  # h3lab/__init__.py: the public surface (nn on first use)
+    "optim": {CORE, "io", "model", "dist", "train", "nn"},
+    "run": {CORE, "io", "model", "reference", "dist", "train", "nn", "optim"},
+    "bench": {CORE, "io", "model", "reference", "dist", "train", "nn", "optim", "run"},
+    "workbench": {CORE, "io", "model", "reference", "dist", "train", "nn", "optim", "run"},
+    "cli": {CORE, "io", "model", "reference", "dist", "train", "nn", "optim", "run", "bench", "workbench"},
+    "facade": {CORE, "io", "nn", "optim"},  # h3lab/__init__.py: the public surface (nn, optim on first use)
 }
 PACKAGES = {
     "ops": CORE,
@@ -39,6 +40,7 @@ PACKAGES = {
     "dist": "dist",
     "train": "train",
     "nn": "nn",
+    "optim": "optim",
     "run": "run",
     "bench": "bench",
     "workbench": "workbench",

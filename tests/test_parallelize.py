@@ -1,6 +1,6 @@
 """`h3lab.parallelize` in one process: diffusers' model made deterministic in place, its forward and
-autograd against diffusers' own model in float32, gradient accumulation, `full_state_dict`, and every
-refusal.
+autograd against diffusers' own model in float32, h3lab's objective through it giving the bytes of
+`h3lab run --train-steps`, gradient accumulation, `h3lab.optim`, `full_state_dict`, and every refusal.
 (Layouts on several processes: tests/test_compare.py.)
 
 Parity metric: max_rel = max|ours - diffusers| / max|diffusers| per tensor. Both sides are float32
@@ -25,11 +25,18 @@ from torch import nn
 
 import h3lab
 import h3lab.nn.function
+import h3lab.optim as optim
+from h3lab.backend import get_backend
 from h3lab.config import model_param_shapes
 from h3lab.dist.layout import Layout
 from h3lab.model import model_inputs, shuffle_rows
-from h3lab.nn import diffusers_kwargs, full_state_dict, parallelize
+from h3lab.nn import diffusers_kwargs, flow_matching_loss, full_state_dict, parallelize
+from h3lab.reference.eager_train import depth_state
 from h3lab.reference.parity import model_velocity
+from h3lab.run import tasks
+from h3lab.run.problem import Problem
+from h3lab.train.objective import FlowObjective
+from h3lab.train.step import step_seed
 from tests.conftest import MODEL_CONFIGS, assert_bitwise, model_in_dtype, random_diffusers_model
 from tests.train_ranks import NARROW
 
@@ -85,6 +92,44 @@ def test_output_and_every_gradient_match_diffusers_autograd_in_float32(name, see
     for k, p in got.items():
         assert p.grad.dtype == torch.float32 and p.grad.shape == reference[k].shape, k
         assert _rel(p.grad, reference[k].grad) <= RTOL, f"{name} {k}: max_rel {_rel(p.grad, reference[k].grad):.3g}"
+
+
+# ---- h3lab's own objective: the bytes of `h3lab run --train-steps` -------------------------------------
+def test_h3labs_objective_as_the_users_loss_gives_the_bytes_of_the_training_run():
+    """Two steps of h3lab.optim on flow_matching_loss, the rows out of key order (named by logical_keys):
+    the loss, the norm and every weight after each step equal `h3lab run --train-steps`' canonical
+    process's (h3lab.run.tasks.canonical: the single process every layout of the run is checked against)."""
+    p = Problem(task="train", last_block=0, text_rows=7, row_order="shuffled", seed=23, lr=3e-4, weight_decay=0.05)
+    canon = tasks.canonical(p, torch.device("cpu"), get_backend("torch")).tensors
+    config = p.config()
+    with torch.device("meta"):
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+        model = MiniMaxH3Transformer3DModel(**config.to_dict())
+    model.load_state_dict(depth_state(p.model_weights(), p.block_range), strict=True, assign=True)
+    model.rope = type(model.rope)(config.rope_freq_dim, config.rope_theta)  # a computed buffer
+    model = h3lab.parallelize(model, "tp1")
+    opt = optim.AdamW(model.parameters(), lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+    objective, inputs = FlowObjective(), p.model_inputs()
+    keys = inputs.logical_keys[:, 1]
+    assert not bool((keys[1:] > keys[:-1]).all())  # out of key order
+    for k in (1, 2):
+        sample = objective.sample(inputs, step_seed(p.seed, k))
+        out = model(**diffusers_kwargs(sample.inputs, keys=True))
+        loss = flow_matching_loss(objective, sample, out.sample[0], out.audio_sample[0])
+        loss.backward()
+        norm = optim.clip_grad_norm_(model, p.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        assert_bitwise(loss.detach(), canon[f"step{k}.loss"], "loss")
+        assert_bitwise(norm, canon[f"step{k}.grad_norm"], "grad_norm")
+        assert float(canon[f"step{k}.clip_coef"]) < 1  # the clip ran
+        for name, w in full_state_dict(model).items():
+            block, _, rest = name.removeprefix("transformer_blocks.").partition(".")
+            run_name = (
+                f"step{k}.block{block}.w.{rest}" if name.startswith("transformer_blocks.") else f"step{k}.w.{name}"
+            )
+            assert_bitwise(w, canon[run_name], run_name)
 
 
 # ---- forward without grad, gradient accumulation ---------------------------------------------------------
@@ -146,6 +191,63 @@ def test_a_second_backward_through_one_forward_is_refused(one_block):
     loss.backward(retain_graph=True)
     with pytest.raises(ValueError, match="a second backward through one forward; allowed: one backward per forward"):
         loss.backward()
+
+
+# ---- h3lab.optim --------------------------------------------------------------------------------------
+def test_the_optimizer_state_round_trips_and_param_groups_keep_their_hyperparameters():
+    """Two groups (the block at lr 1e-2, the rest at 1e-3). Step 1, the state dict saved; step 2. Then the
+    weights of after step 1 restored, the same gradients, the saved state loaded into a fresh optimizer:
+    its step 2 gives the bytes of the optimizer that went on."""
+    model = parallelize(random_diffusers_model(ONE, 7), "tp1")
+    inputs = model_inputs(ONE, seed=8, num_text=5)
+    targets = _targets(inputs, 1)
+    named = dict(model.named_parameters())
+
+    def groups() -> list[dict]:
+        block = [p for n, p in named.items() if n.startswith("transformer_blocks.")]
+        rest = [p for n, p in named.items() if not n.startswith("transformer_blocks.")]
+        return [{"params": block, "lr": 1e-2}, {"params": rest}]
+
+    opt = optim.AdamW(groups(), lr=1e-3, weight_decay=0.1)
+    _grads(model, inputs, targets)
+    optim.clip_grad_norm_(model, 0.5)
+    opt.step()
+    saved, weights = copy.deepcopy(opt.state_dict()), {n: p.detach().clone() for n, p in named.items()}
+    grads = _grads(model, inputs, targets)
+    optim.clip_grad_norm_(model, 0.5)
+    opt.step()
+    after = {n: p.detach().clone() for n, p in named.items()}
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(weights[n])
+            p.grad = grads[n].clone()
+    fresh = optim.AdamW(groups(), lr=1e-3, weight_decay=0.1)
+    fresh.load_state_dict(saved)
+    assert all(fresh.state[p]["master"].dtype == torch.float32 for p in named.values())
+    assert [g["lr"] for g in fresh.param_groups] == [1e-2, 1e-3]
+    optim.clip_grad_norm_(model, 0.5)
+    fresh.step()
+    for n, p in named.items():
+        assert_bitwise(p.detach(), after[n], n)
+    assert not torch.equal(after["transformer_blocks.0.norm1.weight"], weights["transformer_blocks.0.norm1.weight"])
+
+
+def test_clip_refusals_keep_a_coefficient_from_being_lost_or_misapplied(one_block):
+    model, inputs, targets = one_block
+    opt = optim.AdamW(model.parameters())
+    _grads(model, inputs, targets)
+    optim.clip_grad_norm_(model, 1.0)
+    with pytest.raises(ValueError, match=r"clip_grad_norm_'s coefficient was never applied; allowed: .*AdamW.step"):
+        model(**diffusers_kwargs(inputs))
+    next(model.parameters()).grad.mul_(2)  # a gradient changed after the norm
+    with pytest.raises(ValueError, match=r"gradients changed after clip_grad_norm_ \(\['proj_in.weight'\]\)"):
+        opt.step()
+    opt.zero_grad()  # drops the coefficient: the step it was for is skipped
+    model(**diffusers_kwargs(inputs))
+    with pytest.raises(ValueError, match=r"max_norm 0; allowed: a number in \(0, inf\]"):
+        optim.clip_grad_norm_(model, 0)
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 0 belongs to no parallelized model"):
+        optim.AdamW(nn.Linear(2, 2).parameters())
 
 
 # ---- full_state_dict -----------------------------------------------------------------------------------
