@@ -17,7 +17,7 @@ from h3lab.cli.report import REPORTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    p.add_argument("notebook", choices=["reproduce", "explore"])
+    p.add_argument("notebook", choices=["reproduce", "explore", "your_code"])
     p.add_argument(
         "-p",
         "--param",
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         type=Path,
         default=None,
         help="reproduce: the run directory (default runs/<time>-<node>-<commit>-<hex>); "
-        "explore: the executed notebook (default runs/explore-<time>.ipynb)",
+        "explore, your_code: the executed notebook (default runs/<notebook>-<time>.ipynb)",
     )
     p.add_argument(
         "--publish",
@@ -50,9 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
 
         params = {name: yaml.safe_load(value) for name, value in a.param}
         try:
-            if a.notebook == "explore":
-                out = a.out or _runs() / time.strftime("explore-%Y%m%d-%H%M%S.ipynb", time.gmtime())
-                notebooks.execute("explore", out, params, progress=True)
+            if a.notebook in ("explore", "your_code"):
+                stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+                out = a.out or _runs() / f"{a.notebook.replace('_', '-')}-{stamp}.ipynb"
+                notebooks.execute(a.notebook, out, params, progress=True)
                 print(f"executed notebook: {out}")
                 return 0
             return _reproduce(a, params)

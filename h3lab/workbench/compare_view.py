@@ -34,7 +34,7 @@ def verdict_rows(summary: dict[str, Any]) -> pd.DataFrame:
     for col in ("max_abs_diff", "ref_rms", "max_ulp_at_rms", "frac_differing"):
         df[col] = df[col].astype("Float64")
     df["bitwise_equal"] = df["bitwise_equal"].astype("boolean")
-    for col in ("max_ulp", "num_differing", "sign_flips", "ulp_p50", "ulp_p99"):
+    for col in ("max_ulp", "num_elements", "num_differing", "sign_flips", "ulp_p50", "ulp_p99"):
         df[col] = df[col].astype("Int64")
     return df
 
@@ -70,3 +70,15 @@ def write_heatmap(summary: dict[str, Any], path: Path) -> Path:
     """The heatmap as a PNG at `path` (a new file)."""
     path.write_bytes(figures.png_bytes(heatmap(summary)))
     return path
+
+
+def parameter_table(summary: dict[str, Any], kind: str = "w") -> pd.DataFrame:
+    """Parameter x (layout, step): the verdict of every `step{k}.{kind}.<parameter>` record ("w": the
+    weights after each step, "dw": the gradients), as `record_table` words it; parameters in the
+    script's order."""
+    table = record_table(summary)
+    parts = table.index.to_series().str.extract(rf"^step(\d+)\.{kind}\.(.+)$")
+    keep = parts[0].notna()
+    out = table[keep.to_numpy()].copy()
+    out.index = pd.MultiIndex.from_arrays([parts[1][keep], parts[0][keep].astype(int)], names=["parameter", "step"])
+    return out.unstack("step").reindex(index=list(dict.fromkeys(parts[1][keep])))
