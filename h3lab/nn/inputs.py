@@ -3,7 +3,7 @@
 `MiniMaxH3Transformer3DModel.forward` (0.42.1) takes one packed request with a batch axis that only
 replicates it: [B, Nv, Cv] video rows, [B, Na, Ca] audio rows, [B, Nt, Ct] text rows, and the
 layout tensors of one packed sequence (timestep, timestep_indices, token_tags, position_ids, the
-three index tensors). A parallelized model (h3lab.nn.parallelize) runs B = 1; the rows keep their
+three index tensors). A parallelized model (h3lab.nn.apply) runs B = 1; the rows keep their
 order and their places, whatever they are.
 
 Rows have names (`logical_keys`, h3lab's contract rule 3): every reduction over rows takes them in

@@ -16,7 +16,7 @@ failing rank named by h3lab.run.diagnose):
                                        record (in the reference's call order) whose bits differ;
                                        per step and kind for names `step{k}.` (h3lab.run.steps)
 A record every rank holds whole must have the same bytes on every rank; a parameter's shard
-(h3lab.nn.record) is put back whole from each CP group's TP ranks (h3lab.units.join_shards). The
+(h3lab.nn.recording) is put back whole from each CP group's TP ranks (h3lab.units.join_shards). The
 layout's copy compared is the first copy (a rank's, or a CP group's) whose bits differ from the
 reference, so a difference on any rank shows. Refused: a command that is not `python SCRIPT` or
 `python -m MODULE`; a script that records nothing (after the reference run); a layout whose names
@@ -46,7 +46,7 @@ from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import FINAL_STATES, claim, describe_end, reserve_space, write_final
 from h3lab.io.tensorfile import write_tensors
 from h3lab.metrics import bitwise_equal, compare, sha256_tensor
-from h3lab.nn.record import LAYOUT_VAR
+from h3lab.nn.recording import LAYOUT_VAR
 from h3lab.nn.state import split_name
 from h3lab.run.diagnose import diagnose
 from h3lab.run.launch import check_local_processes, launch, new_token

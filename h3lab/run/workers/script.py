@@ -7,7 +7,7 @@ script would see it) and the folder. The rank writes there, as a rank of `h3lab 
 h3lab.run.diagnose names a failing rank the same way): rank{r}.log (stdout and stderr),
 rank{r}.status.json (running / done / error / terminated; the parallelized model's collectives and
 every `h3lab.record` tick it), rank{r}.heartbeat, and after the script returns rank{r}.records.safetensors
-with rank{r}.records.json (h3lab.nn.record: what it recorded, in call order). A script that exits
+with rank{r}.records.json (h3lab.nn.recording: what it recorded, in call order). A script that exits
 with a non-zero status fails the rank; a process group it left open is destroyed. A rank exits when
 its agent or its runner is gone (h3lab.run.lifeline), saying so in its status.
 """
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from h3lab.dist.distcomm import Progress
 from h3lab.dist.layout import Layout
 from h3lab.io.jsonfile import write_json
-from h3lab.nn.record import end_session, start_session
+from h3lab.nn.recording import end_session, start_session
 from h3lab.run.lifeline import watch
 from h3lab.run.workers.rank import _redirect_output, _start_heartbeat, _take_sigterm_in_a_thread
 

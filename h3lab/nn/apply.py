@@ -5,7 +5,8 @@
     out = model(**diffusers_kwargs)                               # diffusers' signature and output
     my_loss(out.sample, out.audio_sample).backward()              # every .grad: h3lab's contract
 
-In diffusers' spirit (a plan on the model, applied once, the model keeps its class and its calls),
+In diffusers' spirit (a plan applied to the model once; the model stays an instance of its class
+and keeps its calls),
 with h3lab's contract instead of a library's reductions: the output and every gradient have the
 bytes of the single process under every layout; tensor parallelism as well as context and sequence
 parallelism; a row count that does not divide the layout's row shards is padded inside (the padding
@@ -41,7 +42,7 @@ from h3lab.contract import check_strict_flags, reduced_precision_off
 from h3lab.dist.distcomm import Progress, build_comm
 from h3lab.dist.layout import Layout
 from h3lab.dist.seqshard import SeqShard
-from h3lab.nn import record
+from h3lab.nn import recording
 from h3lab.nn.function import velocity
 from h3lab.nn.inputs import model_inputs_of
 from h3lab.nn.state import ParallelState, register, state_of
@@ -85,8 +86,12 @@ def parallelize(
         check_mesh(layout, mesh)
     device = _check_params(model)
     check_strict_flags(reductions=False)  # TF32 on is the caller's explicit choice: refused, never overridden
-    rank = _join_world(layout, device)
     be = _backend(backend, device)
+    _check_world(layout)
+    # every refusal is above: from here on the process and the model change
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
+    rank = _join_world(layout, device)
     comm: BlockComm = LocalComm() if layout.world == 1 else _comm(layout, rank, device)
     _shard_blocks(model, config, comm.units)
     reduced_precision_off()
@@ -143,8 +148,6 @@ def _check_params(model: nn.Module) -> torch.device:
             raise ValueError(f"{name}: {p.dtype}; allowed: {[str(d) for d in allowed]}")
         if not bool(torch.isfinite(p).all()):
             raise ValueError(f"{name}: holds inf or NaN; allowed: finite weights")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
     return device
 
 
@@ -169,15 +172,24 @@ def check_mesh(layout: Layout, mesh: Any) -> None:
         )
 
 
-def _join_world(layout: Layout, device: torch.device) -> int:
-    """This process's rank in a world of exactly `layout.world` ranks (initialising the default group)."""
+def _world() -> tuple[bool, int]:
+    """(torch.distributed is initialised, the world size: its own, or torchrun's WORLD_SIZE, else 1)."""
     initialised = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if initialised else int(os.environ.get("WORLD_SIZE", "1"))
+    return initialised, dist.get_world_size() if initialised else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_world(layout: Layout) -> None:
+    world = _world()[1]
     if world != layout.world:
         raise ValueError(
             f"world size {world} for layout {layout.name}; allowed: {layout.world} ranks "
             f"(torchrun --nproc-per-node {layout.world}, or a layout of {world} ranks)"
         )
+
+
+def _join_world(layout: Layout, device: torch.device) -> int:
+    """This process's rank in the world of `layout.world` ranks (initialising the default group)."""
+    initialised, world = _world()
     if world == 1:
         return 0
     if not initialised:
@@ -197,7 +209,7 @@ def _backend(backend: str | Backend | None, device: torch.device) -> Backend:
 
 
 def _comm(layout: Layout, rank: int, device: torch.device) -> BlockComm:
-    session = record.session()
+    session = recording.session()
     progress = session.progress if session is not None else Progress(None)
     comm = build_comm(
         layout, rank, mode="deterministic", algorithm="auto", device=device, act_dtype=torch.bfloat16, progress=progress
