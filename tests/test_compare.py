@@ -131,6 +131,11 @@ def test_a_users_training_under_three_layouts_gives_every_byte_of_one_process(sc
     tp8 = json.loads((out / "layouts" / "tp8_2x4" / "rank5.records.json").read_text())
     shards = {e["name"] for e in tp8 if e["space"] == "shard"}  # rank 5 held units 5 of the sharded weights
     assert "step2.w.transformer_blocks.1.ff.net.0.proj.weight" in shards and "step1.loss" not in shards
+    held = load_file(str(out / "layouts" / "tp8_2x4" / "rank5.records.safetensors"))
+    config = NARROW.replace(num_layers=2)  # each rank keeps 1/8 of a unit-sharded weight, the rest whole
+    assert held["step2.w.transformer_blocks.1.attn.to_q.weight"].shape == (config.inner_dim // 8, config.hidden_size)
+    assert held["step2.w.transformer_blocks.1.ff.net.0.proj.weight"].shape == (2 * config.ffn_dim // 8, 36)
+    assert held["step2.w.transformer_blocks.1.norm1.weight"].shape == (config.hidden_size,)
     assert (out / "heatmap.png").stat().st_size > 10_000
 
 

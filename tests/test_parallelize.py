@@ -282,7 +282,7 @@ def test_a_world_size_or_a_mesh_that_does_not_match_the_layout_is_refused():
     wrong = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("dp",), _init_backend=False, _rank=0)
     with pytest.raises(ValueError, match=r"mesh dims \('dp',\); allowed: a DeviceMesh with dims named 'tp' and 'cp'"):
         parallelize(_model(), "tp2", mesh=wrong)
-    from h3lab.nn.parallelize import check_mesh
+    from h3lab.nn.apply import check_mesh
 
     check_mesh(Layout.parse("tp2xcp2"), mesh)  # the layout it lays out: no refusal
 
@@ -355,3 +355,34 @@ def test_bad_forward_arguments_are_refused(one_block):
     grad_in = kwargs | {"hidden_states": kwargs["hidden_states"].clone().requires_grad_()}
     with pytest.raises(ValueError, match=r"hidden_states requires grad; allowed: inputs without gradients"):
         model(**grad_in)
+
+
+# ---- what a script reports to h3lab compare ------------------------------------------------------------
+def test_current_layout_and_record_outside_and_inside_a_session(monkeypatch):
+    from h3lab.dist.distcomm import Progress
+    from h3lab.nn import recording as rec
+
+    monkeypatch.delenv("H3LAB_LAYOUT", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert h3lab.current_layout() == Layout.parse("tp1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(
+        ValueError, match=r"H3LAB_LAYOUT is not set in a world of 4 ranks; allowed: a script run by h3lab"
+    ):
+        h3lab.current_layout()
+    monkeypatch.setenv("H3LAB_LAYOUT", "tp2xcp2")
+    assert h3lab.current_layout() == Layout.parse("tp2xcp2")
+    x = torch.randn(3)
+    assert rec.session() is None and h3lab.record("x", x) is None  # outside h3lab compare: nothing
+    session = rec.start_session(Progress(None))
+    try:
+        h3lab.record("x", x)
+        with pytest.raises(ValueError, match=r"record 'x' recorded twice; allowed: each name once per run"):
+            h3lab.record("x", x)
+        with pytest.raises(ValueError, match=r"record 'n': torch.int64; allowed: a floating-point tensor"):
+            h3lab.record("n", torch.arange(3))
+        x.add_(1)  # the record is a copy, taken when recorded
+        assert session.recorder.entries == [{"name": "x", "space": "replicated", "param": None}]
+        assert torch.equal(session.recorder.tensors["x"] + 1, x)
+    finally:
+        rec.end_session()
