@@ -31,8 +31,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check h3lab tests notebooks
-	$(BIN)/ruff format --check h3lab tests notebooks
+	$(BIN)/ruff check h3lab tests notebooks examples
+	$(BIN)/ruff format --check h3lab tests notebooks examples
 
 # JupyterLab on notebooks/ with this venv's kernel; *.py open as notebooks (jupytext), saved as .py + .ipynb
 lab: $(STAMP)

@@ -49,6 +49,7 @@ __all__ = [
     "SUPPORTED_DEVICES",
     "TREE_SHAPE",
     "check_device",
+    "check_strict_flags",
     "describe",
     "strict_mode",
     "unit_tree",
@@ -98,6 +99,43 @@ def strict_mode() -> Iterator[None]:
         yield
     finally:
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+REDUCED_PRECISION_FLAGS = (
+    "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+)
+
+
+def reduced_precision_off() -> None:
+    """Switch cuBLAS' reduced-precision reductions off for the process (torch's default is on). A model
+    made deterministic in place (h3lab.parallelize) runs its forward and its backward at different
+    moments of the user's program, so no `strict_mode` scope covers both: the flags stay off and
+    `check_strict_flags` refuses a program that switches them on again."""
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+
+
+def check_strict_flags(*, reductions: bool = True) -> None:
+    """Refuse TF32 and (`reductions`) reduced-precision reductions, whoever switched them on.
+
+    Raises:
+        ValueError: naming the first flag that is on, and the value allowed.
+    """
+    state = _tf32_state()
+    if state["torch.backends.cuda.matmul.allow_tf32"]:
+        raise ValueError("strict mode: torch.backends.cuda.matmul.allow_tf32 is True; allowed: False (no TF32)")
+    if state["torch.get_float32_matmul_precision()"] != "highest":
+        precision = state["torch.get_float32_matmul_precision()"]
+        raise ValueError(f"strict mode: float32 matmul precision {precision!r}; allowed: 'highest' (no TF32)")
+    if not reductions:
+        return
+    matmul = torch.backends.cuda.matmul
+    values = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    for flag, value in zip(REDUCED_PRECISION_FLAGS, values, strict=True):
+        if value:  # torch also takes a tuple (allow, allow_splitk): any true part counts
+            raise ValueError(f"strict mode: {flag} is {value!r}; allowed: False (no reduced-precision reduction)")
 
 
 def describe() -> dict[str, object]:

@@ -144,3 +144,85 @@ UNIT_GRAD_FIELDS = {
 def unit_slice(full: UnitWeights, grad_name: str, unit: int) -> Tensor:
     """The slice of a full per-parameter tensor set (e.g. canonical dW as UnitWeights) for one unit."""
     return getattr(full, UNIT_GRAD_FIELDS[grad_name])[unit]
+
+
+# ---- a rank's shards: the slices of the unit-sharded parameters it keeps, and the full tensor again ------
+# A rank holding units [a, b) keeps one tensor per unit-sharded parameter (`unit_shards`): the rows (or
+# the input columns, SHARD_DIM 1) of those units, in unit order; ff.net.0.proj.weight keeps its units'
+# hidden rows, then their gate rows. The replicated tensors it keeps whole.
+SHARD_DIM = {p: 1 if p in ("attn.to_out.0.weight", "ff.net.2.weight") else 0 for p in UNIT_SHARDED}
+_SHARD_FIELDS = {
+    "attn.to_q.weight": ("q",),
+    "attn.to_k.weight": ("k",),
+    "attn.to_v.weight": ("v",),
+    "attn.to_out.0.weight": ("out",),
+    "ff.net.0.proj.weight": ("hidden", "gate"),
+    "ff.net.2.weight": ("down",),
+    "adaln_proj.linear.weight": ("adaln_w",),
+    "adaln_proj.linear.bias": ("adaln_b",),
+}
+assert tuple(_SHARD_FIELDS) == UNIT_SHARDED
+
+
+def shard_shapes(config: H3Config, units: range) -> dict[str, tuple[int, ...]]:
+    """The shape of each unit-sharded parameter's shard for a rank holding `units`."""
+    n, D = len(units), config.hidden_size
+    A8, F8, G8 = config.inner_dim // NUM_UNITS, config.ffn_dim // NUM_UNITS, config.adaln_dim // NUM_UNITS
+    return {
+        "attn.to_q.weight": (n * A8, D),
+        "attn.to_k.weight": (n * A8, D),
+        "attn.to_v.weight": (n * A8, D),
+        "attn.to_out.0.weight": (D, n * A8),
+        "ff.net.0.proj.weight": (2 * n * F8, D),
+        "ff.net.2.weight": (D, n * F8),
+        "adaln_proj.linear.weight": (n * G8, config.time_embed_dim),
+        "adaln_proj.linear.bias": (n * G8,),
+    }
+
+
+def unit_shards(weights: BlockWeights, units: range) -> dict[str, Tensor]:
+    """The shard of each unit-sharded parameter a rank holding `units` keeps (views of `weights`, but
+    ff.net.0.proj.weight's hidden and gate rows, which are joined: a new tensor)."""
+    local = unit_weights(weights, units).local
+    return {p: local[f[0]] if len(f) == 1 else torch.cat([local[x] for x in f]) for p, f in _SHARD_FIELDS.items()}
+
+
+def shard_unit_weights(config: H3Config, tensors: dict[str, Tensor], units: range) -> UnitWeights:
+    """Views of a rank's block tensors for its canonical units: the replicated ones whole, the
+    unit-sharded ones as `unit_shards` lays them out (what `unit_weights` gives from the full block).
+
+    Raises:
+        ValueError: a missing tensor, or a shard of another shape than `shard_shapes(config, units)`.
+    """
+    if not units or units.start < 0 or units.stop > NUM_UNITS or units.step != 1:
+        raise ValueError(f"units {units} must be a contiguous sub-range of range({NUM_UNITS})")
+    want = shard_shapes(config, units)
+    for name in (*REPLICATED, *UNIT_SHARDED):
+        if name not in tensors:
+            raise ValueError(f"block shards: missing {name!r}; allowed: every parameter of the block")
+        if name in want and tuple(tensors[name].shape) != want[name]:
+            raise ValueError(f"{name}: shard shape {list(tensors[name].shape)}; allowed: {list(want[name])}")
+    A8, F8, G8 = config.inner_dim // NUM_UNITS, config.ffn_dim // NUM_UNITS, config.adaln_dim // NUM_UNITS
+    up = tensors["ff.net.0.proj.weight"]
+    local = {f[0]: tensors[p] for p, f in _SHARD_FIELDS.items() if len(f) == 1}
+    local |= {"hidden": up[: len(units) * F8], "gate": up[len(units) * F8 :]}
+    rows = lambda t, n, u: t[(u - units.start) * n : (u - units.start + 1) * n]  # noqa: E731
+    cols = lambda t, n, u: t[:, (u - units.start) * n : (u - units.start + 1) * n]  # noqa: E731
+    per = {"q": A8, "k": A8, "v": A8, "out": A8, "hidden": F8, "gate": F8, "down": F8, "adaln_w": G8, "adaln_b": G8}
+    split = {f: {u: (cols if f in ("out", "down") else rows)(local[f], per[f], u) for u in units} for f in per}
+    return UnitWeights(config=config, units=units, replicated={k: tensors[k] for k in REPLICATED}, **split, local=local)
+
+
+def join_shards(name: str, parts: list[Tensor]) -> Tensor:
+    """A unit-sharded parameter `name` whole from the shards of contiguous unit ranges that cover the
+    eight units, in unit order (`unit_shards`' layout; ff.net.0.proj.weight: hidden rows, then gate rows).
+
+    Raises:
+        ValueError: `name` is not unit-sharded.
+    """
+    if name not in UNIT_SHARDED:
+        raise ValueError(f"{name!r} is not unit-sharded; allowed: {list(UNIT_SHARDED)}")
+    if name != "ff.net.0.proj.weight":
+        return torch.cat(parts, dim=SHARD_DIM[name])
+    halves = [p.chunk(2) for p in parts]
+    return torch.cat([h for h, _ in halves] + [g for _, g in halves])

@@ -21,7 +21,7 @@ from h3lab.cli import main
 from h3lab.metrics import compare
 from h3lab.run.problem import Problem
 from h3lab.workbench import notebooks
-from h3lab.workbench.params import ExploreParams, ReportParams, ReproduceParams
+from h3lab.workbench.params import ExploreParams, ReportParams, ReproduceParams, YourCodeParams
 from h3lab.workbench.publish import chromium
 
 pytestmark = pytest.mark.notebooks
@@ -70,6 +70,9 @@ def test_sources_are_output_free_with_one_parameters_cell(name):
         (ReproduceParams, {"train_steps": 1, "blocks": "0-1"}, r"'baseline' with train_steps; allowed"),
         (ExploreParams, {"tensor": "dw"}, r"parameter tensor='dw'; allowed"),
         (ReportParams, {"runs": []}, r"parameter runs=\[\]; allowed"),
+        (YourCodeParams, {"layouts": "ring8"}, r"layouts='ring8': unknown layout 'ring8'; allowed: tp1, tp2"),
+        (YourCodeParams, {"steps": 0}, r"parameter steps=0; allowed: an int >= 1"),
+        (YourCodeParams, {"script": "/nonexistent/train.py"}, r"script='/nonexistent/train.py' is not a file"),
     ],
 )
 def test_parameters_name_the_value_and_the_allowed_set(cls, kwargs, match):
@@ -249,3 +252,19 @@ def test_a_training_sweep_runs_the_train_task_and_folds_its_tensors_by_kind():
         "block3.dw.ff.gate@u5": "dw.ff.gate",  # a chain's, as before
     }
     assert {name: collapsed(name) for name in folded} == folded
+
+
+# ---- your code ------------------------------------------------------------------------------------
+def test_your_code_runs_the_example_script_under_a_layout_and_shows_every_parameter(tmp_path):
+    run = tmp_path / "compare"
+    params = {"layouts": ["tp2"], "steps": 1, "run_dir": str(run)}
+    nb = notebooks.execute("your_code", tmp_path / "your_code.ipynb", params)
+    assert _errors(nb) == []
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "passed" and summary["layouts"]["tp2"]["status"] == "passed"
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    html = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+    assert any("transformer_blocks.1.ff.net.2.weight" in h and "equal" in h for h in html)  # the per-parameter table
+    printed = "".join(o.get("text", "") for o in outputs)
+    assert "step 1: loss" in printed and "tp2: passed" in printed  # in the kernel, then under the layout
+    assert (run / "heatmap.png").stat().st_size > 10_000

@@ -147,6 +147,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         },
     ),
     Benchmark(
+        "parallelize_step",
+        "h3lab.bench.parallelize_step",
+        "parallelize-step.json",
+        "your own training step through h3lab.parallelize (autograd, h3lab.optim) against h3lab's Trainer and "
+        "diffusers + autograd + AdamW, real shapes, 4 blocks; bitwise under tp1 and tp2",
+        {"h200": ("--config", "real", "--layers", "4", "--rows", "4096", "--steps", "5", "--device", "cuda")},
+        needs_cuda=True,
+        timeout_s=1800.0,
+    ),
+    Benchmark(
         "collectives",
         "h3lab.bench.collectives",
         "collectives.json",

@@ -28,6 +28,11 @@ COMMANDS: dict[str, Subcommand] = {
         "one block: the canonical block against the FP64 oracle and diffusers (a synthetic or given checkpoint)",
         aliases=("reproduce",),  # the name it had; `make reproduce` is the layout sweep (`h3lab workbench reproduce`)
     ),
+    "compare": Subcommand(
+        "h3lab.cli.compare",
+        "run your own script (h3lab.parallelize, h3lab.record) under each layout and compare its records byte "
+        "for byte with one process",
+    ),
     "manifest": Subcommand(
         "h3lab.cli.manifest", "write manifest.json (sha256 of every file and tensor) for a checkpoint folder"
     ),

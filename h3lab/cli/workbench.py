@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    p.add_argument("notebook", choices=["reproduce", "explore"])
+    p.add_argument("notebook", choices=["reproduce", "explore", "your_code"])
     p.add_argument(
         "-p",
         "--param",
@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         type=Path,
         default=None,
         help="reproduce: the run directory (default runs/<time>-<node>-<commit>-<hex>); "
-        "explore: the executed notebook, its key numbers beside it as .json (default runs/explore-<time>-<hex>.ipynb)",
+        "explore: the executed notebook, its key numbers beside it as .json (default runs/explore-<time>-<hex>.ipynb); "
+        "your_code: the executed notebook (default runs/your-code-<time>-<hex>.ipynb)",
     )
     p.add_argument("--force", action="store_true", help="explore: replace an existing --out (and its .json)")
     p.add_argument("--no-report", action="store_true", help="reproduce: do not render the report")
@@ -48,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         try:
             if a.notebook == "explore":
                 return _explore(a, params)
+            if a.notebook == "your_code":
+                return _your_code(a, params)
             if a.force:
                 raise ValueError(
                     "--force with reproduce; allowed: --force with explore (a run folder is never replaced)"
@@ -93,6 +96,26 @@ def _explore(a: argparse.Namespace, params: dict) -> int:
                 old.unlink(missing_ok=True)  # replaced by nothing: no stale record beside a new notebook
             else:  # Ctrl-C, a signal: the old files stay
                 new.unlink(missing_ok=True)
+    print(f"executed notebook: {out}")
+    return 0
+
+
+def _your_code(a: argparse.Namespace, params: dict) -> int:
+    """The your_code notebook into a new file: an existing --out is refused (its compare run has a
+    folder of its own, `-p run_dir`, which must be new or empty)."""
+    from h3lab.io.rundir import check_unpublished
+    from h3lab.workbench import notebooks
+
+    if a.force:
+        raise ValueError("--force with your_code; allowed: --force with explore (give a new --out)")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = a.out or _runs() / f"your-code-{stamp}-{secrets.token_hex(2)}.ipynb"
+    if out.suffix != ".ipynb":
+        raise ValueError(f"--out {str(out)!r}; allowed: a path ending in .ipynb")
+    check_unpublished(out, "--out")
+    if os.path.lexists(out):
+        raise ValueError(f"--out {str(out)!r} exists; allowed: a new path")
+    notebooks.execute("your_code", out, params, progress=True)
     print(f"executed notebook: {out}")
     return 0
 

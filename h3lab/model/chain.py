@@ -22,8 +22,8 @@ from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import TORCH, BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
-from h3lab.model.weights import ModelWeights
-from h3lab.units import UnitWeights, unit_weights
+from h3lab.model.weights import ModelWeights, block_units
+from h3lab.units import UnitWeights
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,8 +130,7 @@ def chain_step(
 
 
 def _unit_weights(weights: ModelWeights, i: int, batch: PackedBatch, comm: BlockComm) -> UnitWeights:
-    w = weights.block(i)
-    return unit_weights(w if w["norm1.weight"].device == batch.device else w.to(batch.device), comm.units)
+    return block_units(weights, i, comm.units, batch.device)
 
 
 def _traced(trace: Trace | None, block: int, *, forward: bool) -> Trace | None:

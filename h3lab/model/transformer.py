@@ -32,8 +32,7 @@ from h3lab.comm import BlockComm, LocalComm
 from h3lab.model.embed import Embedded, embed
 from h3lab.model.head import ModelOutput, head
 from h3lab.model.inputs import ModelInputs
-from h3lab.model.weights import ModelWeights
-from h3lab.units import unit_weights
+from h3lab.model.weights import ModelWeights, block_units
 
 RowsShard = Callable[[PackedBatch], PackedBatch]  # the whole sequence -> this rank's local rows (padded or not)
 
@@ -49,18 +48,17 @@ def run_blocks(
 ) -> PackedBatch:
     """The block stack on this rank's rows: `batch` with hidden_states replaced by the last block's out.
 
-    Loads one block at a time (`weights.block(i)`), slices it to `comm.units`, runs
+    Loads one block at a time (`h3lab.model.weights.block_units`: `weights.block(i)` sliced to
+    `comm.units`, or a `ShardedWeights`' own shards), runs
     `block_step(..., backward=False)`; padding rows come out +0. `blocks` defaults to every block
     in order; `trace` receives each op as `block{i}.{op}`.
     """
     for i in range(weights.config.num_layers) if blocks is None else blocks:
-        w = weights.block(i)
-        if w["norm1.weight"].device != batch.device:
-            w = w.to(batch.device)
+        uw = block_units(weights, i, comm.units, batch.device)
         tr = None if trace is None else prefixed(trace, f"block{i}.")
-        step = block_step(unit_weights(w, comm.units), batch, comm, backend=backend, backward=False, trace=tr)
+        step = block_step(uw, batch, comm, backend=backend, backward=False, trace=tr)
         batch = dataclasses.replace(batch, hidden_states=step.out)
-        del w, step  # one block's weights alive at a time
+        del uw, step  # one block's weights alive at a time
     return batch
 
 

@@ -6,7 +6,9 @@ it after. The non-block tensors (input projections, time MLP, token refiner, nor
 about 2 refiner blocks' worth, 1.7 GB real) are read through `tensor(name)`, all at once on first
 use (each shard opened and hashed once), and kept, since every forward of a trajectory needs them.
 `InMemoryWeights` holds the non-block tensors and the trained blocks in memory instead: a trainer's
-optimizer updates them in place between steps.
+optimizer updates them in place between steps. `ShardedWeights` holds what one rank of a layout keeps:
+every non-block tensor, each block's replicated tensors and only its units' shards of the rest
+(h3lab.units.unit_shards), so a block's tensors come out as that rank's `UnitWeights` (`unit_block`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from h3lab.config import H3Config, block_param_shapes, model_param_shapes
 from h3lab.io.manifest import find_layout
+from h3lab.units import REPLICATED, UnitWeights, shard_shapes, shard_unit_weights, unit_weights
 from h3lab.weights import BlockWeights, synthetic_block, synthetic_tensor
 
 
@@ -188,3 +191,63 @@ class InMemoryWeights:
                 f"{name!r} is not a non-block parameter; allowed: {sorted(model_param_shapes(self.config, 0))}"
             )
         return self.tensors[name]
+
+
+class ShardedWeights:
+    """One rank's parameters under their diffusers names: every non-block tensor and each block's
+    replicated tensors whole, its unit-sharded tensors as the shards of `units` (h3lab.units.unit_shards).
+    The tensors themselves are handed out (views, never copies): what an optimizer writes into them is
+    what the next forward reads. No check of values (finiteness is checked where weights enter).
+    """
+
+    def __init__(self, config: H3Config, tensors: dict[str, Tensor], units: range) -> None:
+        """Raises ValueError naming a tensor that is missing, unexpected, or of another shape than the
+        parameter's (a unit-sharded one: its shard's)."""
+        shapes = dict(model_param_shapes(config))
+        shards = shard_shapes(config, units)
+        for i in range(config.num_layers):
+            shapes |= {f"transformer_blocks.{i}.{k}": v for k, v in shards.items()}
+        missing, unknown = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+        if missing or unknown:
+            raise ValueError(
+                f"sharded weights: missing {missing[:4]}, unexpected {unknown[:4]}; allowed: the model's parameters"
+            )
+        for name, t in tensors.items():
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(f"{name}: shape {list(t.shape)}; allowed: {list(shapes[name])} (units {list(units)})")
+        self.config, self.tensors, self.units = config, tensors, units
+
+    def block(self, index: int) -> BlockWeights:
+        raise ValueError(
+            f"block {index!r}: these weights hold units {list(self.units)} of each block; allowed: unit_block(i, units)"
+        )
+
+    def unit_block(self, index: int, units: range) -> UnitWeights:
+        """Block `index` as views of its tensors for `units`, which must be the units held."""
+        if units != self.units:
+            raise ValueError(f"units {list(units)} of block {index}; allowed: the units held, {list(self.units)}")
+        if not (isinstance(index, int) and 0 <= index < self.config.num_layers):
+            raise ValueError(f"block index {index!r} out of range; allowed: 0..{self.config.num_layers - 1}")
+        prefix = f"transformer_blocks.{index}."
+        names = (*REPLICATED, *shard_shapes(self.config, units))
+        return shard_unit_weights(self.config, {k: self.tensors[prefix + k] for k in names}, units)
+
+    def tensor(self, name: str) -> Tensor:
+        """A non-block parameter by its diffusers name."""
+        if name.startswith("transformer_blocks.") or name not in self.tensors:
+            raise ValueError(
+                f"{name!r} is not a non-block parameter; allowed: {sorted(model_param_shapes(self.config, 0))}"
+            )
+        return self.tensors[name]
+
+
+def block_units(weights: ModelWeights, index: int, units: range, device: torch.device) -> UnitWeights:
+    """Block `index`'s tensors for `units` on `device`: a `ShardedWeights`' own shards (which must be
+    on `device` already), or any other provider's block moved there and sliced (h3lab.units.unit_weights)."""
+    if isinstance(weights, ShardedWeights):
+        uw = weights.unit_block(index, units)
+        if uw.replicated["norm1.weight"].device != device:
+            raise ValueError(f"block {index}: weights on {uw.replicated['norm1.weight'].device}; allowed: {device}")
+        return uw
+    w = weights.block(index)
+    return unit_weights(w if w["norm1.weight"].device == device else w.to(device), units)

@@ -30,7 +30,7 @@ from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 from h3lab.config import H3Config
 from h3lab.ops.adamw import ADAMW_SCALARS
-from h3lab.train.clip import clip_coefficient, global_grad_norm, to_f32
+from h3lab.train.clip import GradNorm, clip_coefficient, global_grad_norm, to_f32
 from h3lab.train.pieces import Piece, piece_label, rank_pieces
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
@@ -83,6 +83,38 @@ def step_scalars(hyper: AdamWHyper, beta1_pow: float, beta2_pow: float, device: 
     }
     assert tuple(values) == ADAMW_SCALARS, "h3lab.ops.adamw changed its scalars"
     return torch.tensor([to_f32(v) for v in values.values()], dtype=torch.float32, device=device)
+
+
+def next_beta_pows(hyper: AdamWHyper, pows: tuple[float, float]) -> tuple[float, float]:
+    """(beta1^t, beta2^t) of the next step from this step's: one float64 multiply each."""
+    b1, b2 = hyper.betas
+    return pows[0] * b1, pows[1] * b2
+
+
+def clipped_norm(
+    grads: Mapping[Piece, Tensor],
+    *,
+    comm: BlockComm,
+    config: H3Config,
+    backend: Backend,
+    max_norm: float,
+    at: str,
+) -> tuple[GradNorm, Tensor]:
+    """The global norm of every rank's `grads` (h3lab.train.clip) and the clip coefficient; `at` names
+    the step in the refusal ("step 3").
+
+    Raises:
+        NonFiniteGradError: the norm is NaN or Inf (a host sync: the norm is done when it returns).
+    """
+    gn = global_grad_norm(grads, comm, config, backend)
+    if not bool(torch.isfinite(gn.total)):
+        bad = [piece_label(p, "dw") for p in gn.nonfinite_pieces()]
+        where = f"non-finite sums of squares in {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad else "overflow"
+        raise NonFiniteGradError(
+            f"{at}: gradient norm {float(gn.norm)} ({where}); step refused, nothing "
+            "changed; allowed: finite gradients whose sum of squares fits FP32"
+        )
+    return gn, clip_coefficient(gn.norm, max_norm)
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,18 +195,16 @@ class AdamW:
         """
         start = time.perf_counter()
         self._check(grads)
-        gn = global_grad_norm(grads, self.comm, self.config, self.be)
-        if not bool(torch.isfinite(gn.total)):  # a host sync: the norm is done when clip_s is read
-            bad = [piece_label(p, "dw") for p in gn.nonfinite_pieces()]
-            where = f"non-finite sums of squares in {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad else "overflow"
-            raise NonFiniteGradError(
-                f"step {self.step_count + 1}: gradient norm {float(gn.norm)} ({where}); step refused, nothing "
-                "changed; allowed: finite gradients whose sum of squares fits FP32"
-            )
-        coef = clip_coefficient(gn.norm, self.hyper.max_grad_norm)
+        gn, coef = clipped_norm(
+            grads,
+            comm=self.comm,
+            config=self.config,
+            backend=self.be,
+            max_norm=self.hyper.max_grad_norm,
+            at=f"step {self.step_count + 1}",
+        )
         clipped = time.perf_counter()
-        b1, b2 = self.hyper.betas
-        pows = (self._beta_pows[0] * b1, self._beta_pows[1] * b2)
+        pows = next_beta_pows(self.hyper, self._beta_pows)
         s = step_scalars(self.hyper, *pows, self.device)
         for p, w in self.weights.items():
             st = self.state[p]

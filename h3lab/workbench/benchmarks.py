@@ -268,8 +268,32 @@ def train_step(record: dict) -> pd.DataFrame:
     return df
 
 
+def parallelize_step(record: dict) -> pd.DataFrame:
+    """Per layout, rank and side (tp1: parallelize_flow, trainer, eager, parallelize_custom; tp2: each
+    rank's parallelize_custom): the step's median, min and max ms, peak GiB on CUDA, the median against
+    tp1's trainer, and the bitwise verdict the side has (parallelize_flow against trainer, tp2 against tp1)."""
+    layouts = record.get("layouts", {})
+    trainer = layouts["tp1"][0]["sides"]["trainer"]["timed"]["median_s"]
+    bitwise = record.get("bitwise", {})
+    verdict = {("tp1", "parallelize_flow"): bitwise.get("parallelize_flow = trainer")}
+    rows = []
+    for layout, ranks in layouts.items():
+        for r in ranks:
+            for side, v in r["sides"].items():
+                tp2 = bitwise.get("tp2 = tp1 (parallelize_custom, every rank)") if layout != "tp1" else None
+                rows.append(
+                    {"layout": layout, "rank": r["rank"], "side": side}
+                    | {f"{k} ms": v["timed"][f"{k}_s"] * MS for k in ("median", "min", "max")}
+                    | {"peak GiB": (v.get("memory") or {}).get("peak_gib")}
+                    | {"median / trainer": v["timed"]["median_s"] / trainer}
+                    | {"bitwise": verdict.get((layout, side), tp2)}
+                )
+    return pd.DataFrame(rows).set_index(["layout", "rank", "side"])
+
+
 TABLES: dict[str, Callable[[Any], pd.DataFrame]] = {
     "train_step": train_step,
+    "parallelize_step": parallelize_step,
     "block": block_gpu,
     "block_long": block_gpu,
     "block_cpu": block_cpu,

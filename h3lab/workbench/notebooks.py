@@ -34,7 +34,7 @@ from h3lab.io.jsonfile import write_json
 from h3lab.run.summary import failure_line
 
 NOTEBOOKS_DIR = REPO / "notebooks"
-NOTEBOOKS = ("reproduce", "explore", "report")
+NOTEBOOKS = ("reproduce", "explore", "report", "your_code")
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 START_TIMEOUT_S = 120  # a kernel on a loaded 2-core machine took up to ~20 s to start; 60 s (papermill's) is tight
 KILL_WAIT_S = 30.0  # after killing the kernel: nbclient notices a dead kernel within a few seconds
@@ -126,7 +126,7 @@ def execute(
     what they mean to the caller.
 
     Args:
-        name: reproduce, explore or report.
+        name: reproduce, explore, report or your_code.
         output: the executed notebook's path (saved after every cell, so a crash leaves a partial record).
         parameters: values injected after the `parameters` cell.
         timeout_s: per-cell limit (None: none; the runner has its own per-layout timeout).

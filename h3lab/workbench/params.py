@@ -12,11 +12,14 @@ import dataclasses
 import math
 import os
 import re
+import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from h3lab.dist.layout import ALL_LAYOUTS, Layout, parse_layouts
+from h3lab.run.compare import CompareRequest
 from h3lab.run.problem import MODES, Problem
 
 TENSOR_NAMES = ("out", "dx", "dtemb")  # plus every "dw.<parameter>" of the block
@@ -303,12 +306,53 @@ def sweep_problem(params: dict[str, Any], mode: str, seed: int, *, task: str | N
     )
 
 
+EXAMPLE_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "my_train.py"  # the checkout's example
+
+
+@dataclass(frozen=True, kw_only=True)
+class YourCodeParams:
+    """Your own script under layouts against one process (notebooks/your_code.py, `h3lab compare`)."""
+
+    layouts: list[str] | str = field(default_factory=lambda: ["tp2", "tp4xcp2+sp"])
+    steps: int = 2  # the script's --steps
+    script: str | Path | None = None  # a `python SCRIPT` training script; None/"" takes examples/my_train.py
+    run_dir: str | Path | None = None  # the compare run's folder, new or empty; None/"": runs/<time>-your-code-<hex>
+    timeout: float = 600.0  # seconds per launch: the tp1 reference, each layout
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "layouts", [lay.name for lay in parse_layouts(_names(self.layouts, "layouts"))])
+        except ValueError as err:
+            raise ValueError(f"parameter layouts={self.layouts!r}: {err}") from None
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"parameter steps={self.steps!r}; allowed: an int >= 1")
+        script = _path(self.script) or EXAMPLE_SCRIPT
+        if not script.is_file():
+            raise ValueError(f"parameter script={str(script)!r} is not a file; allowed: a Python training script")
+        object.__setattr__(self, "script", script)
+        run_dir = _path(self.run_dir)
+        if run_dir is None:
+            run_dir = runs_root() / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-your-code-{secrets.token_hex(2)}"
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise ValueError(f"parameter run_dir={str(run_dir)!r} is not a new or empty folder; allowed: one that is")
+        object.__setattr__(self, "run_dir", run_dir)
+        if not (isinstance(self.timeout, int | float) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"parameter timeout={self.timeout!r}; allowed: a finite number of seconds > 0")
+
+    def request(self) -> CompareRequest:
+        """The compare run: `python SCRIPT --steps N` under every layout (what `h3lab compare` runs after `--`)."""
+        command = ("python", str(self.script), "--steps", str(self.steps))
+        layouts = tuple(Layout.parse(name) for name in self.layouts)
+        return CompareRequest(layouts=layouts, command=command, out=self.run_dir, timeout_s=self.timeout)
+
+
 __all__ = [
     "ALL_LAYOUTS",
     "WEIGHTS_SEED",
     "ExploreParams",
     "ReportParams",
     "ReproduceParams",
+    "YourCodeParams",
     "block_range",
     "runs_root",
     "sweep_problem",

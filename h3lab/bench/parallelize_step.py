@@ -1,0 +1,379 @@
+"""Your own training step through `h3lab.parallelize`: its bits under tp1 and tp2, and its time against
+h3lab's own `Trainer` and against diffusers + autograd + `torch.optim.AdamW`, as one JSON record.
+
+    python -m h3lab.bench.parallelize_step --out F.json [--config real|tiny] [--layers 4] [--rows N]
+        [--steps S] [--device cuda|cpu] [--backend triton|torch] [--seed N] [--timeout SECONDS]
+
+On one H200 (diffusers 0.42.1 is needed on every rank: the `parity` extra, from a carried wheel where
+the node lacks it; `h3lab publish --node h200` runs this through its registry):
+
+    python -m h3lab.bench.parallelize_step --out reports/h200/parallelize-step.json --config real \\
+        --layers 4 --rows 4096 --steps 5 --device cuda --backend triton
+
+A model of the real config's shapes with `--layers` blocks and synthetic weights (`SyntheticWeights`,
+the checkpoint's mixed precision) trains on one request (`request_of_rows`: exactly N rows), AdamW
+(lr 1e-5) with a clip at 1. Two launches through h3lab.launch.launcher, the ranks in this module (`--worker`):
+- tp1, one process, four sides one after the other, each on its own copy of the weights (the other
+  side's tensors freed first): `parallelize_flow` (a parallelized diffusers model trained on h3lab's
+  objective through autograd, `flow_matching_loss` on `FlowObjective.sample` of step k's seed, with
+  `h3lab.optim`: the work of a `Trainer` step, so its time against `trainer` is the wrapper's cost,
+  target <= 1.03x), `trainer` (`h3lab.train.step.Trainer`), `eager` (h3lab.bench.train_step's eager
+  side: diffusers + autograd + torch.optim.AdamW on FP32 masters), `parallelize_custom` (the same
+  parallelized model on a loss of its own: an advantage-weighted, clamped MSE of the video head plus
+  a cosine term on the audio head, on a fixed noised request);
+- tp2, two processes (one GPU each where there are two; on one GPU both share it and the bytes
+  travel over gloo through the host, NCCL refusing two ranks on one GPU, so its times are no speed
+  figure): `parallelize_custom` again.
+Every side runs steps 1 and 2 untimed (the first compiles the kernels), takes digests (h3lab.metrics
+.digest) of every weight after step 2 and the bits of each step's loss and gradient norm, then times
+`--steps` steps: each after a barrier of the layout's ranks and a device synchronisation, CUDA events
+on a GPU (the wall clock on a CPU), medians and quartiles (h3lab.bench.step_timing). Bitwise: tp2's
+`parallelize_custom` against tp1's on both ranks; `parallelize_flow` against `trainer` (the loss, the
+norm, every weight after step 2). The record is written at the start (`running`) and at the end
+(`complete`, or `failed` with the launch that failed and its logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from h3lab.bench.step_timing import StepClock, run_side
+from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.dist.layout import Layout
+from h3lab.io.env import capture as capture_env
+from h3lab.io.jsonfile import write_json
+from h3lab.launch.launcher import launch
+from h3lab.metrics import digest
+from h3lab.model.packing import min_request_rows, request_of_rows
+from h3lab.model.weights import SyntheticWeights
+
+BENCH_FORMAT = "h3lab-bench-parallelize-step-v1"
+PROG = "python -m h3lab.bench.parallelize_step"
+LAYOUTS = ("tp1", "tp2")
+BITWISE_STEPS = 2  # untimed, then compared
+TARGET = 1.03  # parallelize_flow / trainer, medians
+LR, MAX_NORM = 1e-5, 1.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before any work.
+
+    Raises:
+        ValueError: one line naming the value and what is allowed.
+    """
+    ap = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="the JSON record (a new file)")
+    ap.add_argument("--config", default="real", choices=NAMED_CONFIGS)
+    ap.add_argument("--layers", type=int, default=4, help="blocks of the model (the embedders and heads around them)")
+    ap.add_argument("--rows", type=int, default=4096, help="packed rows of the request")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per side, after the 2 bitwise ones")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--backend", default=None, choices=("triton", "torch"), help="h3lab's kernels (cuda: triton)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a rank: its spec
+    a = ap.parse_args(argv)
+    if a.worker is not None:
+        return a
+    if a.out is None:
+        raise ValueError("--out is required; allowed: a new JSON file")
+    if a.out.exists():
+        raise ValueError(f"--out {a.out} exists; allowed: a new file (a record is never overwritten)")
+    config = H3Config.named(a.config)
+    if not 1 <= a.layers <= config.num_layers:
+        raise ValueError(f"--layers {a.layers}; allowed: 1..{config.num_layers}")
+    if a.rows < min_request_rows(config):
+        raise ValueError(f"--rows {a.rows}; allowed: >= {min_request_rows(config)} (text, a keyframe, a frame, audio)")
+    if a.steps < 1:
+        raise ValueError(f"--steps {a.steps}; allowed: >= 1")
+    a.backend = a.backend or ("triton" if a.device == "cuda" else "torch")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here; allowed: --device cpu")
+    if a.backend == "triton" and a.device != "cuda":
+        raise ValueError("--backend triton runs on --device cuda only; allowed on cpu: --backend torch")
+    return a
+
+
+# ---- the parent: two launches, one record ------------------------------------------------------------
+def bench(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "format": BENCH_FORMAT,
+        "what": "a training step through h3lab.parallelize (autograd, h3lab.optim) against h3lab.train.step."
+        "Trainer and diffusers + autograd + torch.optim.AdamW; its bits under tp1 and tp2",
+        "command": f"{PROG} " + " ".join(argv),
+        "args": {k: str(v) for k, v in vars(a).items() if k != "worker"},
+        "config": H3Config.named(a.config).replace(num_layers=a.layers).to_dict(),
+        "hyper": {"lr": LR, "max_grad_norm": MAX_NORM},
+        "env": capture_env(a.device),
+        "status": "running",
+    }
+    write_json(a.out, record)
+    work = a.out.parent / f"{a.out.stem}.ranks"
+    record["layouts"] = {}
+    for name in LAYOUTS:
+        layout = Layout.parse(name)
+        d = work / name
+        d.mkdir(parents=True, exist_ok=True)
+        spec = {k: str(v) for k, v in vars(a).items() if k not in ("worker", "out")} | {"layout": name, "dir": str(d)}
+        write_json(d / "spec.json", spec)
+        res = launch(
+            "h3lab.bench.parallelize_step",
+            ["--worker", str(d / "spec.json")],
+            nproc_per_node=layout.world,
+            log_dir=d,
+            timeout_s=a.timeout,
+        )
+        if not res.ok:
+            record |= {
+                "status": "failed",
+                "error": f"launch {name} exited {res.returncode} (timed out: {res.timed_out}); logs in {d}",
+                "logs": [str(p) for p in res.agent_logs],
+            }
+            return record
+        record["layouts"][name] = [json.loads((d / f"rank{r}.json").read_text()) for r in range(layout.world)]
+    return record | verdicts(record["layouts"]) | {"status": "complete"}
+
+
+def verdicts(layouts: dict[str, list[dict]]) -> dict[str, Any]:
+    """Bitwise and speed: tp2 against tp1, the parallelized model against Trainer, the medians' ratios."""
+    one = layouts["tp1"][0]["sides"]
+    bits = lambda side: {k: side[k] for k in ("losses", "norms", "weights")}  # noqa: E731
+    tp2 = [r["sides"]["parallelize_custom"] for r in layouts["tp2"]]
+    median = {k: v["timed"]["median_s"] for k, v in one.items()}
+    return {
+        "bitwise": {
+            "tp2 = tp1 (parallelize_custom, every rank)": all(bits(s) == bits(one["parallelize_custom"]) for s in tp2),
+            "parallelize_flow = trainer": bits(one["parallelize_flow"]) == bits(one["trainer"]),
+        },
+        "ratios": {
+            "parallelize_flow / trainer": median["parallelize_flow"] / median["trainer"],
+            "parallelize_custom / trainer": median["parallelize_custom"] / median["trainer"],
+            "parallelize_flow / eager": median["parallelize_flow"] / median["eager"],
+            "trainer / eager": median["trainer"] / median["eager"],
+        },
+        "target": {"parallelize_flow / trainer": TARGET},
+        "within_target": median["parallelize_flow"] / median["trainer"] <= TARGET,
+    }
+
+
+# ---- one rank ------------------------------------------------------------------------------------------
+def worker(spec_path: Path) -> int:
+    spec = json.loads(spec_path.read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    layout = Layout.parse(spec["layout"])
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    config = H3Config.named(spec["config"]).replace(num_layers=int(spec["layers"]))
+    seed = int(spec["seed"])
+    weights = SyntheticWeights(config, seed=seed, device=device, generator=device)
+    inputs = request_of_rows(config, int(spec["rows"]), seed + 1).to(device)  # built before any timing
+    ctx = types.SimpleNamespace(spec=spec, layout=layout, device=device, weights=weights, inputs=inputs, seed=seed)
+    sides: dict[str, Any] = {}
+    names = (
+        ("parallelize_custom",) if layout.world > 1 else ("parallelize_flow", "trainer", "eager", "parallelize_custom")
+    )
+    for name in names:
+        sides[name] = SIDES[name](ctx)
+        _free(device)
+    transport = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    out = {"rank": rank, "world": world, "layout": layout.name, "device": str(device), "transport": transport}
+    write_json(Path(spec["dir"]) / f"rank{rank}.json", out | {"sides": sides})
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _model(ctx: types.SimpleNamespace):
+    """A parallelized diffusers model of the depth, on its own copy of the weights."""
+    from diffusers.models.transformers.transformer_minimax_h3 import (
+        MiniMaxH3RotaryPosEmbed,
+        MiniMaxH3Transformer3DModel,
+    )
+
+    import h3lab
+    from h3lab.reference.eager_train import depth_state
+
+    config = ctx.weights.config
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel(**config.to_dict())
+    model.load_state_dict(depth_state(ctx.weights, range(config.num_layers)), strict=True, assign=True)
+    model.rope = MiniMaxH3RotaryPosEmbed(config.rope_freq_dim, config.rope_theta).to(ctx.device)
+    return h3lab.parallelize(model, ctx.layout, backend=ctx.spec["backend"])
+
+
+def _timed(
+    ctx: types.SimpleNamespace, step: Callable[[int], tuple[Tensor, Tensor]], weights: Callable[[], dict]
+) -> dict:
+    """Steps 1-2 untimed and their bits, then `--steps` timed steps (module docstring)."""
+    barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
+    losses, norms = [], []
+    for k in range(1, BITWISE_STEPS + 1):
+        loss, norm = step(k)
+        losses.append(float(loss).hex()), norms.append(float(norm).hex())
+    digests = {n: digest(t) for n, t in weights().items()}
+
+    def timed(k: int, clock: StepClock) -> dict[str, Any]:
+        barrier()
+        clock.start()
+        loss, norm = step(BITWISE_STEPS + k)
+        total, _ = clock.stop()
+        return {
+            "step": BITWISE_STEPS + k,
+            "seconds": total,
+            "phases": {},
+            "loss": float(loss),
+            "grad_norm": float(norm),
+        }
+
+    out = run_side(timed, 0, int(ctx.spec["steps"]), ctx.device)
+    return out | {"losses": losses, "norms": norms, "weights": digests}
+
+
+def parallelize_flow(ctx: types.SimpleNamespace) -> dict[str, Any]:
+    import h3lab.optim
+    from h3lab.nn import diffusers_kwargs, flow_matching_loss, full_state_dict
+    from h3lab.train.objective import FlowObjective
+    from h3lab.train.step import step_seed
+
+    model, objective = _model(ctx), FlowObjective()
+    opt = h3lab.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(k: int) -> tuple[Tensor, Tensor]:
+        sample = objective.sample(ctx.inputs, step_seed(ctx.seed, k))
+        out = model(**diffusers_kwargs(sample.inputs))
+        loss = flow_matching_loss(objective, sample, out.sample[0], out.audio_sample[0])
+        loss.backward()
+        norm = h3lab.optim.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), norm
+
+    return _timed(ctx, step, lambda: full_state_dict(model))
+
+
+def parallelize_custom(ctx: types.SimpleNamespace) -> dict[str, Any]:
+    import h3lab.optim
+    from h3lab.nn import diffusers_kwargs, full_state_dict
+
+    model = _model(ctx)
+    opt = h3lab.optim.AdamW(model.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(ctx.seed + 2)
+    i = ctx.inputs
+    targets = [torch.randn(t.shape, generator=g).to(ctx.device) for t in (i.video_rows, i.audio_rows)]
+    advantage = torch.randn(i.video_rows.shape[0], generator=g).to(ctx.device)
+    kwargs = diffusers_kwargs(i)
+
+    def step(k: int) -> tuple[Tensor, Tensor]:
+        out = model(**kwargs)
+        mse = ((out.sample[0] - targets[0]) ** 2).mean(-1)
+        cos = F.cosine_similarity(out.audio_sample[0], targets[1], dim=-1)
+        loss = (advantage * mse.clamp(max=4.0)).mean() + 0.5 * (1 - cos).clamp(min=0.05).mean()
+        loss.backward()
+        norm = h3lab.optim.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), norm
+
+    return _timed(ctx, step, lambda: full_state_dict(model))
+
+
+def trainer(ctx: types.SimpleNamespace) -> dict[str, Any]:
+    from h3lab.backend import get_backend
+    from h3lab.train.adamw import AdamWHyper
+    from h3lab.train.step import Trainer
+
+    be = get_backend(ctx.spec["backend"], ctx.device)
+    blocks = range(ctx.weights.config.num_layers)
+    hyper = AdamWHyper(lr=LR, max_grad_norm=MAX_NORM)
+    t = Trainer(ctx.weights, ctx.inputs, blocks=blocks, hyper=hyper, seed=ctx.seed, backend=be)
+
+    def step(k: int) -> tuple[Tensor, Tensor]:
+        s = t.step(k)
+        return s.loss, s.grad_norm
+
+    return _timed(ctx, step, lambda: dict(t.weights.tensors))
+
+
+def eager(ctx: types.SimpleNamespace) -> dict[str, Any]:
+    """h3lab.bench.train_step's eager side (its own warm-up of 2 steps, then `--steps` timed)."""
+    from h3lab.bench.train_step import eager_side
+    from h3lab.train.adamw import AdamWHyper
+
+    blocks = tuple(range(ctx.weights.config.num_layers))
+    a = types.SimpleNamespace(
+        warmup=BITWISE_STEPS,
+        steps=int(ctx.spec["steps"]),
+        device=ctx.device,
+        blocks=blocks,
+        hyper=AdamWHyper(lr=LR, max_grad_norm=MAX_NORM),
+        seed=ctx.seed,
+    )
+    return eager_side(a, ctx.weights, ctx.inputs)
+
+
+SIDES = {
+    "parallelize_flow": parallelize_flow,
+    "trainer": trainer,
+    "eager": eager,
+    "parallelize_custom": parallelize_custom,
+}
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The benchmark (or, with --worker, one of its ranks); a bad argument is one line, exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = parse_args(argv)
+    except ValueError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    if a.worker is not None:
+        return worker(a.worker)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        record = bench(a, argv)
+    except BaseException as err:  # the record ends failed or interrupted, never running
+        status = "interrupted" if isinstance(err, KeyboardInterrupt | SystemExit) else "failed"
+        write_json(a.out, json.loads(a.out.read_text()) | {"status": status, "error": f"{type(err).__name__}: {err}"})
+        raise
+    write_json(a.out, record | {"elapsed_s": time.perf_counter() - start})
+    if record["status"] != "complete":
+        print(f"{PROG}: {record['error']}", file=sys.stderr)
+        return 1
+    r, b = record["ratios"], record["bitwise"]
+    print(
+        f"parallelize_flow / trainer {r['parallelize_flow / trainer']:.3f} (target <= {TARGET}), "
+        f"parallelize_flow / eager {r['parallelize_flow / eager']:.3f}; bitwise: {b}; {a.out}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""`python -m h3lab.bench.parallelize_step` at the tiny config on the CPU (gloo): the record the H200 run
+writes, its bitwise verdicts (tp2 against tp1 on a custom loss; the parallelized model on h3lab's
+objective against Trainer), the report's table, bad arguments. No speed is asserted (a benchmark's
+figures are its record's)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from h3lab.bench.parallelize_step import BENCH_FORMAT, main
+from h3lab.workbench.benchmarks import table
+
+SIDES = ["parallelize_flow", "trainer", "eager", "parallelize_custom"]
+
+
+def test_the_record_holds_bitwise_verdicts_and_every_sides_timed_steps(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    argv = ["--out", str(out), "--config", "tiny", "--layers", "1", "--rows", "96", "--steps", "1", "--device", "cpu"]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["status"] == "complete" and r["format"] == BENCH_FORMAT and r["config"]["num_layers"] == 1
+    assert r["bitwise"] == {"tp2 = tp1 (parallelize_custom, every rank)": True, "parallelize_flow = trainer": True}
+    (one,) = r["layouts"]["tp1"]
+    assert list(one["sides"]) == SIDES and one["transport"] is None
+    for side in one["sides"].values():
+        assert side["timed"]["median_s"] > 0 and sum(not s["warmup"] for s in side["steps"]) == 1  # --steps 1
+    flow, custom = one["sides"]["parallelize_flow"], one["sides"]["parallelize_custom"]
+    assert len(flow["losses"]) == 2 and flow["weights"] and flow["losses"] != custom["losses"]  # two losses
+    assert [x["transport"] for x in r["layouts"]["tp2"]] == ["gloo", "gloo"]
+    assert set(r["ratios"]) == {
+        f"{a} / {b}"
+        for a, b in [
+            ("parallelize_flow", "trainer"),
+            ("parallelize_custom", "trainer"),
+            ("parallelize_flow", "eager"),
+            ("trainer", "eager"),
+        ]
+    }
+    t = table("parallelize_step", r)
+    assert (
+        len(t) == 6
+        and t.loc[("tp1", 0, "parallelize_flow"), "bitwise"]
+        and t.loc[("tp2", 1, "parallelize_custom"), "bitwise"]
+    )
+    assert "parallelize_flow / trainer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--layers", "9"], "--layers 9; allowed: 1..4"),
+        (["--rows", "8"], "--rows 8; allowed: >= "),
+        (["--steps", "0"], "--steps 0; allowed: >= 1"),
+        (["--backend", "triton"], "--backend triton runs on --device cuda only"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_writes_nothing(tmp_path, capsys, extra, expected):
+    out = tmp_path / "p.json"
+    assert main(["--out", str(out), "--config", "tiny", "--device", "cpu", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err and not out.exists()
