@@ -21,8 +21,14 @@ on it and the queries. No atomics, no split over the reduced axis. Row counts ar
 
 from __future__ import annotations
 
+from typing import Any
+
 import triton
 import triton.language as tl
+
+from h3lab.triton import configs
+from h3lab.triton.attention_fwd import arg_types
+from h3lab.triton.variant import Variant
 
 
 @triton.jit(do_not_specialize=["n_q"])
@@ -385,3 +391,40 @@ def attention_bwd_kv_tma_kernel(
     out = h64 * stride_gh + keys * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
     tl.store(dv_ptr + out, dv, mask=key_ok[:, None])
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+KERNELS = {  # pinned entry: (pointer kernel, TMA kernel)
+    "attention_bwd_q": (attention_bwd_q_kernel, attention_bwd_q_tma_kernel),
+    "attention_bwd_kv": (attention_bwd_kv_kernel, attention_bwd_kv_tma_kernel),
+}
+
+
+def variant(kernel: str, cfg: dict[str, Any], head_dim: int, what: str = "", aligned_strides: bool = False) -> Variant:
+    """The dq ("attention_bwd_q") or dk/dv ("attention_bwd_kv") kernel under `cfg` (a pinned entry or a
+    candidate): the TMA kernel when it says "TMA". `aligned_strides`: strides taken as multiples of 16."""
+    if kernel not in KERNELS:
+        raise ValueError(f"attention_bwd variant: kernel {kernel!r}; allowed: {sorted(KERNELS)}")
+    fn = KERNELS[kernel][1 if cfg.get("TMA") else 0]
+    const = {"HEAD_DIM": head_dim, "DOT_PREC": "tf32", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    aligned = tuple(n for n in fn.arg_names if n.startswith("stride")) if aligned_strides else ()
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return Variant(kernel, what, fn, arg_types(fn, cfg, head_dim), const, opts, aligned)
+
+
+def variants(node: str) -> list[Variant]:
+    """delta, dq and dk/dv at every pinned head dim."""
+    out = []
+    for kernel in ("attention_delta", *KERNELS):
+        by_dim = configs.pinned(kernel, node)["by_head_dim"]
+        for dh in sorted(by_dim, key=int):
+            cfg = by_dim[dh]
+            if kernel != "attention_delta":
+                out.append(variant(kernel, cfg, int(dh), f"head_dim {dh}"))
+                continue
+            types = {"do_ptr": "*bf16", "o_ptr": "*fp32", "delta_ptr": "*fp32"}
+            const = {"HEAD_DIM": int(dh), "BLOCK_R": cfg["BLOCK_R"]}
+            opts = {"num_warps": cfg["num_warps"], "num_stages": cfg.get("num_stages", 1)}
+            out.append(Variant(kernel, f"head_dim {dh}", attention_delta_kernel, types, const, opts))
+    return out

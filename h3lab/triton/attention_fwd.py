@@ -18,8 +18,13 @@ statistic the backward needs to replay p = exp2(s2 - lse2).
 
 from __future__ import annotations
 
+from typing import Any
+
 import triton
 import triton.language as tl
+
+from h3lab.triton import configs
+from h3lab.triton.variant import Variant
 
 
 @triton.jit
@@ -182,3 +187,42 @@ def attention_fwd_tma_kernel(
     if WRITE_REF:
         tl.store(oref_ptr + h64 * stride_rh + rows * stride_rm + offs_d[None, :], o, mask=row_ok[:, None])
     tl.store(lse_ptr + h64 * n_q + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+FP32_ARGS = ("oref_ptr", "lse_ptr", "delta_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+
+
+def arg_types(fn: Any, cfg: dict[str, Any], head_dim: int) -> dict[str, str]:
+    """An attention kernel's argument types at the real calls: bf16 q, k, v, dO (TMA: descriptors over
+    [rows, H * Dh] with [block rows, Dh] blocks), FP32 reference output, statistics and gradients."""
+    types = {}
+    for name in fn.arg_names:
+        if name.endswith("_desc"):
+            rows = cfg["BLOCK_M"] if name in ("q_desc", "do_desc") else cfg["BLOCK_N"]
+            types[name] = f"tensordesc<bf16[{rows}, {head_dim}]>"
+        elif name in FP32_ARGS:
+            types[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            types[name] = "*bf16"
+        elif name in ("qk_scale", "scale"):
+            types[name] = "fp32"
+    return types
+
+
+def variant(cfg: dict[str, Any], head_dim: int, what: str = "", aligned_strides: bool = False) -> Variant:
+    """The forward under `cfg` (a pinned entry or a candidate): the TMA kernel when it says "TMA".
+    `aligned_strides`: strides taken as multiples of 16, as at the real shapes."""
+    fn = attention_fwd_tma_kernel if cfg.get("TMA") else attention_fwd_kernel
+    const = {"HEAD_DIM": head_dim, "DOT_PREC": "tf32", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    const |= {"WRITE_REF": True}
+    aligned = tuple(n for n in fn.arg_names if n.startswith("stride")) if aligned_strides else ()
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return Variant("attention_fwd", what, fn, arg_types(fn, cfg, head_dim), const, opts, aligned)
+
+
+def variants(node: str) -> list[Variant]:
+    """The forward at every pinned head dim."""
+    by_dim = configs.pinned("attention_fwd", node)["by_head_dim"]
+    return [variant(by_dim[dh], int(dh), f"head_dim {dh}") for dh in sorted(by_dim, key=int)]

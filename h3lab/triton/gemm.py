@@ -34,6 +34,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3lab.triton import configs
+from h3lab.triton.variant import Variant, options
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -514,3 +515,44 @@ def mm(
         enable_fp_fusion=False,
     )
     return c_MN
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+
+def variants(node: str) -> list[Variant]:
+    """mm_kernel: every row bucket at its bf16 TMA form (a [M, K], b = W.T, bf16 out), and the fp32 entry."""
+    buckets = configs.pinned("gemm", node).get("by_rows", [{"max_rows": None}])
+    out = []
+    for bucket in buckets:
+        rows = bucket["max_rows"] or 4096
+        cfg = kernel_config("gemm", node, False, rows=rows)
+        BM, BN, BK, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("EPILOGUE_SPLIT", 1)
+        types: dict[str, Any] = {f"{x}_ptr": "*bf16" for x in "abc"} | {
+            "a_desc": f"tensordesc<bf16[{BM}, {BK}]>",
+            "b_desc": f"tensordesc<bf16[{BN}, {BK}]>",
+            "c_desc": f"tensordesc<bf16[{BM}, {BN // split}]>",
+        }
+        const = _mm_const(cfg, a_mode=1, b_mode=1, ieee=False, out_tma=bool(cfg.get("TMA_STORE")), split=split)
+        if "TAIL_M" in cfg:
+            types |= {
+                "a_tail_desc": f"tensordesc<bf16[{cfg['TAIL_M']}, {BK}]>",
+                "w_tail_desc": f"tensordesc<bf16[{cfg['TAIL_N']}, {BK}]>",
+            }
+            const |= {"TAIL": True, "TAIL_M": cfg["TAIL_M"], "TAIL_N": cfg["TAIL_N"]}
+        else:
+            types |= {"a_tail_desc": None, "w_tail_desc": None}
+        out.append(Variant("gemm", f"bf16, rows <= {bucket['max_rows']}", mm_kernel, types, const, options(cfg)))
+    cfg = kernel_config("gemm", node, True)
+    const = _mm_const(cfg, a_mode=0, b_mode=0, ieee=True, out_tma=False, split=1)
+    types = {f"{x}_ptr": "*fp32" for x in "abc"} | dict.fromkeys(("a_desc", "b_desc", "c_desc"), None)
+    types |= {"a_tail_desc": None, "w_tail_desc": None}
+    out.append(Variant("gemm", "fp32", mm_kernel, types, const, options(cfg)))
+    return out
+
+
+def _mm_const(cfg: dict[str, Any], *, a_mode: int, b_mode: int, ieee: bool, out_tma: bool, split: int) -> dict:
+    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    flags = {"FLATTEN": cfg.get("FLATTEN", False), "WARP_SPECIALIZE": cfg.get("WARP_SPECIALIZE", False)}
+    modes = {"A_MODE": a_mode, "B_MODE": b_mode, "IEEE": ieee, "OUT_TMA": out_tma, "SPLIT": split}
+    return tiles | flags | modes | {"TAIL": False, "TAIL_M": 1, "TAIL_N": 1}

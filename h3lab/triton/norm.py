@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from h3lab.config import H3Config
 from h3lab.triton import configs
+from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -326,3 +328,29 @@ def qk_norm_rope_bwd(
     """Backward of `qk_norm_rope_fwd`: (dq [R, H, Dh] out_dtype, dw per (row, head) [R, H, Dh] FP32)."""
     _check(out_dtype, dout_RHD, q_RHD, w_D, cos_RC, sin_RC)
     return _qk_norm_rope(q_RHD, w_D, cos_RC, sin_RC, dout_RHD, eps, out_dtype, node)
+
+
+def variants(node: str) -> list[Variant]:
+    """Both kernels in both directions at the real widths (hidden, head_dim, rotated channels)."""
+    real = H3Config.real()
+    D, dh, C = real.hidden_size, real.attention_head_dim, 6 * real.rope_freq_dim
+    pins = configs.pinned("norm", node)
+    out = []
+    for backward, entry in ((False, "rms_modulate_fwd"), (True, "rms_modulate_bwd")):
+        cfg = pins[entry]
+        block_d = triton.next_power_of_2(D)
+        types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "scale_ptr": "*fp32", "other_ptr": "*fp32"}
+        types |= {n: "*fp32" if backward else "*bf16" for n in ("out_ptr", "dw_ptr", "dscale_ptr", "dshift_ptr")}
+        types |= {"inv_d": "fp32", "eps": "fp32"}
+        const = {"BACKWARD": backward, "D": D, "BLOCK_R": cfg["rows_per_program"], "BLOCK_D": block_d}
+        const |= {"LOG2_D": block_d.bit_length() - 1}
+        out.append(Variant("norm", entry, _rms_modulate_kernel, types, const, options(cfg, stages=False)))
+    cfg = pins["qk_norm_rope"]
+    for backward in (False, True):
+        types = {n: "*bf16" for n in ("q_ptr", "dout_ptr", "out_ptr")} | {"w_ptr": "*fp32", "dw_ptr": "*fp32"}
+        types |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "inv_dh": "fp32", "eps": "fp32"}
+        const = {"BACKWARD": backward, "DH": dh, "C": C, "BLOCK_H": min(cfg["heads_per_program"], 64)}
+        const |= {"BLOCK_DH": dh, "LOG2_DH": dh.bit_length() - 1}
+        what = f"qk_norm_rope {'bwd' if backward else 'fwd'}"
+        out.append(Variant("norm", what, _qk_norm_rope_kernel, types, const, options(cfg, stages=False)))
+    return out

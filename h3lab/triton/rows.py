@@ -23,6 +23,7 @@ from torch import Tensor
 
 from h3lab import rowplan
 from h3lab.triton import configs, gemm
+from h3lab.triton.variant import Variant
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -232,3 +233,19 @@ def row_mm(
     if order.numel() == 0:  # no active row: the empty sum (the GEMM is not asked for K = 0)
         return torch.zeros((a_RN.shape[1], b_RK.shape[1]), dtype=out_dtype, device=a_RN.device)
     return gemm.mm(_take(a_RN, order).t(), _take(b_RK, order), out_dtype, node=node)
+
+
+def variants(node: str) -> list[Variant]:
+    """One chain set, and the largest group the block hands to chain_sums (MAX_CHAINS)."""
+    cfg = configs.pinned("rows", node)
+    out = []
+    for num in (1, MAX_CHAINS):
+        types = {
+            f"{p}{i}": t
+            for i in range(MAX_CHAINS)
+            for p, t in (("x", "*bf16"), ("r", "*i64"), ("s", "*i64"), ("o", "*fp32"))
+        }
+        const = {"NUM": num, "BLOCK_N": cfg["block_n"], "UNROLL": cfg["unroll"]}
+        what = f"{num} chain set{'s' if num > 1 else ''}"
+        out.append(Variant("rows", what, _row_chain_kernel, types, const, {"num_warps": cfg["num_warps"]}))
+    return out

@@ -51,6 +51,7 @@ from h3lab.triton.gemm import (
     store_tile,
     tile_coords,
 )
+from h3lab.triton.variant import Variant, options
 
 IMPLS = ("triton", "gluon")  # the same bits; gluon (unit_gemm_sm90) pipelines across unit boundaries
 UNIT_COUNTS = (1, 2, 4, 8)  # subtrees of the 8-unit tree (TP 8, 4, 2, 1)
@@ -459,3 +460,41 @@ def unit_mm(
         enable_fp_fusion=False,
     )
     return out_MN
+
+
+def variants(node: str) -> list[Variant]:
+    """unit_mm_kernel (the Triton kernel; on sm90 it takes the calls the Gluon kernel cannot): one piece
+    (to_out, ff.net.2: b = W.T) and three (q, k, v dX: b = W), bf16 through TMA; the fp32 entry."""
+    out = []
+    for ieee, pieces, b_mode in ((False, 1, 1), (False, 3, 2), (True, 1, 0)):
+        cfg = kernel_config("unit_gemm", node, ieee)
+        BM, BN, BK, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("EPILOGUE_SPLIT", 1)
+        dt, tma = ("fp32", False) if ieee else ("bf16", bool(cfg["TMA"]))
+        out_tma = bool(cfg.get("TMA_STORE")) and not ieee
+        scratch_tma = bool(cfg.get("SCRATCH_TMA", True))
+        types: dict[str, Any] = {"c_ptr": "*fp32", "s_ptr": "*fp32"}
+        const: dict[str, Any] = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+        const |= {"PIECES": pieces, "PENDING_IN_REGS": bool(cfg.get("PENDING_IN_REGS", True))}
+        const |= {"SCRATCH_TMA": scratch_tma, "FENCE": True, "IEEE": ieee, "OUT_TMA": out_tma}
+        const |= {"SPLIT": split if out_tma else 1}
+        for i in range(MAX_PIECES):
+            used = i < pieces
+            am, bm = (1 if tma else 0, b_mode if tma else 0) if used else (0, 0)
+            const |= {f"AM{i}": am, f"BM{i}": bm}
+            if not used:
+                types |= {f"a{i}": None, f"ad{i}": None, f"b{i}": None, f"bd{i}": None}
+                continue
+            types |= {f"a{i}": f"*{dt}", f"b{i}": f"*{dt}"}
+            if tma:
+                b_block = [BN, BK] if bm == 1 else [BK, BN]
+                types |= {
+                    f"ad{i}": f"tensordesc<bf16[{BM}, {BK}]>",
+                    f"bd{i}": f"tensordesc<bf16[{b_block[0]}, {b_block[1]}]>",
+                }
+            else:
+                types |= {f"ad{i}": None, f"bd{i}": None}
+        types["c_desc"] = f"tensordesc<fp32[{BM}, {BN // split}]>" if out_tma else None
+        types["s_desc"] = f"tensordesc<fp32[{BM}, {BN}]>" if scratch_tma else None
+        what = f"{dt}, {pieces} piece{'s' if pieces > 1 else ''}"
+        out.append(Variant("unit_gemm", what, unit_mm_kernel, types, const, options(cfg)))
+    return out

@@ -46,7 +46,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from h3lab.triton import configs
 from h3lab.triton.gemm import a_mode, b_mode, tile_coords  # tile_coords: scalar-only @triton.jit, callable from Gluon
+from h3lab.triton.variant import Variant
 
 # Triton 3.6 (torch 2.11's) names the TMA copies async_copy_global_to_shared / _shared_to_global
 # and the CTA barrier thread_barrier; 3.9 renamed them async_load / async_store (the old names
@@ -591,3 +593,38 @@ def launch(
         num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+CALLS = ((1, False), (3, True), (2, True))  # (pieces, b as [K, N] rows): to_out and ff.net.2 | q,k,v dX | ff.net.0 dX
+
+
+def variant(pieces: int, b_kn: bool, stages: int, lvl2_smem: bool, block: int = 128, num_warps: int = 8) -> Variant:
+    """One build: `pieces` operand pairs, b as [K, N] rows or W.T, `stages` deep, level 2 in shared
+    memory or L2; `block` x `block` tiles on `num_warps` warps (h3lab.bench.compile_sm90 tries others)."""
+    if not 1 <= pieces <= 3:
+        raise ValueError(f"unit_mm_sm90 variant: pieces={pieces}; allowed: 1, 2, 3")
+    a_l, b_l, c_l = _layouts(block, block, b_kn)
+    b_block = [BLOCK_K, block] if b_kn else [block, BLOCK_K]
+    types: dict[str, Any] = {}
+    for i in range(3):
+        used = i < pieces
+        types[f"ad{i}"] = f"tensordesc<bf16[{block},{BLOCK_K}],{a_l!r}>" if used else None
+        types[f"bd{i}"] = f"tensordesc<bf16[{b_block[0]},{b_block[1]}],{b_l!r}>" if used else None
+    types |= {"c_desc": f"tensordesc<fp32[{block},{block}],{c_l!r}>", "s_ptr": "*fp32"}
+    const = {"GROUP_M": 8, "PIECES": pieces, "B_KN": b_kn, "STAGES": stages, "LVL2_SMEM": lvl2_smem}
+    const["num_warps"] = num_warps
+    what = f"gluon, {pieces} piece{'s' if pieces > 1 else ''}, b {'[K, N]' if b_kn else 'W.T'}"
+    what += f", {stages} stages{', smem level 2' if lvl2_smem else ''}"
+    opts = {"num_warps": num_warps, "num_stages": 1, "enable_fp_fusion": False}
+    return Variant("unit_gemm", what, unit_mm_sm90_kernel, types, const, opts, align_pointers=False)
+
+
+def variants(node: str) -> list[Variant]:
+    """The real calls under the pinned "IMPL": "gluon" entry (none where the entry runs the Triton kernel)."""
+    cfg = configs.pinned("unit_gemm", node)
+    if cfg.get("IMPL") != "gluon":
+        return []
+    lvl2 = bool(cfg.get("LVL2_SMEM", False))
+    return [variant(p, kn, cfg["num_stages"], lvl2, cfg["BLOCK_M"], cfg["num_warps"]) for p, kn in CALLS]
