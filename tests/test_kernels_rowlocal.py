@@ -23,8 +23,10 @@ uint16 bit patterns: the block step's AdaLN table, bf16 silu(temb) @ bf16 weight
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -557,6 +559,22 @@ def test_backend_implements_the_protocol_and_records_its_configs():
     x, order, _ = (t.to(DEV) for t in _rows_case(37, seed=50))
     _same(be.row_sum(x, order), rows.row_sum(x, order, node=NODE).cpu(), "backend row_sum")
     _same(be.round(x[:, 0], BF16), round_to(x[:, 0].cpu(), BF16), "backend round")
+
+
+def test_backend_methods_take_the_protocols_arguments_in_order():
+    """Most methods hand their arguments on, in order, to a kernel module's launcher with the backend's
+    node (h3lab.triton.backend._on_node): each takes the protocol's parameters (names up to their shape
+    suffix, kinds, defaults) in the protocol's order."""
+
+    def params(fn):
+        ps = inspect.signature(fn).parameters.values()
+        return [(re.sub(r"_[A-Z0-9]+$", "", p.name), p.kind, p.default) for p in ps]
+
+    be = TritonBackend(DEV, node=NODE)
+    methods = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
+    assert len(methods) > 20
+    for name in methods:
+        assert params(getattr(be, name)) == params(getattr(Backend, name))[1:], name  # [1:]: self
 
 
 def test_backend_needs_cuda_or_the_interpreter():

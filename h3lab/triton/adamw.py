@@ -22,6 +22,7 @@ from torch import Tensor
 from h3lab.ops.adamw import ADAMW_SCALARS
 from h3lab.triton import configs
 from h3lab.triton.gemm import check_device
+from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
 GRAD_DTYPES = (torch.bfloat16, torch.float32)
@@ -146,3 +147,16 @@ def adamw_update(
         num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )
+
+
+def variants(node: str) -> list[Variant]:
+    """The update of a bf16 weight (written as its bits) and of an fp32 one."""
+    cfg = configs.pinned("adamw", node)
+    out = []
+    for w_bf16 in (True, False):
+        types = {f"{n}_ptr": "*fp32" for n in ("master", "m", "v", "coef", "s")}
+        types |= {"g_ptr": "*bf16", "w_ptr": "*i16" if w_bf16 else "*fp32"}
+        const = {"W_BF16": w_bf16, "BLOCK": cfg["BLOCK"]}
+        what = f"{'bf16' if w_bf16 else 'fp32'} weight"
+        out.append(Variant("adamw", what, adamw_kernel, types, const, options(cfg, stages=False)))
+    return out

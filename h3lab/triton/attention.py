@@ -148,6 +148,11 @@ def _lastdim(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _strides(*ts: Tensor) -> tuple[int, ...]:
+    """The (row, head) strides of each [rows, H, Dh] tensor, one after the other: a kernel's strides tuple."""
+    return tuple(n for t in ts for n in (t.stride(0), t.stride(1)))
+
+
 def _lse(stats: Sequence[Tensor], h: int, n: int) -> Tensor:
     if len(stats) != 1:
         raise ValueError(f"stats must be (lse2,) as attention_fwd of this module returns; got {len(stats)} tensors")
@@ -214,25 +219,13 @@ def attention_fwd(
         )
         return o, o_ref, (lse,)
     attention_fwd_kernel[grid](
-        q,
-        k,
-        v,
-        o,
-        o_ref,
-        lse,
+        (q, k, v),
+        (o, o_ref, lse),
         Q,
         K,
         scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        o.stride(0),
-        o.stride(1),
-        o_ref.stride(0),
-        o_ref.stride(1),
+        _strides(q, k, v),
+        _strides(o, o_ref),
         HEAD_DIM=Dh,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
@@ -314,33 +307,12 @@ def attention_bwd_q(
     grid = (cdiv(Q, cfg["BLOCK_M"]), H)
     common = _bwd_meta(cfg, Dh, q.dtype)
     descs = [_row_desc(t, cfg["BLOCK_N"]) for t in (k, v)] if cfg.get("TMA", False) else [None]
+    query, scales = (q, do, lse, delta), (scale * LOG2E, scale)
     if all(d is not None for d in descs):
-        strides = (q.stride(0), q.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1))
-        attention_bwd_q_tma_kernel[grid](q, do, lse, delta, *descs, dq, Q, K, scale * LOG2E, scale, *strides, **common)
+        attention_bwd_q_tma_kernel[grid](query, *descs, dq, Q, K, *scales, _strides(q, do), _strides(dq), **common)
         return dq
     attention_bwd_q_kernel[grid](
-        q,
-        do,
-        lse,
-        delta,
-        k,
-        v,
-        dq,
-        Q,
-        K,
-        scale * LOG2E,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        do.stride(0),
-        do.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        **common,
+        query, (k, v), dq, Q, K, *scales, _strides(q, do), _strides(k, v), _strides(dq), **common
     )
     return dq
 
@@ -368,31 +340,12 @@ def attention_bwd_kv(
     grid = (cdiv(K, cfg["BLOCK_N"]), H)
     common = _bwd_meta(cfg, Dh, q.dtype)
     descs = [_row_desc(t, cfg["BLOCK_M"]) for t in (q, do)] if cfg.get("TMA", False) else [None]
-    kv_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), dk.stride(0), dk.stride(1))
+    keys, grads, scales, kv_strides = (k, v), (dk, dv), (scale * LOG2E, scale), (_strides(k, v), _strides(dk))
     if all(d is not None for d in descs):
-        args = (*descs, lse, delta, k, v, dk, dv, Q, K, scale * LOG2E, scale, *kv_strides)
-        attention_bwd_kv_tma_kernel[grid](*args, **common)
+        attention_bwd_kv_tma_kernel[grid](*descs, (lse, delta), keys, grads, Q, K, *scales, *kv_strides, **common)
         return dk, dv
-    attention_bwd_kv_kernel[grid](
-        q,
-        do,
-        lse,
-        delta,
-        k,
-        v,
-        dk,
-        dv,
-        Q,
-        K,
-        scale * LOG2E,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        do.stride(0),
-        do.stride(1),
-        *kv_strides,
-        **common,
-    )
+    query = (q, do, lse, delta)
+    attention_bwd_kv_kernel[grid](query, keys, grads, Q, K, *scales, _strides(q, do), *kv_strides, **common)
     return dk, dv
 
 

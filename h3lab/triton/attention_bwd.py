@@ -21,8 +21,14 @@ on it and the queries. No atomics, no split over the reduced axis. Row counts ar
 
 from __future__ import annotations
 
+from typing import Any
+
 import triton
 import triton.language as tl
+
+from h3lab.triton import configs
+from h3lab.triton.attention_fwd import arg_types
+from h3lab.triton.variant import Variant
 
 
 @triton.jit(do_not_specialize=["n_q"])
@@ -50,9 +56,12 @@ def attention_delta_kernel(
 
 
 @triton.jit
-def _query_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, h, n_q, offs_m, offs_d, stride_qm, stride_qh, stride_dm, stride_dh):
-    """A query block's resident tiles: q, dO [BLOCK_M, Dh], lse2, delta [BLOCK_M]. Padded query rows load
-    q = dO = 0, lse = delta = 0: p = 1, dS = 0, no inf/NaN, never stored. h is an int64 head index."""
+def _query_tiles(query, query_strides, h, n_q, offs_m, offs_d):
+    """A query block's resident tiles: q, dO [BLOCK_M, Dh], lse2, delta [BLOCK_M] of query (q, dO, lse2,
+    delta; q's and dO's (row, head) strides). Padded query rows load q = dO = 0, lse = delta = 0: p = 1,
+    dS = 0, no inf/NaN, never stored. h is an int64 head index."""
+    q_ptr, do_ptr, lse_ptr, delta_ptr = query
+    stride_qm, stride_qh, stride_dm, stride_dh = query_strides
     row_ok = offs_m < n_q
     rows = offs_m.to(tl.int64)[:, None]  # rows * stride exceeds int32 past ~300k rows of 7168
     q = tl.load(q_ptr + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -63,14 +72,17 @@ def _query_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, h, n_q, offs_m, offs_d, stri
 
 
 @triton.jit
-def _key_tiles(k_ptr, v_ptr, h, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh):
-    """A key block's resident tiles: k, v [BLOCK_N, Dh]. Padded key rows load k = v = 0: their columns of
-    dS and P are harmless to dk, dv and never stored. h is an int64 head index."""
+def _key_tiles(keys, key_strides, h, n_k, offs_n, offs_d):
+    """A key block's resident tiles: k, v [BLOCK_N, Dh] of keys (k, v; their (row, head) strides). Padded
+    key rows load k = v = 0: their columns of dS and P are harmless to dk, dv and never stored. h is an
+    int64 head index."""
+    k_ptr, v_ptr = keys
+    stride_km, stride_kh, stride_vm, stride_vh = key_strides
     key_ok = offs_n < n_k
-    keys = offs_n.to(tl.int64)[:, None]
-    k = tl.load(k_ptr + h * stride_kh + keys * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + h * stride_vh + keys * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    return k, v, key_ok, keys
+    key_rows = offs_n.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + h * stride_kh + key_rows * stride_km + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + h * stride_vh + key_rows * stride_vm + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    return k, v, key_ok, key_rows
 
 
 @triton.jit
@@ -102,40 +114,31 @@ def _dq_key_block(
 
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_bwd_q_kernel(
-    q_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    k_ptr,
-    v_ptr,
+    query,
+    keys,
     dq_ptr,
     n_q,
     n_k,
     qk_scale,
     scale,
-    stride_qm,
-    stride_qh,
-    stride_dm,
-    stride_dh,
-    stride_km,
-    stride_kh,
-    stride_vm,
-    stride_vh,
-    stride_gm,
-    stride_gh,
+    query_strides,
+    key_strides,
+    dq_strides,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """dq [n_q, H, D] FP32 = scale * sum over key blocks of dS @ K; lse2/delta [H, n_q] contiguous."""
+    """dq [n_q, H, D] FP32 = scale * sum over key blocks of dS @ K; query (q, dO, lse2, delta: lse2/delta
+    [H, n_q] contiguous), keys (k, v); the strides are each tensor's (row, head) strides."""
+    k_ptr, v_ptr = keys
+    stride_km, stride_kh, stride_vm, stride_vh = key_strides
+    stride_gm, stride_gh = dq_strides
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.program_id(1).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q, do, lse, delta, row_ok, rows = _query_tiles(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, h, n_q, offs_m, offs_d, stride_qm, stride_qh, stride_dm, stride_dh
-    )
+    q, do, lse, delta, row_ok, rows = _query_tiles(query, query_strides, h, n_q, offs_m, offs_d)
     k_ptrs = k_ptr + h * stride_kh + offs_n[:, None] * stride_km + offs_d[None, :]
     v_ptrs = v_ptr + h * stride_vh + offs_n[:, None] * stride_vm + offs_d[None, :]
 
@@ -207,39 +210,32 @@ def _dkdv_query_block(
 
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_bwd_kv_kernel(
-    q_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    k_ptr,
-    v_ptr,
-    dk_ptr,
-    dv_ptr,
+    query,
+    keys,
+    grads,
     n_q,
     n_k,
     qk_scale,
     scale,
-    stride_qm,
-    stride_qh,
-    stride_dm,
-    stride_dh,
-    stride_km,
-    stride_kh,
-    stride_vm,
-    stride_vh,
-    stride_gm,
-    stride_gh,
+    query_strides,
+    key_strides,
+    grad_strides,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """dk, dv [n_k, H, D] FP32 (same strides) for this key block, summed over all n_q queries ascending."""
+    """grads dk, dv [n_k, H, D] FP32 (same strides) for this key block, summed over all n_q queries
+    ascending; query (q, dO, lse2, delta), keys (k, v); the strides are each tensor's (row, head) strides."""
+    q_ptr, do_ptr, lse_ptr, delta_ptr = query
+    dk_ptr, dv_ptr = grads
+    stride_qm, stride_qh, stride_dm, stride_dh = query_strides
+    stride_gm, stride_gh = grad_strides
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     h = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    k, v, key_ok, keys = _key_tiles(k_ptr, v_ptr, h, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh)
+    k, v, key_ok, key_rows = _key_tiles(keys, key_strides, h, n_k, offs_n, offs_d)
     q_ptrs = q_ptr + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = do_ptr + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :]
     lse_ptrs = lse_ptr + h * n_q + offs_m
@@ -273,17 +269,14 @@ def attention_bwd_kv_kernel(
             DOT_PREC,
         )
     dk = dk * scale  # the one scaling of dk, on the FP32 sum (reference: chain_bmm(ds^T, q) * scale)
-    out = h * stride_gh + keys * stride_gm + offs_d[None, :]
+    out = h * stride_gh + key_rows * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
     tl.store(dv_ptr + out, dv, mask=key_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_bwd_q_tma_kernel(
-    q_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
+    query,
     k_desc,
     v_desc,
     dq_ptr,
@@ -291,12 +284,8 @@ def attention_bwd_q_tma_kernel(
     n_k,
     qk_scale,
     scale,
-    stride_qm,
-    stride_qh,
-    stride_dm,
-    stride_dh,
-    stride_gm,
-    stride_gh,
+    query_strides,
+    dq_strides,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -304,15 +293,14 @@ def attention_bwd_q_tma_kernel(
 ):
     """attention_bwd_q_kernel with k, v through TMA descriptors over [K, H * Dh] (block [BLOCK_N, Dh] at
     column h * Dh): the same arithmetic per row; keys past n_k load as zeros (the descriptor's bounds)."""
+    stride_gm, stride_gh = dq_strides
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.program_id(1)
     col = h * HEAD_DIM
     h64 = h.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q, do, lse, delta, row_ok, rows = _query_tiles(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, h64, n_q, offs_m, offs_d, stride_qm, stride_qh, stride_dm, stride_dh
-    )
+    q, do, lse, delta, row_ok, rows = _query_tiles(query, query_strides, h64, n_q, offs_m, offs_d)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     n_full = n_k // BLOCK_N
@@ -332,36 +320,33 @@ def attention_bwd_q_tma_kernel(
 def attention_bwd_kv_tma_kernel(
     q_desc,
     do_desc,
-    lse_ptr,
-    delta_ptr,
-    k_ptr,
-    v_ptr,
-    dk_ptr,
-    dv_ptr,
+    stats,
+    keys,
+    grads,
     n_q,
     n_k,
     qk_scale,
     scale,
-    stride_km,
-    stride_kh,
-    stride_vm,
-    stride_vh,
-    stride_gm,
-    stride_gh,
+    key_strides,
+    grad_strides,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """attention_bwd_kv_kernel with q, dO through TMA descriptors over [Q, H * Dh] (block [BLOCK_M, Dh] at
-    column h * Dh): the same arithmetic per key; queries past n_q load as zeros (the descriptor's bounds)."""
+    column h * Dh), stats (lse2, delta) by pointer: the same arithmetic per key; queries past n_q load as
+    zeros (the descriptor's bounds)."""
+    lse_ptr, delta_ptr = stats
+    dk_ptr, dv_ptr = grads
+    stride_gm, stride_gh = grad_strides
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     h = tl.program_id(1)
     col = h * HEAD_DIM
     h64 = h.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    k, v, key_ok, keys = _key_tiles(k_ptr, v_ptr, h64, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh)
+    k, v, key_ok, key_rows = _key_tiles(keys, key_strides, h64, n_k, offs_n, offs_d)
     stat = h64 * n_q
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -382,6 +367,53 @@ def attention_bwd_kv_tma_kernel(
         delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
         dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, True, DOT_PREC)
     dk = dk * scale
-    out = h64 * stride_gh + keys * stride_gm + offs_d[None, :]
+    out = h64 * stride_gh + key_rows * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
     tl.store(dv_ptr + out, dv, mask=key_ok[:, None])
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+KERNELS = {  # pinned entry: (pointer kernel, TMA kernel)
+    "attention_bwd_q": (attention_bwd_q_kernel, attention_bwd_q_tma_kernel),
+    "attention_bwd_kv": (attention_bwd_kv_kernel, attention_bwd_kv_tma_kernel),
+}
+
+
+def variant(kernel: str, cfg: dict[str, Any], head_dim: int, what: str = "", aligned_strides: bool = False) -> Variant:
+    """The dq ("attention_bwd_q") or dk/dv ("attention_bwd_kv") kernel under `cfg` (a pinned entry or a
+    candidate): the TMA kernel when it says "TMA". `aligned_strides`: strides taken as multiples of 16."""
+    if kernel not in KERNELS:
+        raise ValueError(f"attention_bwd variant: kernel {kernel!r}; allowed: {sorted(KERNELS)}")
+    tma = bool(cfg.get("TMA"))
+    fn = KERNELS[kernel][1 if tma else 0]
+    query, stats, keys = ("*bf16", "*bf16", "*fp32", "*fp32"), ("*fp32", "*fp32"), ("*bf16", "*bf16")
+    if kernel == "attention_bwd_q":
+        types = arg_types(cfg, head_dim, ("k_desc", "v_desc") if tma else ()) | {"query": query, "dq_ptr": "*fp32"}
+        types |= {"keys": keys, "key_strides": ("i32",) * 4} if not tma else {}
+        types |= {"query_strides": ("i32",) * 4, "dq_strides": ("i32",) * 2}
+    else:
+        types = arg_types(cfg, head_dim, ("q_desc", "do_desc") if tma else ()) | {"keys": keys}
+        types |= {"stats": stats} if tma else {"query": query, "query_strides": ("i32",) * 4}
+        types |= {"grads": ("*fp32", "*fp32"), "key_strides": ("i32",) * 4, "grad_strides": ("i32",) * 2}
+    const = {"HEAD_DIM": head_dim, "DOT_PREC": "tf32", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    aligned = tuple(n for n in fn.arg_names if "strides" in n) if aligned_strides else ()
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return Variant(kernel, what, fn, types, const, opts, aligned)
+
+
+def variants(node: str) -> list[Variant]:
+    """delta, dq and dk/dv at every pinned head dim."""
+    out = []
+    for kernel in ("attention_delta", *KERNELS):
+        by_dim = configs.pinned(kernel, node)["by_head_dim"]
+        for dh in sorted(by_dim, key=int):
+            cfg = by_dim[dh]
+            if kernel != "attention_delta":
+                out.append(variant(kernel, cfg, int(dh), f"head_dim {dh}"))
+                continue
+            types = {"do_ptr": "*bf16", "o_ptr": "*fp32", "delta_ptr": "*fp32"}
+            const = {"HEAD_DIM": int(dh), "BLOCK_R": cfg["BLOCK_R"]}
+            opts = {"num_warps": cfg["num_warps"], "num_stages": cfg.get("num_stages", 1)}
+            out.append(Variant(kernel, f"head_dim {dh}", attention_delta_kernel, types, const, opts))
+    return out

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from h3lab.triton.attention import CONFIG_KEYS, F32, LOG2E, _bwd_meta, _bwd_operands, _row_desc
+from h3lab.triton.attention import CONFIG_KEYS, F32, LOG2E, _bwd_meta, _bwd_operands, _row_desc, _strides
 from h3lab.triton.attention_bwd import _dkdv_grads, _key_tiles
 from h3lab.triton.configs import cdiv
 
@@ -36,33 +36,30 @@ from h3lab.triton.configs import cdiv
 def attention_bwd_fused_kernel(
     q_desc,
     do_desc,
-    lse_ptr,
-    delta_ptr,
-    k_ptr,
-    v_ptr,
-    dk_ptr,
-    dv_ptr,
+    stats,
+    keys,
+    grads,
     dq_ptr,
     turn_ptr,
     n_q,
     n_k,
     qk_scale,
     scale,
-    stride_km,
-    stride_kh,
-    stride_vm,
-    stride_vh,
-    stride_gm,
-    stride_gh,
-    stride_dqm,
-    stride_dqh,
+    key_strides,
+    grad_strides,
+    dq_strides,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """dk, dv [n_k, H, D] FP32 of this key block; dq [n_q, H, D] FP32 (zeroed) += this key block's part,
-    in key-block order; turn [H, cdiv(n_q, BLOCK_M)] int32 (zeroed) counts the key blocks added."""
+    """grads dk, dv [n_k, H, D] FP32 of this key block; dq [n_q, H, D] FP32 (zeroed) += this key block's
+    part, in key-block order; turn [H, cdiv(n_q, BLOCK_M)] int32 (zeroed) counts the key blocks added.
+    stats (lse2, delta), keys (k, v); the strides are each tensor's (row, head) strides."""
+    lse_ptr, delta_ptr = stats
+    dk_ptr, dv_ptr = grads
+    stride_gm, stride_gh = grad_strides
+    stride_dqm, stride_dqh = dq_strides
     j = tl.program_id(0)
     h = tl.program_id(1)
     col = h * HEAD_DIM
@@ -71,7 +68,7 @@ def attention_bwd_fused_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     # padded key rows load k = v = 0; their dS is zeroed below so they add nothing to dq
-    k, v, key_ok, keys = _key_tiles(k_ptr, v_ptr, h64, n_k, offs_n, offs_d, stride_km, stride_kh, stride_vm, stride_vh)
+    k, v, key_ok, key_rows = _key_tiles(keys, key_strides, h64, n_k, offs_n, offs_d)
     stat = h64 * n_q
     n_qb = tl.cdiv(n_q, BLOCK_M)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -94,7 +91,7 @@ def attention_bwd_fused_kernel(
         tl.debug_barrier()  # every thread's adds issued before the turn passes on
         tl.atomic_xchg(turn, j + 1, sem="release")
     dk = dk * scale
-    out = h64 * stride_gh + keys * stride_gm + offs_d[None, :]
+    out = h64 * stride_gh + key_rows * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
     tl.store(dv_ptr + out, dv, mask=key_ok[:, None])
 
@@ -133,26 +130,18 @@ def attention_bwd_fused(
     turn = torch.zeros((H, cdiv(Q, config["BLOCK_M"])), dtype=torch.int32, device=q.device)
     attention_bwd_fused_kernel[(cdiv(K, config["BLOCK_N"]), H)](
         *descs,
-        lse,
-        delta,
-        k,
-        v,
-        dk,
-        dv,
+        (lse, delta),
+        (k, v),
+        (dk, dv),
         dq,
         turn,
         Q,
         K,
         scale * LOG2E,
         scale,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        dk.stride(0),
-        dk.stride(1),
-        dq.stride(0),
-        dq.stride(1),
+        _strides(k, v),
+        _strides(dk),
+        _strides(dq),
         **_bwd_meta(config, Dh, q.dtype),
     )
     return dq.mul_(scale), dk, dv

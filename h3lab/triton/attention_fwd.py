@@ -18,8 +18,13 @@ statistic the backward needs to replay p = exp2(s2 - lse2).
 
 from __future__ import annotations
 
+from typing import Any
+
 import triton
 import triton.language as tl
+
+from h3lab.triton import configs
+from h3lab.triton.variant import Variant
 
 
 @triton.jit
@@ -51,32 +56,25 @@ def _fwd_key_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_n, n_k, qk_scale, MASK
 
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    oref_ptr,
-    lse_ptr,
+    inputs,
+    outputs,
     n_q,
     n_k,
     qk_scale,
-    stride_qm,
-    stride_qh,
-    stride_km,
-    stride_kh,
-    stride_vm,
-    stride_vh,
-    stride_om,
-    stride_oh,
-    stride_rm,
-    stride_rh,
+    input_strides,
+    output_strides,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WRITE_REF: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """q [n_q, H, D], k/v [n_k, H, D] (last dim contiguous) -> o [n_q, H, D], lse2 [H, n_q] (contiguous)."""
+    """inputs q [n_q, H, D], k/v [n_k, H, D] (last dim contiguous) -> outputs o [n_q, H, D], o_ref (FP32),
+    lse2 [H, n_q] (contiguous); the strides are each tensor's (row, head) strides, in that order."""
+    q_ptr, k_ptr, v_ptr = inputs
+    o_ptr, oref_ptr, lse_ptr = outputs
+    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh = input_strides
+    stride_om, stride_oh, stride_rm, stride_rh = output_strides
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -182,3 +180,38 @@ def attention_fwd_tma_kernel(
     if WRITE_REF:
         tl.store(oref_ptr + h64 * stride_rh + rows * stride_rm + offs_d[None, :], o, mask=row_ok[:, None])
     tl.store(lse_ptr + h64 * n_q + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+
+def arg_types(cfg: dict[str, Any], head_dim: int, tma: tuple[str, ...]) -> dict[str, str]:
+    """The types of the attention kernels' arguments at the real calls, by name: bf16 q, k, v, dO (the
+    descriptors named in `tma` over [rows, H * Dh] with [block rows, Dh] blocks), FP32 reference
+    output, statistics and gradients, FP32 scales."""
+    rows = {"q_desc": cfg["BLOCK_M"], "do_desc": cfg["BLOCK_M"], "k_desc": cfg["BLOCK_N"], "v_desc": cfg["BLOCK_N"]}
+    return {n: f"tensordesc<bf16[{rows[n]}, {head_dim}]>" for n in tma} | {"qk_scale": "fp32", "scale": "fp32"}
+
+
+def variant(cfg: dict[str, Any], head_dim: int, what: str = "", aligned_strides: bool = False) -> Variant:
+    """The forward under `cfg` (a pinned entry or a candidate): the TMA kernel when it says "TMA".
+    `aligned_strides`: strides taken as multiples of 16, as at the real shapes."""
+    if cfg.get("TMA"):
+        fn = attention_fwd_tma_kernel
+        types = arg_types(cfg, head_dim, ("q_desc", "k_desc", "v_desc"))
+        types |= {"o_ptr": "*bf16", "oref_ptr": "*fp32", "lse_ptr": "*fp32"}
+    else:
+        fn = attention_fwd_kernel
+        types = arg_types(cfg, head_dim, ()) | {"inputs": ("*bf16",) * 3, "outputs": ("*bf16", "*fp32", "*fp32")}
+        types |= {"input_strides": ("i32",) * 6, "output_strides": ("i32",) * 4}
+    const = {"HEAD_DIM": head_dim, "DOT_PREC": "tf32", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    const |= {"WRITE_REF": True}
+    aligned = tuple(n for n in fn.arg_names if "stride" in n) if aligned_strides else ()
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return Variant("attention_fwd", what, fn, types, const, opts, aligned)
+
+
+def variants(node: str) -> list[Variant]:
+    """The forward at every pinned head dim."""
+    by_dim = configs.pinned("attention_fwd", node)["by_head_dim"]
+    return [variant(by_dim[dh], int(dh), f"head_dim {dh}") for dh in sorted(by_dim, key=int)]

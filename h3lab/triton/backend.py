@@ -16,15 +16,15 @@ Constructed for a CUDA device (`get_backend("triton", device)`); interpreter run
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from h3lab import rowplan
-from h3lab.ops.fixed import Pieces
 from h3lab.triton import (
     adamw,
     attention,
@@ -41,6 +41,22 @@ from h3lab.triton import (
 )
 
 F32 = torch.float32
+
+
+def _on_node(launcher: Callable[..., Any]) -> Any:
+    """A method that calls `launcher` (a kernel module's launcher, taking the protocol method's arguments
+    in the protocol's order) with the backend's node type, whose pinned configurations it runs. Its
+    signature is the launcher's without the keyword-only `node` and `config`."""
+
+    def method(self: TritonBackend, *args: Any, **kwargs: Any) -> Any:
+        return launcher(*args, **kwargs, node=self.node)
+
+    sig = inspect.signature(launcher)
+    params = [p for p in sig.parameters.values() if p.kind is not p.KEYWORD_ONLY]
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = sig.replace(parameters=[self_param, *params])  # type: ignore[attr-defined]
+    method.__name__, method.__doc__ = launcher.__name__, launcher.__doc__
+    return method
 
 
 class TritonBackend:
@@ -77,11 +93,8 @@ class TritonBackend:
         return configs.describe(self.node)
 
     # ---- GEMMs and cross-row reductions --------------------------------------------------------
-    def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
-        return gemm.mm(a_MK, b_KN, out_dtype, node=self.node)
-
-    def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
-        return unit_gemm.unit_mm(pieces, num_units, node=self.node)
+    mm = _on_node(gemm.mm)
+    unit_reduce = _on_node(unit_gemm.unit_mm)
 
     # The AdaLN pair: up to the pinned few-row limit (16 timesteps on sm90) the few-row kernels, past
     # it the tiled ones. T is the batch's timestep count, the same on every rank, so a layout never
@@ -96,99 +109,30 @@ class TritonBackend:
             return few_rows.mm_few_k(a_KM, b_KN, out_dtype, node=self.node)
         return gemm.mm(a_KM.t(), b_KN, out_dtype, node=self.node)
 
-    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
-        return rows.row_mm(a_RN, b_RK, order, out_dtype, node=self.node)
-
-    def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor:
-        return rows.row_sum(x_R, order, node=self.node)
-
-    def segment_sum(self, x_R: Tensor, segment_R: Tensor, num_segments: int, order: Tensor) -> Tensor:
-        return rows.segment_sum(x_R, segment_R, num_segments, order, node=self.node)
-
-    def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
-        return chain.chain_mm(a_MK, b_KN, node=self.node)
-
-    def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor:
-        return squares.sums_of_squares(xs, node=self.node)
-
-    def adamw_update(
-        self, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, coef: Tensor, s: Tensor, weight: Tensor
-    ) -> None:
-        adamw.adamw_update(master, exp_avg, exp_avg_sq, grad, coef, s, weight, node=self.node)
-
-    def chain_sums(
-        self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        return rows.chain_sums(row_xs, segment_xs, segment_R, num_segments, order, node=self.node)
-
-    def plan_rows(
-        self,
-        keys_R2: Tensor,
-        segment_R: Tensor,
-        num_segments: int,
-        positions_R3: Tensor,
-        *,
-        decided: rowplan.RowPlan | None = None,
-    ) -> Callable[[], Tensor]:
-        return rowplan.plan_rows(keys_R2, segment_R, num_segments, positions_R3, decided=decided)
-
-    def round(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        return elementwise.round(x, dtype)
+    row_mm = _on_node(rows.row_mm)
+    row_sum = _on_node(rows.row_sum)
+    segment_sum = _on_node(rows.segment_sum)
+    chain_sums = _on_node(rows.chain_sums)
+    chain_mm = _on_node(chain.chain_mm)
+    sums_of_squares = _on_node(squares.sums_of_squares)
+    adamw_update = _on_node(adamw.adamw_update)
+    plan_rows = staticmethod(rowplan.plan_rows)
+    round = staticmethod(elementwise.round)
 
     # ---- row-local ops ------------------------------------------------------------------------
-    def rms_modulate_fwd(
-        self, x: Tensor, w: Tensor, scale: Tensor, shift: Tensor, eps: float, out_dtype: torch.dtype
-    ) -> Tensor:
-        return norm.rms_modulate_fwd(x, w, scale, shift, eps, out_dtype, node=self.node)
-
-    def rms_modulate_bwd(
-        self, dm: Tensor, x: Tensor, w: Tensor, scale: Tensor, eps: float
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return norm.rms_modulate_bwd(dm, x, w, scale, eps, node=self.node)
-
-    def qk_norm_rope_fwd(
-        self, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float, out_dtype: torch.dtype
-    ) -> Tensor:
-        return norm.qk_norm_rope_fwd(q_RHD, w, cos, sin, eps, out_dtype, node=self.node)
-
-    def qk_norm_rope_bwd(
-        self, dout_RHD: Tensor, q_RHD: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float, out_dtype: torch.dtype
-    ) -> tuple[Tensor, Tensor]:
-        return norm.qk_norm_rope_bwd(dout_RHD, q_RHD, w, cos, sin, eps, out_dtype, node=self.node)
-
-    def swiglu_fwd(self, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> Tensor:
-        return elementwise.swiglu_fwd(h, g, out_dtype, node=self.node)
-
-    def swiglu_bwd(self, da: Tensor, h: Tensor, g: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return elementwise.swiglu_bwd(da, h, g, out_dtype, node=self.node)
-
-    def gated_residual(self, x: Tensor, gate: Tensor, y: Tensor, out_dtype: torch.dtype) -> Tensor:
-        return elementwise.gated_residual(x, gate, y, out_dtype, node=self.node)
-
-    def silu(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
-        return elementwise.silu(x, out_dtype, node=self.node)
-
-    def silu_bwd(self, dy: Tensor, x: Tensor) -> Tensor:
-        return elementwise.silu_bwd(dy, x, node=self.node)
-
-    def rope_tables(self, position_ids_R3: Tensor, rope_freq_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-        return rope.rope_tables(position_ids_R3, rope_freq_dim, theta, node=self.node)
+    rms_modulate_fwd = _on_node(norm.rms_modulate_fwd)
+    rms_modulate_bwd = _on_node(norm.rms_modulate_bwd)
+    qk_norm_rope_fwd = _on_node(norm.qk_norm_rope_fwd)
+    qk_norm_rope_bwd = _on_node(norm.qk_norm_rope_bwd)
+    swiglu_fwd = _on_node(elementwise.swiglu_fwd)
+    swiglu_bwd = _on_node(elementwise.swiglu_bwd)
+    gated_residual = _on_node(elementwise.gated_residual)
+    silu = _on_node(elementwise.silu)
+    silu_bwd = _on_node(elementwise.silu_bwd)
+    rope_tables = _on_node(rope.rope_tables)
 
     # ---- attention over keys in canonical order ----------------------------------------------
-    def attention_fwd(
-        self, q: Tensor, k: Tensor, v: Tensor, scale: float, out_dtype: torch.dtype
-    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        return attention.attention_fwd(q, k, v, scale, out_dtype, node=self.node)
-
-    def attention_delta(self, do: Tensor, o_ref: Tensor) -> Tensor:
-        return attention.attention_delta(do, o_ref, node=self.node)
-
-    def attention_bwd_q(
-        self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
-    ) -> Tensor:
-        return attention.attention_bwd_q(q, do, stats, delta, k, v, scale, node=self.node)
-
-    def attention_bwd_kv(
-        self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
-    ) -> tuple[Tensor, Tensor]:
-        return attention.attention_bwd_kv(q, do, stats, delta, k, v, scale, node=self.node)
+    attention_fwd = _on_node(attention.attention_fwd)
+    attention_delta = _on_node(attention.attention_delta)
+    attention_bwd_q = _on_node(attention.attention_bwd_q)
+    attention_bwd_kv = _on_node(attention.attention_bwd_kv)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from h3lab.triton import configs
 from h3lab.triton.gemm import check_device, check_operand
+from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
 MAX_ELEMENTS = 2**31 - 1  # per operand: its contiguous copy's offsets k * stride + m must fit int32
@@ -96,3 +97,11 @@ def launch_chain(a_KM: Tensor, b_KN: Tensor, c_MN: Tensor, block_m: int, block_n
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
+
+
+def variants(node: str) -> list[Variant]:
+    """The float32 modules' GEMM: a bf16 activation against an fp32 weight."""
+    cfg = configs.pinned("chain", node)
+    types = {"a_ptr": "*bf16", "b_ptr": "*fp32", "c_ptr": "*fp32"}
+    const = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    return [Variant("chain", "chain_mm", chain_kernel, types, const, options(cfg, stages=False))]

@@ -26,6 +26,7 @@ from h3lab.ops import fixed
 from h3lab.ops.fixed import round_to
 from h3lab.triton import configs
 from h3lab.triton.fp64 import f64, horner, rint
+from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -172,3 +173,16 @@ def round(x: Tensor, dtype: torch.dtype) -> Tensor:  # the Backend method's name
     if dtype not in OUT_DTYPES:
         raise ValueError(f"round: dtype {dtype} not supported; allowed: {list(OUT_DTYPES)}")
     return x.to(dtype) if x.device.type == "cuda" else round_to(x, dtype)
+
+
+def variants(node: str) -> list[Variant]:
+    """Every op of the kernel, bf16 operands and outputs."""
+    cfg = configs.pinned("elementwise", node)
+    types = {n: "*bf16" for n in ("a_ptr", "b_ptr", "c_ptr", "out_ptr", "out2_ptr")}
+    ops = ("swiglu_fwd", "swiglu_bwd", "gated_residual", "silu", "silu_bwd")  # OP 0..4
+    return [
+        Variant(
+            "elementwise", what, _elementwise_kernel, types, {"OP": op, "BLOCK_N": cfg["block_n"]}, options(cfg, False)
+        )
+        for op, what in enumerate(ops)
+    ]

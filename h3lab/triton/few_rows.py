@@ -31,8 +31,9 @@ from torch import Tensor
 
 from h3lab.ops.fixed import unit_tree
 from h3lab.triton import configs
-from h3lab.triton.chain import launch_chain
+from h3lab.triton.chain import chain_kernel, launch_chain
 from h3lab.triton.gemm import OPERAND_DTYPES, OUT_DTYPES, check_device
+from h3lab.triton.variant import Variant, options
 
 UNIT_COUNTS = (1, 2, 4, 8)
 
@@ -159,3 +160,16 @@ def mm_few_k(a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32,
     if M and N:
         launch_chain(a_KM, b_KN, c, cfg["outer_BLOCK_M"], cfg["outer_BLOCK_N"], cfg["outer_num_warps"])
     return c
+
+
+def variants(node: str) -> list[Variant]:
+    """The unit partials (bf16 operands, at most 16 timesteps) and mm_few_k's chain kernel (bf16 out)."""
+    cfg = configs.pinned("few_rows", node)
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "p_ptr": "*fp32"}
+    const = {"BLOCK_T": 16, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
+    out = [Variant("few_rows", "unit_mm_few_rows", _unit_partial_kernel, types, const, options(cfg))]
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
+    const = {"BLOCK_M": cfg["outer_BLOCK_M"], "BLOCK_N": cfg["outer_BLOCK_N"]}
+    opts = {"num_warps": cfg["outer_num_warps"], "enable_fp_fusion": False}
+    out.append(Variant("few_rows", "mm_few_k", chain_kernel, types, const, opts))
+    return out

@@ -34,6 +34,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3lab.triton import configs
+from h3lab.triton.variant import Variant, options
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -61,9 +62,10 @@ def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def load_a(
-    a_ptr, a_desc, m0, k0, k_end, M, s_am, s_ak, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr
+    a_ptr, a_desc, m0, k0, k_end, M, a_strides, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr
 ):
-    """a[m0:m0+BM, k0:k0+BK]. MODE 1: TMA over [M, K]; 2: TMA over [K, M] (a^T rows); 0: pointers.
+    """a[m0:m0+BM, k0:k0+BK]. MODE 1: TMA over [M, K]; 2: TMA over [K, M] (a^T rows); 0: pointers with
+    a_strides (row, column).
 
     Pointer mode reads columns >= k_end as 0 (the K tail, or a unit's end in unit_gemm) and clamps
     rows past M to row 0 (valid memory; those rows only feed outputs that are never stored). TMA
@@ -75,6 +77,7 @@ def load_a(
     elif MODE == 2:
         tile = a_desc.load([k0, m0]).T
     else:
+        s_am, s_ak = a_strides
         rm = m0 + tl.arange(0, BLOCK_M)
         rm = tl.where(rm < M, rm, 0).to(tl.int64)
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -85,14 +88,16 @@ def load_a(
 
 @triton.jit
 def load_b(
-    b_ptr, b_desc, k0, n0, k_end, N, s_bk, s_bn, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr
+    b_ptr, b_desc, k0, n0, k_end, N, b_strides, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr
 ):
-    """b[k0:k0+BK, n0:n0+BN]. MODE 1: TMA over [N, K] (a weight W with b = W.T); 2: TMA over [K, N]; 0: pointers."""
+    """b[k0:k0+BK, n0:n0+BN]. MODE 1: TMA over [N, K] (a weight W with b = W.T); 2: TMA over [K, N]; 0:
+    pointers with b_strides (row, column)."""
     if MODE == 1:
         tile = b_desc.load([n0, k0]).T
     elif MODE == 2:
         tile = b_desc.load([k0, n0])
     else:
+        s_bk, s_bn = b_strides
         rn = n0 + tl.arange(0, BLOCK_N)
         rn = tl.where(rn < N, rn, 0).to(tl.int64)
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -120,8 +125,7 @@ def store_tile(
     n0,
     M,
     N,
-    s_cm,
-    s_cn,
+    c_strides,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     OUT_TMA: tl.constexpr,
@@ -142,6 +146,7 @@ def store_tile(
         else:
             c_desc.store([m0, n0], acc.to(c_ptr.dtype.element_ty))
     else:
+        s_cm, s_cn = c_strides
         rm = m0 + tl.arange(0, BLOCK_M)
         rn = n0 + tl.arange(0, BLOCK_N)
         ptrs = c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :].to(tl.int64) * s_cn
@@ -179,12 +184,7 @@ def mm_kernel(
     M,
     N,
     K,
-    s_am,
-    s_ak,
-    s_bk,
-    s_bn,
-    s_cm,
-    s_cn,
+    strides,
     num_programs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -205,6 +205,8 @@ def mm_kernel(
     # the row tiles pid_m < BLOCK_N // TAIL_N each compute the tail rows of one TAIL_N-wide slice
     # of it (the host checks there are that many row tiles). At M = 264 on 64x256 tiles: 112 tiles
     # in one round instead of 140 in two, each 1/16 more products (python -m h3lab.bench.gemm_bench).
+    # strides: (row, column) of a, b and c
+    a_strides, b_strides, c_strides = strides
     if TAIL:
         num_pid_m = M // BLOCK_M
     else:
@@ -224,25 +226,26 @@ def mm_kernel(
             acc_t = tl.zeros((TAIL_N, TAIL_M), dtype=tl.float32)
             for kc in tl.range(0, k_chunks):  # ascending K, never split: both chains
                 k0 = kc * BLOCK_K
-                a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
-                b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+                a = load_a(a_ptr, a_desc, m0, k0, K, M, a_strides, BLOCK_M, BLOCK_K, A_MODE)
+                b = load_b(b_ptr, b_desc, k0, n0, K, N, b_strides, BLOCK_K, BLOCK_N, B_MODE)
                 acc = mac(a, b, acc, IEEE)
                 acc_t = tail_chain(acc_t, a_tail_desc, w_tail_desc, m_tail, n_t, k0, IEEE)
             rn = n_t + tl.arange(0, TAIL_N)
             rt = m_tail + tl.arange(0, TAIL_M)
+            s_cm, s_cn = c_strides
             ptrs = c_ptr + rn[:, None].to(tl.int64) * s_cn + rt[None, :].to(tl.int64) * s_cm  # acc_t is c^T
             tl.store(ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rt[None, :] < M))
         else:
             for kc in tl.range(0, k_chunks, warp_specialize=WARP_SPECIALIZE):  # ascending K, never split
                 k0 = kc * BLOCK_K
-                a = load_a(a_ptr, a_desc, m0, k0, K, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
-                b = load_b(b_ptr, b_desc, k0, n0, K, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+                a = load_a(a_ptr, a_desc, m0, k0, K, M, a_strides, BLOCK_M, BLOCK_K, A_MODE)
+                b = load_b(b_ptr, b_desc, k0, n0, K, N, b_strides, BLOCK_K, BLOCK_N, B_MODE)
                 acc = mac(a, b, acc, IEEE)
         tile_c += num_programs
         pid_m, pid_n = tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
+        store_tile(c_ptr, c_desc, acc, m0, n0, M, N, c_strides, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
 
 
 # ---- host helpers (shared with unit_gemm) ---------------------------------------------------------
@@ -488,12 +491,7 @@ def mm(
         M,
         N,
         K,
-        a_MK.stride(0),
-        a_MK.stride(1),
-        b_KN.stride(0),
-        b_KN.stride(1),
-        c_MN.stride(0),
-        c_MN.stride(1),
+        (a_MK.stride(), b_KN.stride(), c_MN.stride()),
         grid,
         BLOCK_M=BM,
         BLOCK_N=BN,
@@ -514,3 +512,47 @@ def mm(
         enable_fp_fusion=False,
     )
     return c_MN
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+STRIDES = (("i32", "i32"),) * 3  # mm_kernel's strides: (row, column) of a, b, c
+
+
+def variants(node: str) -> list[Variant]:
+    """mm_kernel: every row bucket at its bf16 TMA form (a [M, K], b = W.T, bf16 out), and the fp32 entry."""
+    buckets = configs.pinned("gemm", node).get("by_rows", [{"max_rows": None}])
+    out = []
+    for bucket in buckets:
+        rows = bucket["max_rows"] or 4096
+        cfg = kernel_config("gemm", node, False, rows=rows)
+        BM, BN, BK, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("EPILOGUE_SPLIT", 1)
+        types: dict[str, Any] = {f"{x}_ptr": "*bf16" for x in "abc"} | {"strides": STRIDES}
+        types |= {
+            "a_desc": f"tensordesc<bf16[{BM}, {BK}]>",
+            "b_desc": f"tensordesc<bf16[{BN}, {BK}]>",
+            "c_desc": f"tensordesc<bf16[{BM}, {BN // split}]>",
+        }
+        const = _mm_const(cfg, a_mode=1, b_mode=1, ieee=False, out_tma=bool(cfg.get("TMA_STORE")), split=split)
+        if "TAIL_M" in cfg:
+            types |= {
+                "a_tail_desc": f"tensordesc<bf16[{cfg['TAIL_M']}, {BK}]>",
+                "w_tail_desc": f"tensordesc<bf16[{cfg['TAIL_N']}, {BK}]>",
+            }
+            const |= {"TAIL": True, "TAIL_M": cfg["TAIL_M"], "TAIL_N": cfg["TAIL_N"]}
+        else:
+            types |= {"a_tail_desc": None, "w_tail_desc": None}
+        out.append(Variant("gemm", f"bf16, rows <= {bucket['max_rows']}", mm_kernel, types, const, options(cfg)))
+    cfg = kernel_config("gemm", node, True)
+    const = _mm_const(cfg, a_mode=0, b_mode=0, ieee=True, out_tma=False, split=1)
+    types = {f"{x}_ptr": "*fp32" for x in "abc"} | {"strides": STRIDES}
+    types |= dict.fromkeys(("a_desc", "b_desc", "c_desc", "a_tail_desc", "w_tail_desc"), None)
+    out.append(Variant("gemm", "fp32", mm_kernel, types, const, options(cfg)))
+    return out
+
+
+def _mm_const(cfg: dict[str, Any], *, a_mode: int, b_mode: int, ieee: bool, out_tma: bool, split: int) -> dict:
+    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    flags = {"FLATTEN": cfg.get("FLATTEN", False), "WARP_SPECIALIZE": cfg.get("WARP_SPECIALIZE", False)}
+    modes = {"A_MODE": a_mode, "B_MODE": b_mode, "IEEE": ieee, "OUT_TMA": out_tma, "SPLIT": split}
+    return tiles | flags | modes | {"TAIL": False, "TAIL_M": 1, "TAIL_N": 1}

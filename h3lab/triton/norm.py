@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from h3lab.config import H3Config
 from h3lab.triton import configs
+from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -51,19 +53,10 @@ def _rstd(sum_sq, inv_n, eps):
 
 @triton.jit
 def _rms_modulate_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    other_ptr,
-    out_ptr,
-    dw_ptr,
-    dscale_ptr,
-    dshift_ptr,
+    inputs,
+    outputs,
     R,
-    sx,
-    sscale,
-    sother,
-    sout,
+    strides,
     inv_d,
     eps,
     BACKWARD: tl.constexpr,
@@ -72,7 +65,12 @@ def _rms_modulate_kernel(
     BLOCK_D: tl.constexpr,
     LOG2_D: tl.constexpr,
 ):
-    # other = shift (forward) or dm (backward); the backward's four outputs are FP32 [R, D] contiguous
+    # inputs (x, w, scale, other), other = shift (forward) or dm (backward); outputs (out, dw, dscale,
+    # dshift): the backward's four are FP32 [R, D] contiguous, the forward writes out only; row strides
+    # (x, scale, other, out)
+    x_ptr, w_ptr, scale_ptr, other_ptr = inputs
+    out_ptr, dw_ptr, dscale_ptr, dshift_ptr = outputs
+    sx, sscale, sother, sout = strides
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
@@ -101,20 +99,10 @@ def _rms_modulate_kernel(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr,
-    w_ptr,
-    cos_ptr,
-    sin_ptr,
-    dout_ptr,
-    out_ptr,
-    dw_ptr,
+    inputs,
+    outputs,
     H,
-    sq_r,
-    sq_h,
-    sd_r,
-    sd_h,
-    scos,
-    ssin,
+    strides,
     inv_dh,
     eps,
     BACKWARD: tl.constexpr,
@@ -124,6 +112,11 @@ def _qk_norm_rope_kernel(
     BLOCK_DH: tl.constexpr,
     LOG2_DH: tl.constexpr,
 ):
+    # inputs (q, w, cos, sin, dout), outputs (out, dw: contiguous [R, H, Dh]); strides: q's and dout's
+    # (row, head), the tables' rows
+    q_ptr, w_ptr, cos_ptr, sin_ptr, dout_ptr = inputs
+    out_ptr, dw_ptr = outputs
+    sq_r, sq_h, sd_r, sd_h, scos, ssin = strides
     r = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ch = tl.arange(0, BLOCK_DH)
@@ -200,16 +193,10 @@ def _rms_modulate(x, w, scale, shift, dm, eps, out_dtype, node) -> list[Tensor]:
     if R:
         ptrs = outs if backward else outs * 4  # the forward never touches the last three
         _rms_modulate_kernel[(configs.cdiv(R, cfg["rows_per_program"]),)](
-            x,
-            w,
-            scale,
-            other,
-            *ptrs,
+            (x, w, scale, other),
+            tuple(ptrs),
             R,
-            x.stride(0),
-            scale.stride(0),
-            other.stride(0),
-            D,
+            (x.stride(0), scale.stride(0), other.stride(0), D),
             1.0 / D,  # the reference's `* (1.0 / n)`: a Python double, rounded to fp32 as torch does
             eps,
             BACKWARD=backward,
@@ -269,20 +256,10 @@ def _qk_norm_rope(q, w, cos, sin, dout, eps, out_dtype, node) -> tuple[Tensor, T
     if R and H:
         block_h = min(cfg["heads_per_program"], triton.next_power_of_2(H))
         _qk_norm_rope_kernel[(R, configs.cdiv(H, block_h))](
-            q,
-            w,
-            cos,
-            sin,
-            dout,
-            out,
-            dw,
+            (q, w, cos, sin, dout),
+            (out, dw),
             H,
-            q.stride(0),
-            q.stride(1),
-            dout.stride(0),
-            dout.stride(1),
-            cos.stride(0),
-            sin.stride(0),
+            (q.stride(0), q.stride(1), dout.stride(0), dout.stride(1), cos.stride(0), sin.stride(0)),
             1.0 / Dh,
             eps,
             BACKWARD=backward,
@@ -326,3 +303,29 @@ def qk_norm_rope_bwd(
     """Backward of `qk_norm_rope_fwd`: (dq [R, H, Dh] out_dtype, dw per (row, head) [R, H, Dh] FP32)."""
     _check(out_dtype, dout_RHD, q_RHD, w_D, cos_RC, sin_RC)
     return _qk_norm_rope(q_RHD, w_D, cos_RC, sin_RC, dout_RHD, eps, out_dtype, node)
+
+
+def variants(node: str) -> list[Variant]:
+    """Both kernels in both directions at the real widths (hidden, head_dim, rotated channels)."""
+    real = H3Config.real()
+    D, dh, C = real.hidden_size, real.attention_head_dim, 6 * real.rope_freq_dim
+    pins = configs.pinned("norm", node)
+    out = []
+    for backward, entry in ((False, "rms_modulate_fwd"), (True, "rms_modulate_bwd")):
+        cfg = pins[entry]
+        block_d = triton.next_power_of_2(D)
+        o = "*fp32" if backward else "*bf16"
+        types = {"inputs": ("*bf16", "*fp32", "*fp32", "*fp32"), "outputs": (o,) * 4, "strides": ("i32",) * 4}
+        types |= {"inv_d": "fp32", "eps": "fp32"}
+        const = {"BACKWARD": backward, "D": D, "BLOCK_R": cfg["rows_per_program"], "BLOCK_D": block_d}
+        const |= {"LOG2_D": block_d.bit_length() - 1}
+        out.append(Variant("norm", entry, _rms_modulate_kernel, types, const, options(cfg, stages=False)))
+    cfg = pins["qk_norm_rope"]
+    for backward in (False, True):
+        types = {"inputs": ("*bf16", "*fp32", "*fp32", "*fp32", "*bf16"), "outputs": ("*bf16", "*fp32")}
+        types |= {"strides": ("i32",) * 6, "inv_dh": "fp32", "eps": "fp32"}
+        const = {"BACKWARD": backward, "DH": dh, "C": C, "BLOCK_H": min(cfg["heads_per_program"], 64)}
+        const |= {"BLOCK_DH": dh, "LOG2_DH": dh.bit_length() - 1}
+        what = f"qk_norm_rope {'bwd' if backward else 'fwd'}"
+        out.append(Variant("norm", what, _qk_norm_rope_kernel, types, const, options(cfg, stages=False)))
+    return out

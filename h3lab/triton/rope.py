@@ -23,10 +23,12 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab import rowplan
+from h3lab.config import H3Config
 from h3lab.ops import fixed
 from h3lab.ops.norm import _inv_freq
 from h3lab.triton import configs
 from h3lab.triton.fp64 import f64, horner, rint
+from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
 _INV_PIO2 = tl.constexpr(fixed._INV_PIO2)
@@ -118,3 +120,13 @@ def rope_tables(
             enable_fp_fusion=False,
         )
     return cos, sin
+
+
+def variants(node: str) -> list[Variant]:
+    """The tables at the real rope_freq_dim."""
+    F = H3Config.real().rope_freq_dim
+    cfg = configs.pinned("rope", node)
+    block_c = triton.next_power_of_2(6 * F)
+    types = {"pos_ptr": "*i64", "inv_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    const = {"F": F, "BLOCK_R": max(1, cfg["elements"] // block_c), "BLOCK_C": block_c}
+    return [Variant("rope", "rope_tables", _rope_kernel, types, const, options(cfg, stages=False))]

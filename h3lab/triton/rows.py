@@ -23,6 +23,7 @@ from torch import Tensor
 
 from h3lab import rowplan
 from h3lab.triton import configs, gemm
+from h3lab.triton.variant import Variant
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,8 +33,9 @@ MAX_CHAINS = 6  # chain sets one launch takes: the block's largest group (3 row 
 
 
 @triton.jit
-def _chain(x_ptr, rows_ptr, starts_ptr, out_ptr, N, sx, G, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+def _chain(chain_set, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     # chain g (this program's) runs over rows[starts[g] : starts[g + 1]] in that order
+    x_ptr, rows_ptr, starts_ptr, out_ptr, N, sx, G = chain_set
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if g < G and tl.program_id(1) * BLOCK_N < N:  # the grid covers the largest set of the launch
@@ -49,74 +51,14 @@ def _chain(x_ptr, rows_ptr, starts_ptr, out_ptr, N, sx, G, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _row_chain_kernel(
-    x0,
-    r0,
-    s0,
-    o0,
-    n0,
-    sx0,
-    g0,
-    x1,
-    r1,
-    s1,
-    o1,
-    n1,
-    sx1,
-    g1,
-    x2,
-    r2,
-    s2,
-    o2,
-    n2,
-    sx2,
-    g2,
-    x3,
-    r3,
-    s3,
-    o3,
-    n3,
-    sx3,
-    g3,
-    x4,
-    r4,
-    s4,
-    o4,
-    n4,
-    sx4,
-    g4,
-    x5,
-    r5,
-    s5,
-    o5,
-    n5,
-    sx5,
-    g5,
-    NUM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    # NUM independent chain sets (x, rows, starts, out, N, row stride, G) in one launch, program_id(2)
-    # picking the set: a chain is serial over rows, so one set keeps few loads in flight (latency-bound:
-    # python -m h3lab.bench.rows_bench); sets side by side add theirs up
+def _row_chain_kernel(sets, NUM: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+    # MAX_CHAINS chain sets (x, rows, starts, out, N, row stride, G), NUM of them independent in one
+    # launch, program_id(2) picking the set: a chain is serial over rows, so one set keeps few loads in
+    # flight (latency-bound: python -m h3lab.bench.rows_bench); sets side by side add theirs up
     w = tl.program_id(2)
-    if w == 0:
-        _chain(x0, r0, s0, o0, n0, sx0, g0, BLOCK_N, UNROLL)
-    if NUM > 1:  # noqa: SIM102  (a constexpr test: sets past NUM are not compiled)
-        if w == 1:
-            _chain(x1, r1, s1, o1, n1, sx1, g1, BLOCK_N, UNROLL)
-    if NUM > 2:  # noqa: SIM102  (a constexpr test: sets past NUM are not compiled)
-        if w == 2:
-            _chain(x2, r2, s2, o2, n2, sx2, g2, BLOCK_N, UNROLL)
-    if NUM > 3:  # noqa: SIM102  (a constexpr test: sets past NUM are not compiled)
-        if w == 3:
-            _chain(x3, r3, s3, o3, n3, sx3, g3, BLOCK_N, UNROLL)
-    if NUM > 4:  # noqa: SIM102  (a constexpr test: sets past NUM are not compiled)
-        if w == 4:
-            _chain(x4, r4, s4, o4, n4, sx4, g4, BLOCK_N, UNROLL)
-    if NUM > 5:  # noqa: SIM102  (a constexpr test: sets past NUM are not compiled)
-        if w == 5:
-            _chain(x5, r5, s5, o5, n5, sx5, g5, BLOCK_N, UNROLL)
+    for i in tl.static_range(NUM):  # sets past NUM are not compiled
+        if w == i:
+            _chain(sets[i], BLOCK_N, UNROLL)
 
 
 def _check(x: Tensor, order: Tensor, *extra: Tensor) -> None:
@@ -156,9 +98,9 @@ def _chain_sets(sets: list[tuple[Tensor, Tensor, Tensor]], node: str | None) -> 
         for i in range(0, len(args), MAX_CHAINS):
             batch = args[i : i + MAX_CHAINS]
             grid = (max(a[6] for a in batch), max(configs.cdiv(a[4], cfg["block_n"]) for a in batch), len(batch))
-            flat = [v for a in batch + [batch[0]] * (MAX_CHAINS - len(batch)) for v in a]  # unused sets: never read
+            sets = tuple(batch + [batch[0]] * (MAX_CHAINS - len(batch)))  # unused sets: never read
             _row_chain_kernel[grid](
-                *flat, NUM=len(batch), BLOCK_N=cfg["block_n"], UNROLL=cfg["unroll"], num_warps=cfg["num_warps"]
+                sets, NUM=len(batch), BLOCK_N=cfg["block_n"], UNROLL=cfg["unroll"], num_warps=cfg["num_warps"]
             )
     return outs
 
@@ -232,3 +174,16 @@ def row_mm(
     if order.numel() == 0:  # no active row: the empty sum (the GEMM is not asked for K = 0)
         return torch.zeros((a_RN.shape[1], b_RK.shape[1]), dtype=out_dtype, device=a_RN.device)
     return gemm.mm(_take(a_RN, order).t(), _take(b_RK, order), out_dtype, node=node)
+
+
+def variants(node: str) -> list[Variant]:
+    """One chain set, and the largest group the block hands to chain_sums (MAX_CHAINS)."""
+    cfg = configs.pinned("rows", node)
+    out = []
+    chain_set = ("*bf16", "*i64", "*i64", "*fp32", "i32", "i32", "i32")  # x, rows, starts, out, N, stride, G
+    for num in (1, MAX_CHAINS):
+        types = {"sets": (chain_set,) * MAX_CHAINS}
+        const = {"NUM": num, "BLOCK_N": cfg["block_n"], "UNROLL": cfg["unroll"]}
+        what = f"{num} chain set{'s' if num > 1 else ''}"
+        out.append(Variant("rows", what, _row_chain_kernel, types, const, {"num_warps": cfg["num_warps"]}))
+    return out

@@ -25,6 +25,7 @@ from h3lab.ops.fixed import ROW_BLOCK, pair_sum
 from h3lab.triton import configs
 from h3lab.triton.gemm import check_device
 from h3lab.triton.norm import _pair_sum
+from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
 IN_DTYPES = (torch.bfloat16, torch.float32)
@@ -96,3 +97,11 @@ def sums_of_squares(xs: Sequence[Tensor], *, node: str | None = None) -> Tensor:
     for pos, k in enumerate(order):
         where[k] = pos
     return torch.cat(sums).index_select(0, torch.tensor(where, device=device))
+
+
+def variants(node: str) -> list[Variant]:
+    """The clip's row-block squares of a bf16 gradient."""
+    cfg = configs.pinned("squares", node)
+    types = {"x_ptr": "*bf16", "out_ptr": "*fp32"}
+    const = {"BPP": cfg["blocks_per_program"], "RB": ROW_BLOCK, "LOG2_RB": ROW_BLOCK.bit_length() - 1}
+    return [Variant("squares", "row blocks", block_squares_kernel, types, const, options(cfg, False))]

@@ -51,6 +51,7 @@ from h3lab.triton.gemm import (
     store_tile,
     tile_coords,
 )
+from h3lab.triton.variant import Variant, options
 
 IMPLS = ("triton", "gluon")  # the same bits; gluon (unit_gemm_sm90) pipelines across unit boundaries
 UNIT_COUNTS = (1, 2, 4, 8)  # subtrees of the 8-unit tree (TP 8, 4, 2, 1)
@@ -62,20 +63,12 @@ MAX_LEVELS = tl.constexpr(LEVELS)
 @triton.jit
 def _unit_chain(
     acc,
-    a_ptr,
-    a_desc,
-    b_ptr,
-    b_desc,
+    piece,
     m0,
     n0,
     u,
-    KP,
     M,
     N,
-    s_am,
-    s_ak,
-    s_bk,
-    s_bn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -83,12 +76,15 @@ def _unit_chain(
     B_MODE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Continue `acc` over unit u's column block of one piece: chunks from the unit start, ascending."""
+    """Continue `acc` over unit u's column block of one piece (a, a's descriptor, b, b's descriptor, the
+    unit width KP, the (row, column) strides of a and b): chunks from the unit start, ascending."""
+    a_ptr, a_desc, b_ptr, b_desc, KP, strides = piece
+    a_strides, b_strides = strides
     k_lo = u * KP
     for kc in range(0, tl.cdiv(KP, BLOCK_K)):
         k0 = k_lo + kc * BLOCK_K
-        a = load_a(a_ptr, a_desc, m0, k0, k_lo + KP, M, s_am, s_ak, BLOCK_M, BLOCK_K, A_MODE)
-        b = load_b(b_ptr, b_desc, k0, n0, k_lo + KP, N, s_bk, s_bn, BLOCK_K, BLOCK_N, B_MODE)
+        a = load_a(a_ptr, a_desc, m0, k0, k_lo + KP, M, a_strides, BLOCK_M, BLOCK_K, A_MODE)
+        b = load_b(b_ptr, b_desc, k0, n0, k_lo + KP, N, b_strides, BLOCK_K, BLOCK_N, B_MODE)
         acc = mac(a, b, acc, IEEE)
     return acc
 
@@ -183,24 +179,10 @@ def unit_mm_kernel(
     N,
     U,
     LOG2U,
-    KP0,
-    KP1,
-    KP2,
+    KP,
     num_programs,
-    sa0m,
-    sa0k,
-    sb0k,
-    sb0n,
-    sa1m,
-    sa1k,
-    sb1k,
-    sb1n,
-    sa2m,
-    sa2k,
-    sb2k,
-    sb2n,
-    s_cm,
-    s_cn,
+    strides,
+    c_strides,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -212,16 +194,19 @@ def unit_mm_kernel(
     IEEE: tl.constexpr,
     OUT_TMA: tl.constexpr,
     SPLIT: tl.constexpr,
-    AM0: tl.constexpr,
-    BM0: tl.constexpr,
-    AM1: tl.constexpr,
-    BM1: tl.constexpr,
-    AM2: tl.constexpr,
-    BM2: tl.constexpr,
+    MODES: tl.constexpr,
 ):
+    # Piece i (i < PIECES) is a{i}, its descriptor ad{i}, b{i}, bd{i} (TensorDescriptors are top-level
+    # arguments: Triton 3.6's launcher expands them nowhere else), unit width KP[i], (row, column)
+    # strides of a and b strides[i] and load modes MODES[i] (A_MODE, B_MODE of gemm.load_a/load_b).
     # One function on purpose: the tile loop's per-unit accumulator, the tree's pending partials and
     # the pointer cursors of up to three pieces live across the whole persistent loop (a Triton
-    # helper is inlined anyway); most of its length is the argument list, one name per line.
+    # helper is inlined anyway).
+    pieces = (
+        (a0, ad0, b0, bd0, KP[0], strides[0]),
+        (a1, ad1, b1, bd1, KP[1], strides[1]),
+        (a2, ad2, b2, bd2, KP[2], strides[2]),
+    )
     FIRST: tl.constexpr = 1 if PENDING_IN_REGS else 0  # lowest tree level kept in scratch
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -239,81 +224,14 @@ def unit_mm_kernel(
         for u in range(0, U):
             # unit u's partial: one chain over its column block of every piece, pieces in order
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = _unit_chain(
-                acc,
-                a0,
-                ad0,
-                b0,
-                bd0,
-                m0,
-                n0,
-                u,
-                KP0,
-                M,
-                N,
-                sa0m,
-                sa0k,
-                sb0k,
-                sb0n,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                AM0,
-                BM0,
-                IEEE,
-            )
-            if PIECES > 1:
+            for i in tl.static_range(PIECES):
                 acc = _unit_chain(
-                    acc,
-                    a1,
-                    ad1,
-                    b1,
-                    bd1,
-                    m0,
-                    n0,
-                    u,
-                    KP1,
-                    M,
-                    N,
-                    sa1m,
-                    sa1k,
-                    sb1k,
-                    sb1n,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                    AM1,
-                    BM1,
-                    IEEE,
-                )
-            if PIECES > 2:
-                acc = _unit_chain(
-                    acc,
-                    a2,
-                    ad2,
-                    b2,
-                    bd2,
-                    m0,
-                    n0,
-                    u,
-                    KP2,
-                    M,
-                    N,
-                    sa2m,
-                    sa2k,
-                    sb2k,
-                    sb2n,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                    AM2,
-                    BM2,
-                    IEEE,
+                    acc, pieces[i], m0, n0, u, M, N, BLOCK_M, BLOCK_N, BLOCK_K, MODES[i][0], MODES[i][1], IEEE
                 )
             acc, pending = _tree_insert(
                 acc, pending, u, LOG2U, s_ptr, s_desc, slot0, BLOCK_M, BLOCK_N, PENDING_IN_REGS, SCRATCH_TMA, FENCE
             )
-        store_tile(c_ptr, c_desc, acc, m0, n0, M, N, s_cm, s_cn, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
+        store_tile(c_ptr, c_desc, acc, m0, n0, M, N, c_strides, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
 
 
 def runs_gluon(
@@ -405,20 +323,20 @@ def unit_mm(
     kps = [a.shape[1] // num_units for a, _ in pieces]
     # TMA zero-fills only at a tensor's end: unit ends must fall on chunk boundaries to use it
     tma = cfg["TMA"] and all(kp % BK == 0 for kp in kps)
-    args: list[Any] = []
-    strides: list[int] = []
-    modes: dict[str, int] = {}
+    args: list[Any] = []  # per piece a, a's descriptor, b, b's descriptor
+    strides: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    modes: list[tuple[int, int]] = []
     for i in range(MAX_PIECES):
         if i < len(pieces):
             a, b = pieces[i]
             (am, ad), (bm, bd) = operand_a(a, BM, BK, tma), operand_b(b, BK, BN, tma)
             args += [a, ad, b, bd]
-            strides += [a.stride(0), a.stride(1), b.stride(0), b.stride(1)]
+            strides.append((a.stride(), b.stride()))
+            modes.append((am, bm))
         else:
-            am = bm = 0
             args += [None, None, None, None]
-            strides += [0, 0, 0, 0]
-        modes |= {f"AM{i}": am, f"BM{i}": bm}
+            strides.append(((0, 0), (0, 0)))
+            modes.append((0, 0))
     pending_in_regs = bool(cfg.get("PENDING_IN_REGS", True))
     levels = LEVELS - (1 if pending_in_regs else 0)
     grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
@@ -437,11 +355,10 @@ def unit_mm(
         N,
         num_units,
         num_units.bit_length() - 1,
-        *(kps + [0] * (MAX_PIECES - len(kps))),
+        tuple(kps + [0] * (MAX_PIECES - len(kps))),
         grid,
-        *strides,
-        out_MN.stride(0),
-        out_MN.stride(1),
+        tuple(strides),
+        out_MN.stride(),
         BLOCK_M=BM,
         BLOCK_N=BN,
         BLOCK_K=BK,
@@ -453,9 +370,50 @@ def unit_mm(
         SPLIT=split,
         FENCE=not configs.interpreting(),
         SCRATCH_TMA=scratch_tma,
-        **modes,
+        MODES=tuple(modes),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         enable_fp_fusion=False,
     )
     return out_MN
+
+
+def variants(node: str) -> list[Variant]:
+    """unit_mm_kernel (the Triton kernel; on sm90 it takes the calls the Gluon kernel cannot): one piece
+    (to_out, ff.net.2: b = W.T) and three (q, k, v dX: b = W), bf16 through TMA; the fp32 entry."""
+    out = []
+    for ieee, pieces, b_mode in ((False, 1, 1), (False, 3, 2), (True, 1, 0)):
+        cfg = kernel_config("unit_gemm", node, ieee)
+        BM, BN, BK, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("EPILOGUE_SPLIT", 1)
+        dt, tma = ("fp32", False) if ieee else ("bf16", bool(cfg["TMA"]))
+        out_tma = bool(cfg.get("TMA_STORE")) and not ieee
+        scratch_tma = bool(cfg.get("SCRATCH_TMA", True))
+        types: dict[str, Any] = {"c_ptr": "*fp32", "s_ptr": "*fp32", "KP": ("i32",) * MAX_PIECES}
+        types |= {"strides": ((("i32", "i32"),) * 2,) * MAX_PIECES, "c_strides": ("i32", "i32")}
+        const: dict[str, Any] = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+        const |= {"PIECES": pieces, "PENDING_IN_REGS": bool(cfg.get("PENDING_IN_REGS", True))}
+        const |= {"SCRATCH_TMA": scratch_tma, "FENCE": True, "IEEE": ieee, "OUT_TMA": out_tma}
+        const |= {"SPLIT": split if out_tma else 1}
+        modes = []
+        for i in range(MAX_PIECES):
+            used = i < pieces
+            am, bm = (1 if tma else 0, b_mode if tma else 0) if used else (0, 0)
+            modes.append((am, bm))
+            if not used:
+                types |= {f"a{i}": None, f"ad{i}": None, f"b{i}": None, f"bd{i}": None}
+                continue
+            types |= {f"a{i}": f"*{dt}", f"b{i}": f"*{dt}"}
+            if tma:
+                b_block = [BN, BK] if bm == 1 else [BK, BN]
+                types |= {
+                    f"ad{i}": f"tensordesc<bf16[{BM}, {BK}]>",
+                    f"bd{i}": f"tensordesc<bf16[{b_block[0]}, {b_block[1]}]>",
+                }
+            else:
+                types |= {f"ad{i}": None, f"bd{i}": None}
+        const["MODES"] = tuple(modes)
+        types["c_desc"] = f"tensordesc<fp32[{BM}, {BN // split}]>" if out_tma else None
+        types["s_desc"] = f"tensordesc<fp32[{BM}, {BN}]>" if scratch_tma else None
+        what = f"{dt}, {pieces} piece{'s' if pieces > 1 else ''}"
+        out.append(Variant("unit_gemm", what, unit_mm_kernel, types, const, options(cfg)))
+    return out

@@ -46,7 +46,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from h3lab.triton import configs
 from h3lab.triton.gemm import a_mode, b_mode, tile_coords  # tile_coords: scalar-only @triton.jit, callable from Gluon
+from h3lab.triton.variant import Variant
 
 # Triton 3.6 (torch 2.11's) names the TMA copies async_copy_global_to_shared / _shared_to_global
 # and the CTA barrier thread_barrier; 3.9 renamed them async_load / async_store (the old names
@@ -60,30 +62,14 @@ BK = gl.constexpr(BLOCK_K)  # the same, as the kernels see it
 
 
 @gluon.jit
-def _issue(
-    s,
-    q,
-    u,
-    m0,
-    n0,
-    CH0,
-    CH1,
-    KP0,
-    KP1,
-    KP2,
-    ad0,
-    bd0,
-    ad1,
-    bd1,
-    ad2,
-    bd2,
-    a_bufs,
-    b_bufs,
-    bars,
-    PIECES: gl.constexpr,
-    B_KN: gl.constexpr,
-):
-    """TMA loads of chunk q of unit u (pieces in order) of the tile at (m0, n0) into stage s."""
+def _issue(prod, chunks, kps, descs, smem, PIECES: gl.constexpr, B_KN: gl.constexpr):
+    """TMA loads of the producer cursor's chunk, chunk q of unit u (pieces in order) of the tile at
+    (m0, n0), into its stage s. chunks: (CH0, CH1, CHU) per unit; kps: the pieces' unit widths."""
+    s, q, u, _, m0, n0 = prod
+    CH0, CH1, _ = chunks
+    KP0, KP1, KP2 = kps
+    ad0, bd0, ad1, bd1, ad2, bd2 = descs
+    a_bufs, b_bufs, bars = smem
     bar = bars.index(s)
     mbarrier.expect(bar, ad0.block_type.nbytes + bd0.block_type.nbytes)
     a_s = a_bufs.index(s)
@@ -109,26 +95,12 @@ def _load_piece(ad, bd, k, m0, n0, bar, a_s, b_s, B_KN: gl.constexpr):
 
 
 @gluon.jit
-def _advance(
-    s,
-    q,
-    u,
-    t,
-    m0,
-    n0,
-    CHU,
-    U,
-    pid,
-    num_programs,
-    num_pid_m,
-    num_pid_n,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """The next chunk's cursor (stage, chunk in unit, unit, tile, tile origin), by increments only:
-    the divisions of a flat index cost ~500 issue cycles per chunk, as long as the chunk's wgmma."""
+def _advance(prod, CHU, U, grid, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """The next chunk's producer cursor (stage, chunk in unit, unit, tile, tile origin), by increments
+    only: the divisions of a flat index cost ~500 issue cycles per chunk, as long as the chunk's wgmma.
+    grid: (program id, programs, tile rows, tile columns)."""
+    s, q, u, t, m0, n0 = prod
+    pid, num_programs, num_pid_m, num_pid_n = grid
     s += 1
     if s == STAGES:
         s = 0
@@ -158,35 +130,15 @@ def _slot(slab, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _step(
     acc,
-    cs,
-    phase,
-    ps,
-    pq,
-    pu,
-    pt,
-    pm0,
-    pn0,
+    cons,
+    prod,
     total,
-    CH0,
-    CH1,
-    CHU,
-    KP0,
-    KP1,
-    KP2,
+    chunks,
+    kps,
     U,
-    pid,
-    num_programs,
-    num_pid_m,
-    num_pid_n,
-    ad0,
-    bd0,
-    ad1,
-    bd1,
-    ad2,
-    bd2,
-    a_bufs,
-    b_bufs,
-    bars,
+    grid,
+    descs,
+    smem,
     BM: gl.constexpr,
     BN: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -197,7 +149,10 @@ def _step(
     """One chunk: wait for its stage, acc += a @ b (async wgmma), then load STAGES-1 chunks ahead into the
     stage the previous wgmma has released, whatever unit or tile that chunk belongs to. wait(1) covers
     this warpgroup's wgmma only; the barrier after it makes the refill wait for both warpgroups (Triton's
-    barrier pass puts one there anyway: the sm90 PTX has the same bar.sync count with it or without)."""
+    barrier pass puts one there anyway: the sm90 PTX has the same bar.sync count with it or without).
+    cons: the consumer cursor (stage, its phase)."""
+    cs, phase = cons
+    a_bufs, b_bufs, bars = smem
     mbarrier.wait(bars.index(cs), phase)
     if B_KN:
         b = b_bufs.index(cs)
@@ -206,38 +161,15 @@ def _step(
     acc = warpgroup_mma(a_bufs.index(cs), b, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     _cta_barrier()
-    if (pt * U + pu) * CHU + pq < total:  # the producer has chunks left
-        _issue(
-            ps,
-            pq,
-            pu,
-            pm0,
-            pn0,
-            CH0,
-            CH1,
-            KP0,
-            KP1,
-            KP2,
-            ad0,
-            bd0,
-            ad1,
-            bd1,
-            ad2,
-            bd2,
-            a_bufs,
-            b_bufs,
-            bars,
-            PIECES,
-            B_KN,
-        )
-        ps, pq, pu, pt, pm0, pn0 = _advance(
-            ps, pq, pu, pt, pm0, pn0, CHU, U, pid, num_programs, num_pid_m, num_pid_n, BM, BN, GROUP_M, STAGES
-        )
+    _, pq, pu, pt, _, _ = prod
+    if (pt * U + pu) * chunks[2] + pq < total:  # the producer has chunks left
+        _issue(prod, chunks, kps, descs, smem, PIECES, B_KN)
+        prod = _advance(prod, chunks[2], U, grid, BM, BN, GROUP_M, STAGES)
     cs += 1
     if cs == STAGES:
         cs = 0
         phase ^= 1
-    return acc, cs, phase, ps, pq, pu, pt, pm0, pn0
+    return acc, (cs, phase), prod
 
 
 @gluon.jit
@@ -248,9 +180,7 @@ def _tree_insert(
     t,
     U,
     LOG2U,
-    num_programs,
-    num_pid_m,
-    num_pid_n,
+    grid,
     M,
     lvl_bufs,
     lvl2_slab,
@@ -291,7 +221,7 @@ def _tree_insert(
                             else:
                                 acc = gl.load(_slot(lvl2_slab, BM, BN, mma)) + acc
     if u == U - 1:  # the root
-        _store_root(acc, t, num_programs, num_pid_m, num_pid_n, lvl_bufs, c_desc, BM, BN, GROUP_M)
+        _store_root(acc, t, grid, lvl_bufs, c_desc, BM, BN, GROUP_M)
     # the next chain starts from +0, as tl.zeros in the Triton kernel. A select on a runtime-false
     # condition, not gl.zeros: a zeros constant stays live in registers across the loops (sm90
     # compile, Triton 3.6: 225 registers against 208; 255 and spills in the flat-loop version)
@@ -299,19 +229,9 @@ def _tree_insert(
 
 
 @gluon.jit
-def _store_root(
-    acc,
-    t,
-    num_programs,
-    num_pid_m,
-    num_pid_n,
-    lvl_bufs,
-    c_desc,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    GROUP_M: gl.constexpr,
-):
+def _store_root(acc, t, grid, lvl_bufs, c_desc, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
     """The tile's root, FP32, through lvl_bufs[0] and a TMA store (rows and columns past the end clipped)."""
+    _, num_programs, num_pid_m, num_pid_n = grid
     pid_m, pid_n = tile_coords(gl.program_id(0) + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
     tma.store_wait(pendings=0)
     _cta_barrier()
@@ -347,8 +267,12 @@ def unit_mm_sm90_kernel(
     num_warps: gl.constexpr,
 ):
     # One function on purpose: the pipeline's producer and consumer cursors, barriers and per-unit
-    # accumulators live across the whole persistent loop; split into helpers they would be passed
-    # back and forth as tuples of Gluon values (`_step` takes the one piece that stands alone).
+    # accumulators live across the whole persistent loop (`_step` takes the one piece that stands
+    # alone). The descriptors are separate arguments (Triton 3.6's launcher expands them nowhere
+    # else) and so are the do_not_specialize ones (a tuple's elements are always specialised); the
+    # helpers take them as tuples: descs, smem (the stages' buffers and barriers), chunks (CH0, CH1,
+    # CHU: chunks per unit), kps (the pieces' unit widths), grid (program id, programs, tile rows,
+    # tile columns) and the producer cursor prod (stage, chunk in unit, unit, tile, tile origin).
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     # wgmma m64nBNk16 per warpgroup, warpgroups stacked along M: Triton's choice for tl.dot here
@@ -372,112 +296,31 @@ def unit_mm_sm90_kernel(
     CH1 = KP1 // BK
     CHU = CH0 + CH1 + KP2 // BK  # chunks per unit, pieces in order
     total = my_tiles * U * CHU
+    chunks, kps, grid = (CH0, CH1, CHU), (KP0, KP1, KP2), (pid, num_programs, num_pid_m, num_pid_n)
+    descs, smem = (ad0, bd0, ad1, bd1, ad2, bd2), (a_bufs, b_bufs, bars)
 
     pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    # producer cursor: the next chunk to load (stage, chunk in unit, unit, tile, tile origin)
-    ps = 0
-    pq = 0
-    pu = 0
-    pt = 0
-    pm0 = pid_m * BM
-    pn0 = pid_n * BN
+    prod = (0, 0, 0, 0, pid_m * BM, pid_n * BN)  # producer cursor: the next chunk to load
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES-1 chunks in flight
         if i < total:
-            _issue(
-                ps,
-                pq,
-                pu,
-                pm0,
-                pn0,
-                CH0,
-                CH1,
-                KP0,
-                KP1,
-                KP2,
-                ad0,
-                bd0,
-                ad1,
-                bd1,
-                ad2,
-                bd2,
-                a_bufs,
-                b_bufs,
-                bars,
-                PIECES,
-                B_KN,
-            )
-            ps, pq, pu, pt, pm0, pn0 = _advance(
-                ps, pq, pu, pt, pm0, pn0, CHU, U, pid, num_programs, num_pid_m, num_pid_n, BM, BN, GROUP_M, STAGES
-            )
+            _issue(prod, chunks, kps, descs, smem, PIECES, B_KN)
+            prod = _advance(prod, CHU, U, grid, BM, BN, GROUP_M, STAGES)
 
     acc = gl.zeros((BM, BN), gl.float32, mma)
     pending = gl.zeros((BM, BN), gl.float32, mma)  # level-0 left sibling
-    cs = 0  # consumer cursor: stage and its phase
-    phase = 0
+    cons = (0, 0)  # consumer cursor: stage and its phase
     # A loop per unit that holds nothing but the chain, the tree between them (with the tree under a
     # branch inside one loop over all chunks, the chunk loop itself ran 8-13% slower on the H200, at
     # U = 1 too). The producer's cursor still loads across unit and tile boundaries.
     for t in range(my_tiles):
         for u in range(U):
             for _ in range(CHU):
-                acc, cs, phase, ps, pq, pu, pt, pm0, pn0 = _step(
-                    acc,
-                    cs,
-                    phase,
-                    ps,
-                    pq,
-                    pu,
-                    pt,
-                    pm0,
-                    pn0,
-                    total,
-                    CH0,
-                    CH1,
-                    CHU,
-                    KP0,
-                    KP1,
-                    KP2,
-                    U,
-                    pid,
-                    num_programs,
-                    num_pid_m,
-                    num_pid_n,
-                    ad0,
-                    bd0,
-                    ad1,
-                    bd1,
-                    ad2,
-                    bd2,
-                    a_bufs,
-                    b_bufs,
-                    bars,
-                    BM,
-                    BN,
-                    GROUP_M,
-                    STAGES,
-                    PIECES,
-                    B_KN,
+                acc, cons, prod = _step(
+                    acc, cons, prod, total, chunks, kps, U, grid, descs, smem, BM, BN, GROUP_M, STAGES, PIECES, B_KN
                 )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             acc, pending = _tree_insert(
-                acc,
-                pending,
-                u,
-                t,
-                U,
-                LOG2U,
-                num_programs,
-                num_pid_m,
-                num_pid_n,
-                M,
-                lvl_bufs,
-                lvl2_slab,
-                c_desc,
-                mma,
-                BM,
-                BN,
-                GROUP_M,
-                LVL2_SMEM,
+                acc, pending, u, t, U, LOG2U, grid, M, lvl_bufs, lvl2_slab, c_desc, mma, BM, BN, GROUP_M, LVL2_SMEM
             )
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
@@ -591,3 +434,38 @@ def launch(
         num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )
+
+
+# ---- the builds compile_pinned compiles ----------------------------------------------------------
+
+CALLS = ((1, False), (3, True), (2, True))  # (pieces, b as [K, N] rows): to_out and ff.net.2 | q,k,v dX | ff.net.0 dX
+
+
+def variant(pieces: int, b_kn: bool, stages: int, lvl2_smem: bool, block: int = 128, num_warps: int = 8) -> Variant:
+    """One build: `pieces` operand pairs, b as [K, N] rows or W.T, `stages` deep, level 2 in shared
+    memory or L2; `block` x `block` tiles on `num_warps` warps (h3lab.bench.compile_sm90 tries others)."""
+    if not 1 <= pieces <= 3:
+        raise ValueError(f"unit_mm_sm90 variant: pieces={pieces}; allowed: 1, 2, 3")
+    a_l, b_l, c_l = _layouts(block, block, b_kn)
+    b_block = [BLOCK_K, block] if b_kn else [block, BLOCK_K]
+    types: dict[str, Any] = {}
+    for i in range(3):
+        used = i < pieces
+        types[f"ad{i}"] = f"tensordesc<bf16[{block},{BLOCK_K}],{a_l!r}>" if used else None
+        types[f"bd{i}"] = f"tensordesc<bf16[{b_block[0]},{b_block[1]}],{b_l!r}>" if used else None
+    types |= {"c_desc": f"tensordesc<fp32[{block},{block}],{c_l!r}>", "s_ptr": "*fp32"}
+    const = {"GROUP_M": 8, "PIECES": pieces, "B_KN": b_kn, "STAGES": stages, "LVL2_SMEM": lvl2_smem}
+    const["num_warps"] = num_warps
+    what = f"gluon, {pieces} piece{'s' if pieces > 1 else ''}, b {'[K, N]' if b_kn else 'W.T'}"
+    what += f", {stages} stages{', smem level 2' if lvl2_smem else ''}"
+    opts = {"num_warps": num_warps, "num_stages": 1, "enable_fp_fusion": False}
+    return Variant("unit_gemm", what, unit_mm_sm90_kernel, types, const, opts, align_pointers=False)
+
+
+def variants(node: str) -> list[Variant]:
+    """The real calls under the pinned "IMPL": "gluon" entry (none where the entry runs the Triton kernel)."""
+    cfg = configs.pinned("unit_gemm", node)
+    if cfg.get("IMPL") != "gluon":
+        return []
+    lvl2 = bool(cfg.get("LVL2_SMEM", False))
+    return [variant(p, kn, cfg["num_stages"], lvl2, cfg["BLOCK_M"], cfg["num_warps"]) for p, kn in CALLS]
