@@ -66,10 +66,11 @@ def test_gpu_gluon_forward_refuses_a_config_it_cannot_run():
 
 
 COMPILE = """
-from h3lab.triton.attention_fwd_sm90 import compile_for_sm90
+from h3lab.bench.compile_pinned import build
+from h3lab.triton.attention_fwd_sm90 import variant
 for pingpong in (False, True):
     for stages in (2, 3):
-        ptx = compile_for_sm90(pingpong, stages).asm["ptx"]
+        ptx = build(variant(pingpong, stages), "sm90").asm["ptx"]
         assert "ld.local" not in ptx and "st.local" not in ptx, f"pingpong={pingpong}: register spills"
         assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, f"pingpong={pingpong}: no wgmma or register moves"
         print("ok", pingpong, stages)

@@ -44,6 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from h3lab.triton import configs
+from h3lab.triton.variant import Variant
+
 # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
@@ -368,22 +371,24 @@ def attention_fwd_sm90(
     return o, o_ref, (lse,)
 
 
-def compile_for_sm90(pingpong: bool, stages: int = 2) -> Any:
-    """The kernel built for GPUTarget("cuda", 90, 32) with the installed Triton, without a GPU, at the
-    real shapes' argument types (bf16 q/k/v/o, FP32 o_ref and lse2, Dh 128): the compiled kernel
-    (`.asm["ptx"]`, `.metadata.shared`). Run it without TRITON_INTERPRET=1."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+def variant(pingpong: bool, stages: int = 2) -> Variant:
+    """One build at the real shapes' argument types (bf16 q/k/v/o, FP32 o_ref and lse2, Dh 128):
+    ping-pong or one 8-warp consumer, `stages` deep (h3lab.bench.compile_pinned builds it)."""
     rows, warps = (64, 4) if pingpong else (128, 8)
     lq, lk = _smem_layout(rows, 128, torch.bfloat16), _smem_layout(128, 128, torch.bfloat16)
-    fn = attention_fwd_ws_kernel
-    sig = {n: "i32" for n in fn.arg_names}
-    sig |= {"q_desc": f"tensordesc<bf16[{rows},128],{lq!r}>", "k_desc": f"tensordesc<bf16[128,128],{lk!r}>"}
-    sig |= {"v_desc": f"tensordesc<bf16[128,128],{lk!r}>", "o_ptr": "*bf16", "oref_ptr": "*fp32"}
-    sig |= {"lse_ptr": "*fp32", "qk_scale": "fp32"}
+    types = {"q_desc": f"tensordesc<bf16[{rows},128],{lq!r}>", "k_desc": f"tensordesc<bf16[128,128],{lk!r}>"}
+    types |= {"v_desc": f"tensordesc<bf16[128,128],{lk!r}>", "o_ptr": "*bf16", "oref_ptr": "*fp32"}
+    types |= {"lse_ptr": "*fp32", "qk_scale": "fp32"}
     const = {"STAGES": stages, "PINGPONG": pingpong, "WRITE_REF": True, "num_warps": warps}
-    sig |= {k: "constexpr" for k in const}
-    options = {"num_warps": warps, "num_stages": 1, "maxnreg": MAXNREG}
-    return triton.compile(GluonASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32), options=options)
+    what = f"gluon, head_dim 128, {'ping-pong' if pingpong else 'one consumer'}, {stages} stages"
+    opts = {"num_warps": warps, "num_stages": 1, "maxnreg": MAXNREG}  # FP fusion on, as the launch has it
+    return Variant("attention_fwd", what, attention_fwd_ws_kernel, types, const, opts, align_pointers=False)
+
+
+def variants(node: str) -> list[Variant]:
+    """The pinned head_dim 128 forward when its entry says "IMPL": "gluon" (else none: the Triton
+    kernel runs it, h3lab.triton.attention_fwd.variants)."""
+    cfg = configs.pinned("attention_fwd", node)["by_head_dim"].get("128", {})
+    if cfg.get("IMPL") != "gluon":
+        return []
+    return [variant(bool(cfg.get("PINGPONG", False)), cfg.get("GLUON_STAGES", 2))]
