@@ -79,3 +79,11 @@ def test_the_ex2_hypotheses_find_the_rule_of_a_fake_unit():
     counts = sfu_probe.hypotheses(_fake_op, tables, "cpu", span, pairs=1 << 10)
     assert counts["ex2.floor_round23"].sum() == 0 and counts["ex2.floor_trunc23"].sum() > 0
     assert counts["ex2.histogram"].sum() == 1 << 16
+
+
+def test_the_references_of_nans_are_the_canonical_nan():
+    # torch keeps a NaN's payload on the CPU; the GPU's residuals were taken against 0x7FFFFFFF
+    x = floats.fp32_from_bits(torch.tensor([0x7F800369, 0x7FC00001, 0xFFC12345]))
+    for op in ("ex2", "rcp", "log2"):
+        assert floats.bits(sfu_probe.reference(op, x)).tolist() == [0x7FFFFFFF] * 3
+    assert floats.bits(sfu_probe.reference("div", x, torch.ones(3))).tolist() == [0x7FFFFFFF] * 3

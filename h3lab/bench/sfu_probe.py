@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.bench.probe_rng import Stream
-from h3lab.emulate import floats
+from h3lab.emulate import floats, sfu
 from h3lab.emulate.sfu_ref import div_ref, exp2_ref, from_ordered, log2_ref, ordered, rcp_ref
 from h3lab.metrics import sha256_tensor
 
@@ -120,14 +120,19 @@ def sample_sets(device, grid_bits: int = 24, samples: int = SAMPLES) -> dict[str
 
 def reference(op: str, x: Tensor, y: Tensor | None = None) -> Tensor:
     """The residuals' reference of `op`: sfu_ref's function, with the .ftz instructions' flushing (ex2:
-    results below 2^-126; rcp: subnormal inputs and results), so that flushed outputs stay small residuals."""
+    results below 2^-126; rcp: subnormal inputs and results), so that flushed outputs stay small residuals.
+    A NaN reference is the canonical 0x7FFFFFFF: torch keeps a NaN's bits on one device and not on
+    another (the GPU's log2.random residuals were taken against canonical NaNs)."""
     if op == "div":
-        return div_ref(x, y)
-    if op == "ex2":
-        return _ftz(exp2_ref(x))
-    if op == "rcp":
-        return _ftz(rcp_ref(_ftz(x)))
-    return log2_ref(x)
+        ref = div_ref(x, y)
+    elif op == "ex2":
+        ref = _ftz(exp2_ref(x))
+    elif op == "rcp":
+        ref = _ftz(rcp_ref(_ftz(x)))
+    else:
+        ref = log2_ref(x)
+    canonical = floats.fp32_from_bits(torch.full_like(ref, sfu.NAN_BITS, dtype=torch.int64))
+    return torch.where(torch.isnan(ref), canonical, ref)
 
 
 def encode(got: Tensor, ref: Tensor) -> tuple[dict[str, np.ndarray], str]:
