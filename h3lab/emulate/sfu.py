@@ -87,7 +87,7 @@ def rcp_approx_ftz(x_f32: Tensor) -> Tensor:
 def mul_f32(x: Tensor, y: Tensor) -> Tensor:
     """IEEE FP32 x * y, rounded to nearest even once (no flush); NaN results canonical (FMUL)."""
     out = (x.to(torch.float64) * y.to(torch.float64)).to(torch.float32)  # the product is exact in float64
-    return torch.where(torch.isnan(out), floats.fp32_from_bits(torch.full_like(out, NAN_BITS, dtype=I64)), out)
+    return torch.where(torch.isnan(out), _f32(NAN_BITS, out), out)
 
 
 def div_full(a_f32: Tensor, b_f32: Tensor) -> Tensor:
@@ -108,7 +108,8 @@ LOG2_LINEAR = 0x3FB8AA3B  # bits of 1/ln 2
 
 
 def _f32(b: int, like: Tensor) -> Tensor:
-    return floats.fp32_from_bits(torch.full_like(like, b, dtype=I64))
+    """The FP32 constant with bit pattern b, as a 0-dim tensor on like's device (it broadcasts)."""
+    return floats.fp32_from_bits(torch.tensor(b, dtype=I64, device=like.device))
 
 
 def log2_libdevice(x_f32: Tensor) -> Tensor:
@@ -121,7 +122,7 @@ def log2_libdevice(x_f32: Tensor) -> Tensor:
     m = floats.fp32_from_bits(b1 - e_bits)
     e_int = torch.where(e_bits >= 1 << 31, e_bits - (1 << 32), e_bits).to(torch.float32)  # exact
     e = fma_f32_ftz(e_int, _f32(0x34000000, x_f32), torch.where(small, -23.0, 0.0).to(torch.float32))
-    one = torch.ones_like(x_f32)
+    one = _f32(0x3F800000, x_f32)
     t = fma_f32(m, one, -one)  # add.f32: m - 1
     p = _f32(LOG2_POLY[0], x_f32)
     for c in LOG2_POLY[1:]:
