@@ -16,10 +16,11 @@ of 2^-24 of a value in (1/2, 1] (2^24 for j = 0).
 
 The coefficients (`mufu_tables.json`, 4 KB) were fitted to the H200's outputs of sm90-probe-1
 (h3lab.bench.sfu_probe): ex2 at every x = k / 2^24 of [0, 1) (odd k read the same fraction as k - 1:
-the unit cuts x to 23 fraction bits) and rcp at every significand of [1, 2). In each segment exactly
-one (C1, C2) fits all 2^n outputs; C0 * 2^13 + K is then fixed to an interval, and one residue K
-mod 2^13 lies in every segment's interval (ex2 0x17E2, rcp 0x07E7). The tables reproduce all 2^23
-outputs of each function (tests/test_emulate_sfu.py checks the probe's sha256 of them).
+the unit cuts x to 23 fraction bits) and rcp at every significand of [1, 2). In each segment one
+(C1, C2) fits all 2^n outputs (no other near the least-squares fit does); C0 * 2^13 + K is then
+fixed to an interval, and one residue K mod 2^13 lies in every segment's interval (ex2 0x17E2, rcp
+0x07E7). The tables reproduce all 2^23 outputs of each function (tests/test_emulate_sfu.py checks
+the probe's sha256 of them).
 How x becomes j, and the exponent around it, is h3lab.emulate.sfu's.
 
 Dimension legend: any shape; every function is elementwise (int64 in, int64 out).
