@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from h3lab.bench import sfu_probe, tree_probe
-from h3lab.emulate import floats, sfu
+from h3lab.bench import mufu_fit, sfu_probe, tree_probe
+from h3lab.emulate import floats, mufu, sfu
 from h3lab.emulate import tree as trees
 from h3lab.emulate.sfu_ref import exp2_ref
 from h3lab.io.jsonfile import write_json
@@ -105,3 +105,12 @@ def test_the_references_of_nans_are_the_canonical_nan():
     for op in ("ex2", "rcp", "log2"):
         assert floats.bits(sfu_probe.reference(op, x)).tolist() == [0x7FFFFFFF] * 3
     assert floats.bits(sfu_probe.reference("div", x, torch.ones(3))).tolist() == [0x7FFFFFFF] * 3
+
+
+def test_the_fit_finds_the_interpolators_coefficients_from_their_outputs():
+    for name, segment in (("ex2", 37), ("rcp", 101)):
+        m, offset, sign, (c0, c1, c2) = mufu._table(name)
+        n = 23 - m
+        j = torch.arange(segment << n, (segment + 1) << n)
+        C1, C2, lo, hi = mufu_fit.fit_segment(mufu.interpolate(name, j), n, sign)
+        assert (c1[segment], c2[segment]) == (C1, C2) and lo <= (c0[segment] << 13) + offset < hi
