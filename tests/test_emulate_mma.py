@@ -1,13 +1,16 @@
-"""The MMA model (h3lab.emulate.mma) and the FMA chain (h3lab.emulate.fma) on the CPU: properties that
-hold whatever the GPU answers (the probe, h3lab.bench.mma_probe, decides the hypotheses), checked
-against exact rational arithmetic (fractions) written independently of the integer code."""
+"""The MMA model (h3lab.emulate.mma) and the FMA chain (h3lab.emulate.fma) on the CPU: properties of
+the model, checked against exact rational arithmetic (fractions) written independently of the integer
+code, with the edge rules the H200 answered; and dots the H200 computed (sm90-probe-1, saved in
+tests/data/sm90_probe_1.json) that only those rules reproduce."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import struct
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,14 +57,14 @@ def _exponent(mag: Fraction) -> int:
     return e - (1 if Fraction(2) ** e > mag else 0)
 
 
-def _rz_fp32(q: Fraction, negative_zero: bool) -> float:
-    """q rounded toward zero to FP32 (subnormals kept, overflow to FLT_MAX), as a Python float."""
+def _rz_fp32(q: Fraction) -> float:
+    """q rounded toward zero to FP32 (subnormals kept, overflow to inf, a zero +0), as a Python float."""
     if q == 0:
-        return -0.0 if negative_zero else 0.0
+        return 0.0
     mag = abs(q)
     e = _exponent(mag)
     if e > 127:
-        value = Fraction(struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0])
+        value = math.inf
     else:
         quantum = Fraction(2) ** (max(e, -126) - 23)
         value = int(mag / quantum) * quantum
@@ -69,17 +72,16 @@ def _rz_fp32(q: Fraction, negative_zero: bool) -> float:
 
 
 def _ref_step(a: list[float], b: list[float], c: float | None) -> float:
-    """The model's step in fractions: align to 2^(E-25), truncate each term, add, round toward zero."""
+    """The model's step in fractions: align to 2^(E-25) with E >= -133, truncate each term, add, round
+    toward zero."""
     terms = [(Fraction(x) * Fraction(y), _ieee_exp(x, -126) + _ieee_exp(y, -126)) for x, y in zip(a, b, strict=True)]
     exps = [e for p, e in terms if p != 0] + ([_ieee_exp(c, -126)] if c else [])
-    signs = [math.copysign(1, x) * math.copysign(1, y) < 0 for x, y in zip(a, b, strict=True)]
     values = [p for p, _ in terms] + ([Fraction(c)] if c is not None else [])
-    negative_zero = all(signs) and (c is None or math.copysign(1, c) < 0)
     if not exps:
-        return _rz_fp32(Fraction(0), negative_zero)
-    quantum = Fraction(2) ** (max(exps) - 25)
+        return 0.0
+    quantum = Fraction(2) ** (max([*exps, -133]) - 25)
     total = sum((int(v / quantum) * quantum for v in values), Fraction(0))  # int() truncates toward zero
-    return _rz_fp32(total, negative_zero)
+    return _rz_fp32(total)
 
 
 def _bits32(x: float) -> int:
@@ -102,8 +104,8 @@ def test_a_step_equals_exact_rational_arithmetic_on_random_cases(seed):
 
 def test_a_step_without_accumulator_equals_the_rational_reference_with_subnormal_products():
     g = _gen(5)
-    a = _random_bf16((8, 16), g, 3) * 2.0**-70  # products near 2^-140: below FP32's normal range
-    b = _random_bf16((16, 8), g, 3) * 2.0**-70
+    a = _random_bf16((8, 16), g, 3) * 2.0**-70  # products near 2^-140: below FP32's normal range and
+    b = _random_bf16((16, 8), g, 3) * 2.0**-70  # below the alignment floor 2^-133
     got = mma_step(a, b, None)
     a_f, b_f = a.float().tolist(), b.float().t().tolist()
     want = torch.tensor([[_bits32(_ref_step(a_f[m], b_f[n], None)) for n in range(8)] for m in range(8)])
@@ -112,6 +114,16 @@ def test_a_step_without_accumulator_equals_the_rational_reference_with_subnormal
 
 
 # ---- properties of the model -----------------------------------------------------------------------
+
+
+def test_the_alignment_floor_drops_bits_below_2_to_the_minus_158():
+    # 2 p + q + r = 2^-144 exactly, p = 2^-145 (1 + 2^-7)^2 = 2^-145 + 2^-151 + 2^-159, q = -2^-150,
+    # r = -2^-158: E = -145 is below the floor -133, so p is cut to 2^-158 and the sum to 31 * 2^-149
+    one = 1 + 2.0**-7
+    a = torch.tensor([[2.0**-72 * one, 2.0**-72 * one, -(2.0**-75), -(2.0**-79)]], dtype=BF16)
+    b = torch.tensor([[2.0**-73 * one], [2.0**-73 * one], [2.0**-75], [2.0**-79]], dtype=BF16)
+    assert mma_step(a, b, None, MmaModel(align_min=-1000)).item() == 2.0**-144
+    assert mma_step(a, b, None).item() == 31 * 2.0**-149
 
 
 def test_terms_on_the_aligned_grid_add_exactly():
@@ -167,7 +179,7 @@ def test_steps_chain_in_k_order():
     assert forward.item() == 1.0 + 2.0**-22 and backward.item() == 1.0
 
 
-def test_the_k_tail_reads_zeros_and_moves_only_the_sign_of_a_zero():
+def test_the_k_tail_reads_zeros_and_an_exact_zero_sum_is_plus_zero():
     g = _gen(9)
     a, b = _random_bf16((8, 40), g, 10), _random_bf16((40, 8), g, 10)
     padded_a = torch.nn.functional.pad(a, (0, 24))
@@ -175,8 +187,8 @@ def test_the_k_tail_reads_zeros_and_moves_only_the_sign_of_a_zero():
     assert_bitwise(dot(a, b, block_k=64), dot(padded_a, padded_b), "zero-padded K")
     neg = -torch.zeros((1, 16), dtype=BF16)
     one = torch.ones((16, 1), dtype=BF16)
-    assert floats.bits(dot(neg, one)).item() == 0x80000000  # -0 products alone: -0
-    assert floats.bits(dot(neg, one, block_k=32)).item() == 0  # +0 products of the tail: +0
+    assert floats.bits(dot(neg, one, -torch.zeros(1, 1))).item() == 0  # -0 products and c = -0: +0
+    assert floats.bits(dot(neg, one, model=MmaModel(zero_sign="ieee"))).item() == 0x80000000
 
 
 def test_fp16_inputs_use_their_own_significands():
@@ -196,11 +208,11 @@ def test_specials_follow_ieee_rules_and_the_named_nan():
     assert floats.bits(inf_times_zero).item() == SM90.nan_bits
 
 
-def test_hypotheses_switch_their_rules():
+def test_the_edge_rules_switch():
     big = torch.full((1, 16), 2.0**127, dtype=BF16)
-    assert mma_step(big, torch.full((16, 1), 2.0, dtype=BF16), None).item() == torch.finfo(F32).max
-    inf_model = MmaModel(overflow="inf")
-    assert mma_step(big, torch.full((16, 1), 2.0, dtype=BF16), None, inf_model).item() == math.inf
+    assert mma_step(big, torch.full((16, 1), 2.0, dtype=BF16), None).item() == math.inf
+    max_model = MmaModel(overflow="max")
+    assert mma_step(big, torch.full((16, 1), 2.0, dtype=BF16), None, max_model).item() == torch.finfo(F32).max
     tiny = torch.full((1, 1), 2.0**-75, dtype=BF16)
     assert mma_step(tiny, tiny, None).item() == 0.0  # 2^-150: below the subnormal grid, truncated
     assert mma_step(tiny * 2**5, tiny, None).item() == 2.0**-145
@@ -210,6 +222,8 @@ def test_hypotheses_switch_their_rules():
     assert mma_step(sub, torch.ones((1, 1), dtype=BF16), None, MmaModel(subnormal_inputs="flush")).item() == 0.0
     with pytest.raises(ValueError, match=r"MmaModel\.overflow='nearest'; allowed: \['max', 'inf'\]"):
         MmaModel(overflow="nearest")
+    with pytest.raises(ValueError, match=r"MmaModel\.align_min=-100; allowed: -1000 to -126"):
+        MmaModel(align_min=-100)
 
 
 def test_operands_are_checked():
@@ -276,3 +290,24 @@ def test_the_rational_reference_agrees_with_random_bit_patterns_of_fp32():
     values = [struct.unpack("<f", struct.pack("<I", rng.getrandbits(32)))[0] for _ in range(2000)]
     values = [v for v in values if math.isfinite(v)]
     assert [_round_fp32(Fraction(v)) for v in values] == [_bits32(v) for v in values]
+
+
+# ---- dots the H200 computed ------------------------------------------------------------------------
+
+VECTORS = json.loads((Path(__file__).parent / "data" / "sm90_probe_1.json").read_text())
+WITHOUT_THE_RULES = MmaModel(overflow="max", zero_sign="ieee", align_min=-1000)  # the reading before the probe
+
+
+def _bf16(words: str) -> torch.Tensor:
+    b = torch.tensor([int(w, 16) for w in words.split()], dtype=torch.int64)
+    return (b - ((b & 0x8000) << 1)).to(torch.int16).view(BF16)
+
+
+@pytest.mark.parametrize("vector", VECTORS["mma_dots"], ids=lambda v: f"{v['case']}@{v['at']}")
+def test_the_h200s_edge_dots_need_the_edge_rules(vector):
+    # overflow to inf, a zero sum +0, the alignment floor: each saved dot differs without its rule
+    a, b = _bf16(vector["a"]).view(1, -1), _bf16(vector["b"]).view(-1, 1)
+    c = None if vector["c"] is None else floats.fp32_from_bits(torch.tensor([[int(vector["c"], 16)]]))
+    got = floats.bits(dot(a, b, c, block_k=vector["block_k"])).item()
+    before = floats.bits(dot(a, b, c, model=WITHOUT_THE_RULES, block_k=vector["block_k"])).item()
+    assert (got, before) == (int(vector["gpu"], 16), int(vector["without_the_rule"], 16))

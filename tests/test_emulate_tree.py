@@ -1,12 +1,19 @@
-"""Reduction trees (h3lab.emulate.tree): a probe of a known tree reads the tree back, whatever its shape."""
+"""Reduction trees (h3lab.emulate.tree): a probe of a known tree reads the tree back, whatever its shape;
+the attention kernels' trees are the ones the H200 gave, and sum its rows to its bits."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from h3lab.bench.mma_cases import values
+from h3lab.bench.probe_rng import Stream
+from h3lab.bench.tree_probe import RANDOM_ROWS
+from h3lab.emulate import floats
 from h3lab.emulate import tree as t
 
 
@@ -58,3 +65,50 @@ def test_sizes_that_fit_no_tree_are_refused():
     _, pairs = t.probe_rows(4)
     with pytest.raises(ValueError, match=r"probe row \(0, 1\) summed to 2.5"):
         t.lca_sizes(torch.full((len(pairs),), 2.5), pairs, 4)
+
+
+# ---- the kernels' trees, as the H200 answered them (sm90-probe-1, h3lab.bench.tree_probe) ---------
+
+PROBED = json.loads((Path(__file__).parent / "data" / "sm90_probe_1.json").read_text())["trees"]
+
+
+def _as_tree(x) -> t.Tree:
+    return x if isinstance(x, int) else (_as_tree(x[0]), _as_tree(x[1]))
+
+
+def _saved(words: str) -> torch.Tensor:
+    return torch.tensor([int(w, 16) for w in words.split()], dtype=torch.int64)
+
+
+def _kernel_tree(name: str) -> t.Tree:
+    n = int(name.removeprefix("fwd").removeprefix("delta"))
+    return t.wgmma_row_tree(n) if name.startswith("fwd") else t.blocked_row_tree(n)
+
+
+@pytest.mark.parametrize("name", sorted(PROBED))
+def test_the_kernels_trees_are_the_ones_the_h200_gave(name):
+    assert t.same_tree(_kernel_tree(name), _as_tree(PROBED[name]["tree"]))
+
+
+@pytest.mark.parametrize("name", sorted(PROBED))
+def test_the_probes_random_rows_sum_to_the_h200s_bits(name):
+    # the probe's rows (tree_probe.run_probe) redrawn from its seed: the first 32 of each saved set
+    entry, n = PROBED[name], int(name.removeprefix("fwd").removeprefix("delta"))
+    s = Stream(entry["seed"])
+    x = values(s, (RANDOM_ROWS, n), -12, 12, torch.bfloat16 if name.startswith("fwd") else torch.float32)[:32]
+    tree = _kernel_tree(name)
+    assert torch.equal(floats.bits(t.tree_sum(x, tree)), _saved(entry["random"]))
+    if "random_do" in entry:  # attention_delta with products that round: the contraction decides
+        do = values(s, (RANDOM_ROWS, n), -3, 3, torch.bfloat16)[:32]
+        want = _saved(entry["random_do"])
+        assert torch.equal(floats.bits(t.contracted_sum(do, x, tree)), want)
+        assert not torch.equal(floats.bits(t.tree_sum(do.float() * x, tree)), want)
+
+
+def test_kernel_trees_refuse_shapes_they_do_not_have():
+    with pytest.raises(ValueError, match=r"a wgmma row of 20 columns; allowed: a multiple of 8"):
+        t.wgmma_row_tree(20)
+    with pytest.raises(ValueError, match=r"a row of 48 over 8 per thread; allowed: n / per_thread a power of two"):
+        t.blocked_row_tree(48)
+    with pytest.raises(ValueError, match=r"butterfly over 3 threads; allowed: a power of two"):
+        t.butterfly([0, 1, 2])

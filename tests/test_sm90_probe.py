@@ -24,3 +24,7 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path):
     assert set(on_disk["files"]) == {"a.npz", "summary.json"}
     (tmp_path / "big.bin").write_bytes(b"0" * (16 << 20 | 1))
     assert not sm90_probe.files_record(tmp_path)["fits_limits"]
+
+
+def test_every_part_has_a_runner():
+    assert set(sm90_probe._runners("cpu")) == set(sm90_probe.PARTS)

@@ -41,12 +41,13 @@ from h3lab.metrics import sha256_tensor
 
 FILE = "mma.npz"
 SUMMARY = "summary.json"  # h3lab.bench.sm90_probe's record: {"parts": {"mma": probe(...), ...}}
-VARIANTS = {  # the current reading and its neighbours: each hypothesis flipped, and the other alignments
+VARIANTS = {  # the current reading and its neighbours: each edge rule flipped, and the other alignments
     "sm90": SM90,
-    "overflow_inf": MmaModel(overflow="inf"),
+    "overflow_max": MmaModel(overflow="max"),
     "flush_inputs": MmaModel(subnormal_inputs="flush"),
     "flush_output": MmaModel(subnormal_output="flush"),
-    "zero_positive": MmaModel(zero_sign="positive"),
+    "zero_ieee": MmaModel(zero_sign="ieee"),
+    "no_align_min": MmaModel(align_min=-1000),
     "extra_bits_1": MmaModel(extra_bits=1),
     "extra_bits_3": MmaModel(extra_bits=3),
     "group_8": MmaModel(group=8),

@@ -18,6 +18,9 @@ In place, over all 2^32 inputs (`hypotheses`): the residual histogram per expone
 ex2(x) = 2^floor(x) * ex2(frac(x)) with the fraction cut to 2^-22, 2^-23 or 2^-24 (truncated or
 rounded), whether rcp(x) = rcp(significand) scaled, and whether div.full(a, b) = a * rcp(b) (with
 and without div.full's range scaling). Random inputs are redrawn from their seeds (probe_rng).
+`model_check` (sm90_probe's part `sfu_model`) compares the exact models fitted from these answers
+(h3lab.emulate.sfu, run on the GPU) with the unit over every 2^32 input of ex2, rcp and log2 and
+2 x 2^27 div pairs, and counts the outputs whose bits differ.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.bench.probe_rng import Stream
-from h3lab.emulate import floats
+from h3lab.emulate import floats, sfu
 from h3lab.emulate.sfu_ref import div_ref, exp2_ref, from_ordered, log2_ref, ordered, rcp_ref
 from h3lab.metrics import sha256_tensor
 
@@ -120,14 +123,19 @@ def sample_sets(device, grid_bits: int = 24, samples: int = SAMPLES) -> dict[str
 
 def reference(op: str, x: Tensor, y: Tensor | None = None) -> Tensor:
     """The residuals' reference of `op`: sfu_ref's function, with the .ftz instructions' flushing (ex2:
-    results below 2^-126; rcp: subnormal inputs and results), so that flushed outputs stay small residuals."""
+    results below 2^-126; rcp: subnormal inputs and results), so that flushed outputs stay small residuals.
+    A NaN reference is the canonical 0x7FFFFFFF: torch keeps a NaN's bits on one device and not on
+    another (the GPU's log2.random residuals were taken against canonical NaNs)."""
     if op == "div":
-        return div_ref(x, y)
-    if op == "ex2":
-        return _ftz(exp2_ref(x))
-    if op == "rcp":
-        return _ftz(rcp_ref(_ftz(x)))
-    return log2_ref(x)
+        ref = div_ref(x, y)
+    elif op == "ex2":
+        ref = _ftz(exp2_ref(x))
+    elif op == "rcp":
+        ref = _ftz(rcp_ref(_ftz(x)))
+    else:
+        ref = log2_ref(x)
+    canonical = floats.fp32_from_bits(torch.full_like(ref, sfu.NAN_BITS, dtype=torch.int64))
+    return torch.where(torch.isnan(ref), canonical, ref)
 
 
 def encode(got: Tensor, ref: Tensor) -> tuple[dict[str, np.ndarray], str]:
@@ -259,6 +267,48 @@ def hypotheses(op: Op, tables: dict[str, Tensor], device, span=(0, 1 << 32), pai
     for name, pred in div_candidates(op, a, b).items():
         _accumulate(counts, f"div.{name}", ok & (floats.bits(pred) != floats.bits(y)), _bucket(b))
     return {k: v.cpu().numpy() for k, v in counts.items()}
+
+
+# ---- the model against the unit, in place -------------------------------------------------------
+
+MODELS: dict[str, Callable[[Tensor], Tensor]] = {
+    "ex2": sfu.ex2_approx_ftz,
+    "rcp": sfu.rcp_approx_ftz,
+    "log2": sfu.log2_libdevice,
+}
+EXAMPLES = 8  # mismatching inputs kept per function
+
+
+def _mismatches(counts: dict, examples: dict, name: str, got: Tensor, want: Tensor, x: Tensor, y=None) -> None:
+    bad = floats.bits(got) != floats.bits(want)
+    _accumulate(counts, name, bad, _bucket(y if y is not None else x))
+    kept = examples.setdefault(name, [])
+    for i in bad.nonzero().flatten()[: EXAMPLES - len(kept)].tolist():
+        inputs = [x[i : i + 1]] + ([y[i : i + 1]] if y is not None else [])
+        kept.append([hex(int(floats.bits(t))) for t in [*inputs, got[i : i + 1], want[i : i + 1]]])
+
+
+def model_check(op: Op, device, span=(0, 1 << 32), pairs: int = CHUNK) -> dict[str, Any]:
+    """h3lab.emulate.sfu (run on `device`) against `op` bit for bit: ex2, rcp and log2 on every bit
+    pattern in `span`, div on `pairs` random pairs of bit patterns and of the attention's range (|acc|
+    < 2^10 over l in [1, 2^17]). NaNs count: their bits too. Mismatches per function, per input bucket
+    (sign and exponent field; div: of b), and the first few as [inputs..., unit, model] bit patterns."""
+    counts: dict[str, Tensor] = {}
+    examples: dict[str, list] = {}
+    for lo in range(span[0], span[1], CHUNK):
+        x = floats.fp32_from_bits(torch.arange(lo, min(lo + CHUNK, span[1]), device=device))
+        for fn, model in MODELS.items():
+            _mismatches(counts, examples, fn, op(fn, x), model(x), x)
+    s = Stream(9200, device)
+    a, b = floats.fp32_from_bits(s.bits((pairs,))), floats.fp32_from_bits(s.bits((pairs,)))
+    _mismatches(counts, examples, "div.random", op("div", a, b), sfu.div_full(a, b), a, b)
+    acc = (s.bits((pairs,)).to(torch.float32) * 2.0**-31 - 1.0) * 1024.0
+    ell = exp2_ref(s.bits((pairs,)).to(torch.float32) * (17.0 * 2.0**-32))
+    _mismatches(counts, examples, "div.attention", op("div", acc, ell), sfu.div_full(acc, ell), acc, ell)
+    totals = {k: int(v.sum()) for k, v in counts.items()}
+    buckets = {k: {int(i): int(v[i]) for i in v.nonzero().flatten()[:64].tolist()} for k, v in counts.items()}
+    inputs = {fn: span[1] - span[0] for fn in MODELS} | {"div.random": pairs, "div.attention": pairs}
+    return {"mismatches": totals, "inputs": inputs, "buckets": buckets, "examples": examples, "span": list(span)}
 
 
 def probe(

@@ -1,13 +1,15 @@
 """One GPU command for what the CPU emulator of the sm90 kernels needs from an H200 (issue 31).
 
-    python -m h3lab.bench.sm90_probe --out DIR [--parts mma,tree,sfu,capture]   (CUDA)
-    python -m h3lab.bench.sm90_probe --check DIR                                (any CPU, offline)
+    python -m h3lab.bench.sm90_probe --out DIR [--parts mma,tree,sfu,sfu_model,capture]   (CUDA)
+    python -m h3lab.bench.sm90_probe --check DIR                                          (any CPU, offline)
 
 Parts, in order: `mma` (h3lab.bench.mma_probe: the tensor cores' addition, ~2 x 10^6 dots through
 the kernels' tl.dot tiles, compared in place with h3lab.emulate.mma), `tree` (tree_probe: tl.sum's
 order in attention's layouts), `sfu` (sfu_probe: ex2.approx, MUFU.RCP under div.full, libdevice's
-log2), `capture` (sm90_capture: the tiny reference block with every backend call's tensors, and
-spot samples of every call of the real-shape block, with their digests against kernels/golden/sm90.json).
+log2), `sfu_model` (sfu_probe.model_check: h3lab.emulate.sfu against the unit over every 2^32
+input, mismatches counted in place), `capture` (sm90_capture: the tiny reference block with every
+backend call's tensors, and spot samples of every call of the real-shape block, with their digests
+against kernels/golden/sm90.json).
 A part that fails is recorded with the end of its traceback; the others still run. DIR/summary.json
 is rewritten after every part ("status": "running", then "passed" when every part ran, else
 "failed") with the environment and each file's size against what the device returns (at most 8
@@ -28,7 +30,7 @@ import torch
 
 from h3lab.io.jsonfile import write_json
 
-PARTS = ("mma", "tree", "sfu", "capture")
+PARTS = ("mma", "tree", "sfu", "sfu_model", "capture")
 LIMITS = {"files": 8, "file_bytes": 16 << 20, "total_bytes": 64 << 20}
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -41,6 +43,7 @@ def _runners(device: torch.device) -> dict[str, Callable[[Path], dict[str, Any]]
         "mma": lambda out: mma_probe.probe(out, device),
         "tree": lambda out: tree_probe.probe(out, device),
         "sfu": lambda out: sfu_probe.probe(out, device),
+        "sfu_model": lambda out: sfu_probe.model_check(sfu_probe.gpu_op, device),
         "capture": lambda out: sm90_capture.probe(out, get_backend("triton", device), device),
     }
 
@@ -112,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         f"sm90_probe: {summary['status']}; "
         + ", ".join(f"{k} {v['status']} {v['seconds']} s" for k, v in summary["parts"].items())
     )
+    for name, part in summary["parts"].items():
+        if isinstance(part.get("mismatches"), dict):  # an in-place model check: its counts
+            print(f"{name} mismatches: {part['mismatches']} of {part['inputs']}")
     return 0 if summary["status"] == "passed" else 1
 
 

@@ -1,14 +1,18 @@
 """The sm90 kernels' arithmetic on any CPU: models of what the GPU computes that no IEEE rule fixes.
 
 - `mma`: the tensor cores' FP32-accumulating addition (groups of 16 products, truncation, round
-  toward zero), and the dots and chains built from it;
-- `fma`: the correctly rounded FP32 FMA and the FMA chain of Triton's IEEE tl.dot;
-- `tree`: reduction trees (tl.sum's order over a tile axis), and how a probe reveals one;
+  toward zero, the edge rules the H200 gave), and the dots and chains built from it;
+- `fma`: the correctly rounded FP32 FMA (with and without FTZ) and the FMA chain of Triton's IEEE tl.dot;
+- `tree`: reduction trees (tl.sum's order over a tile axis; the attention kernels' own), and how a
+  probe reveals one;
+- `sfu`: the approximate instructions of the attention kernels, bit for bit: ex2.approx.ftz, MUFU.RCP,
+  div.full, libdevice's log2;
+- `mufu`: the special-function unit's table-driven quadratic interpolator and its fitted tables;
 - `floats`: exact integer views of IEEE floats, and the rounding toward zero to FP32;
 - `sfu_ref`: the deterministic references the special-function probes store their residuals against.
 
 Everything is torch integer or IEEE float64 arithmetic in separate ops, so a result is the same on
-any device. What no GPU answer has confirmed is marked HYPOTHESIS where it is defined
-(h3lab.emulate.mma.HYPOTHESES); the probes that answer it are in h3lab.bench (mma_probe, sfu_probe,
-tree_probe). Part of its own layer: imports the core only.
+any device. The rules come from the H200's answers to h3lab.bench's probes (sm90-probe-1: mma_probe,
+sfu_probe, tree_probe); what no probe drew is named in h3lab.emulate.mma.HYPOTHESES. Part of its own
+layer: imports the core only.
 """

@@ -1,10 +1,11 @@
 """The correctly rounded FP32 fused multiply-add, and the FMA chain of Triton's IEEE tl.dot.
 
 `fma_f32(x, y, z)` is round-to-nearest-even of x * y + z with one rounding, as PTX fma.rn.f32 (no
-FTZ: subnormals kept). Computed in float64: the product of two FP32 values is exact there; the sum
-is rounded to odd (TwoSum's exact error decides the last bit), and a value rounded to odd with 53
-bits rounds correctly to FP32's 24 (53 >= 24 + 2). Every step is one IEEE float64 operation in a
-torch op of its own, so the bits are the same on any device.
+FTZ: subnormals kept); `fma_f32_ftz` is fma.rn.ftz.f32 (subnormal inputs and results flushed to
+zeros of their sign), as libdevice's polynomials use it. Computed in float64: the product of two
+FP32 values is exact there; the sum is rounded to odd (TwoSum's exact error decides the last bit),
+and a value rounded to odd with 53 bits rounds correctly to FP32's 24 (53 >= 24 + 2). Every step is
+one IEEE float64 operation in a torch op of its own, so the bits are the same on any device.
 
 `fma_dot` is what Triton 3.6 lowers tl.dot(..., input_precision="ieee") of FP32 operands to on sm90
 (FMADotUtility: acc = fma(a[k], b[k], acc) for k ascending, from the incoming accumulator); the
@@ -52,3 +53,13 @@ def fma_dot(a_MK: Tensor, b_KN: Tensor, c_MN: Tensor | None = None) -> Tensor:
     for k in range(a.shape[-1]):
         acc = fma_f32(a[..., :, k : k + 1], b[..., k : k + 1, :], acc)
     return acc
+
+
+def flush_f32(x: Tensor) -> Tensor:
+    """FP32 x with subnormals replaced by zeros of their sign (PTX .ftz on an input or a result)."""
+    return torch.where((x != 0) & (x.abs() < 2.0**-126), x * 0.0, x)
+
+
+def fma_f32_ftz(x: Tensor, y: Tensor, z: Tensor) -> Tensor:
+    """PTX fma.rn.ftz.f32: fma_f32 of the flushed inputs, its result flushed."""
+    return flush_f32(fma_f32(flush_f32(x), flush_f32(y), flush_f32(z)))

@@ -2,21 +2,26 @@
 
 One MMA step (a k16 wgmma) adds an accumulator c and 16 exact products a_i * b_i:
 1. E = the largest of e(a_i) + e(b_i) over the nonzero products and e(c) for a nonzero c, e the
-   IEEE unbiased exponent (a product's significand then lies in [1, 4));
+   IEEE unbiased exponent (a product's significand then lies in [1, 4)), and at least -133;
 2. each of the 17 terms is truncated toward zero to a multiple of 2^(E - 23 - extra_bits), with
-   extra_bits = 2 (FP32's 23 fraction bits at exponent E, plus 2);
+   extra_bits = 2 (FP32's 23 fraction bits at exponent E, plus 2; never finer than 2^-158);
 3. the truncated terms are added exactly;
-4. the sum is rounded toward zero to FP32.
+4. the sum is rounded toward zero to FP32, subnormals kept; past FLT_MAX it is +-inf; an exact zero
+   is +0 whatever the terms' signs.
 The steps of a dot chain in K order: each takes the previous result as c. This is Khattak &
-Mikaitis's H100 model (arXiv 2512.07004, `models/H100TC.m`) as issue 31 reads it; it matched every
-element of 64x64 tiles at K = 16, 32 and 64 measured on an H200 through tl.dot. What no probe has
-answered yet is a field of `MmaModel` marked HYPOTHESIS (`HYPOTHESES` names them); `mma_probe`
-(h3lab.bench) tests them on the GPU.
+Mikaitis's H100 model (arXiv 2512.07004, `models/H100TC.m`) as issue 31 reads it, with the edge
+rules the H200 gave through the kernels' tl.dot tiles (sm90-probe-1, h3lab.bench.mma_probe: every
+probe dot equals the model; each recipe below tells its rule from the neighbour in mma_probe's
+VARIANTS): overflow gives inf (the overflow recipe), an exact zero sum is +0 (signed_zero),
+subnormal inputs and results are kept (their recipes), IEEE rules for inf and NaN with the NaN
+0x7FFFFFFF (specials), and the floor of E (subnormal_products, products down to 2^-156: without a
+floor, or with -132 or -134, some of its dots differ by one ULP). `HYPOTHESES` names what no probe
+drew.
 
 A step without an accumulator (wgmma's scale-d = 0: Triton's tl.dot without acc, e.g. attention's
-q k^T) is `c=None`: the sum is the products' alone, which differs from c = +0 only in the sign of an
-exact zero. The GEMM kernels start from an explicit +0 accumulator (scale-d = 1; h3lab.bench.ptx_audit
-lists which site does which).
+q k^T) is `c=None`: the sum is the products' alone, the same bits as from c = +0 (a zero sum is +0
+either way). The GEMM kernels start from an explicit +0 accumulator (scale-d = 1;
+h3lab.bench.ptx_audit lists which site does which).
 
 Vectorised in torch int64 (a step holds [..., M, N, group] products), exact on any device: no BLAS.
 Dimension legend: M rows, K reduced, N columns, G the products of one step (<= group).
@@ -35,27 +40,25 @@ from h3lab.emulate.floats import FP32, FP32_INF_BITS, decompose, format_of, fp32
 I64, I32 = torch.int64, torch.int32
 NO_EXP = -(1 << 20)  # the exponent of "no term": below every real one
 MMA_DTYPES = (torch.bfloat16, torch.float16)
-# MmaModel fields no GPU answer has confirmed yet (h3lab.bench.mma_probe's adversarial cases test each)
-HYPOTHESES = ("subnormal_inputs", "subnormal_output", "overflow", "zero_sign", "nan_bits", "specials")
+# what no probe case drew: every adversarial recipe is bf16 (the kernels' MMA dtype), fp16 only random normals
+HYPOTHESES = ("fp16 subnormal inputs",)
 
 
 @dataclass(frozen=True)
 class MmaModel:
-    """One reading of the tensor cores' addition (module docstring); the defaults are the current one."""
+    """One reading of the tensor cores' addition (module docstring); the defaults are sm90's, as measured.
+    The other values of each field are the neighbours the probe tells apart (h3lab.bench.mma_probe)."""
 
     group: int = 16  # products per step (a k16 instruction)
     extra_bits: int = 2  # alignment bits below FP32's 23 at the largest exponent
-    # HYPOTHESIS: subnormal bf16/fp16 inputs enter exactly ("keep") or as zeros of their sign ("flush")
-    subnormal_inputs: str = "keep"
-    # HYPOTHESIS: a result below 2^-126 is truncated to the 2^-149 grid ("keep") or becomes ±0 ("flush")
-    subnormal_output: str = "keep"
-    # HYPOTHESIS: a sum past FLT_MAX becomes ±FLT_MAX (toward zero, as IEEE rounds) or ±inf
-    overflow: str = "max"
-    # HYPOTHESIS: an exact zero sum is -0 only when every term (products and c) has its sign bit set
-    # ("ieee", as IEEE addition rounding toward zero), or always +0 ("positive")
-    zero_sign: str = "ieee"
-    # HYPOTHESIS: the bits of every NaN result (the canonical NaN); "specials": inf * 0 and inf - inf
-    # give NaN, inf * x != 0 gives inf of the product's sign, as in IEEE arithmetic
+    align_min: int = -133  # the least alignment exponent E (-1000: none); at most FP32's emin
+    subnormal_inputs: str = "keep"  # bf16/fp16 subnormal inputs enter exactly, or as zeros ("flush")
+    subnormal_output: str = "keep"  # a result below 2^-126 is truncated to the 2^-149 grid, or +-0 ("flush")
+    overflow: str = "inf"  # a sum past FLT_MAX becomes +-inf, or +-FLT_MAX ("max", IEEE's toward zero)
+    # an exact zero sum is +0 ("positive"), or -0 when every term has its sign bit set ("ieee")
+    zero_sign: str = "positive"
+    # the bits of every NaN result; "specials": inf * 0 and inf - inf give NaN, inf * x != 0 gives inf
+    # of the product's sign, as in IEEE arithmetic
     nan_bits: int = 0x7FFFFFFF
     specials: str = "ieee"
 
@@ -72,6 +75,8 @@ class MmaModel:
                 raise ValueError(f"MmaModel.{name}={getattr(self, name)!r}; allowed: {list(values)}")
         if self.group < 1 or not 0 <= self.extra_bits <= 4:  # 4: the aligned products stay below 2^28
             raise ValueError(f"MmaModel group={self.group}, extra_bits={self.extra_bits}; allowed: >= 1, 0 to 4")
+        if not -1000 <= self.align_min <= FP32.emin:  # a floor inside the normal range would move normal sums
+            raise ValueError(f"MmaModel.align_min={self.align_min}; allowed: -1000 to {FP32.emin}")
 
 
 SM90 = MmaModel()
@@ -135,6 +140,7 @@ def mma_step(
     pc = decompose(c_MN) if c_MN is not None else None
     if pc is not None:
         top = torch.maximum(top, torch.where(pc.sig != 0, pc.exp, NO_EXP).to(I32))
+    top = top.clamp(min=model.align_min)
     terms = prod >> (top.unsqueeze(-1) - pexp).clamp(0, 31)
     total = torch.where(psign, -terms, terms).sum(-1, dtype=I64)
     negative = psign.all(-1)

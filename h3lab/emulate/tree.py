@@ -13,6 +13,9 @@ paths meet, and every one outside that subtree survives: the row sums to n - siz
 Those sizes determine the tree (`tree_from_lca_sizes`); a node's two children are unordered, as
 FP32 addition commutes.
 
+The kernels' trees, as the H200 answered them (h3lab.bench.tree_probe, sm90-probe-1): `wgmma_row_tree`
+(attention_fwd's row sums) and `blocked_row_tree` with `contracted_sum` (attention_delta).
+
 Dimension legend: R rows, N leaves (the reduced axis).
 """
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from h3lab.emulate.fma import fma_f32
 
 Tree = int | tuple["Tree", "Tree"]
 BIG = 2.0**40  # absorbs up to 2^16 ones: ulp(2^40) in FP32 is 2^17
@@ -42,6 +47,58 @@ def chain_tree(indices: list[int]) -> Tree:
     for i in indices[1:]:
         tree = (tree, i)
     return tree
+
+
+def butterfly(parts: list[Tree]) -> Tree:
+    """tl.sum's step across the threads that share a row: parts[t] is thread t's partial sum (2^k of
+    them), combined by xor shuffles with the largest distance first (t with t ^ d, d = 2^(k-1) .. 1)."""
+    if not parts or len(parts) & (len(parts) - 1):
+        raise ValueError(f"butterfly over {len(parts)} threads; allowed: a power of two")
+    while len(parts) > 1:
+        d = len(parts) // 2
+        parts = [(parts[t], parts[t + d]) for t in range(d)]
+    return parts[0]
+
+
+def wgmma_row_tree(n: int) -> Tree:
+    """attention_fwd's tl.sum(p, 1) over a row of a wgmma accumulator tile of n columns (BLOCK_N, a
+    multiple of 8): lane q of the row's quad holds columns 8k + 2q and 8k + 2q + 1 and adds them in
+    register order (k ascending), then the quad's butterfly. Read off the H200 (tree_probe) at the
+    pinned tiles, BLOCK_N 32 (head_dim 32) and 128 (head_dim 128); the Gluon forward of head_dim 128
+    (h3lab.triton.attention_fwd_sm90) gives the Triton kernel's bytes, so it adds in this tree too."""
+    if n % 8:
+        raise ValueError(f"a wgmma row of {n} columns; allowed: a multiple of 8")
+    return butterfly([chain_tree([8 * k + 2 * q + i for k in range(n // 8) for i in (0, 1)]) for q in range(4)])
+
+
+def blocked_row_tree(n: int, per_thread: int = 8) -> Tree:
+    """attention_delta's tl.sum(dO * O, 1) over a row of its [BLOCK_R, head_dim] tile (dO bf16, O FP32):
+    thread t holds elements [t * per_thread, (t + 1) * per_thread) and chains them, then the butterfly
+    over the row's n / per_thread threads. Read off the H200 at head_dim 32 and 128 (per_thread 8)."""
+    if n % per_thread or (n // per_thread) & (n // per_thread - 1):
+        raise ValueError(f"a row of {n} over {per_thread} per thread; allowed: n / per_thread a power of two")
+    return butterfly([chain_tree(list(range(t * per_thread, (t + 1) * per_thread))) for t in range(n // per_thread)])
+
+
+def contracted_sum(x_RN: Tensor, y_RN: Tensor, tree: Tree) -> Tensor:
+    """FP32 [R]: the sum of x * y over the tree as LLVM contracts it (attention_delta: its FP32 products
+    fused into the adds that take them; the H200 gave these bits at head_dim 32 and 128). A node of a
+    subtree and leaf i is fma(x_i, y_i, subtree); a node of two leaves i, j (i the left, the thread's
+    earlier element) is fma(x_i, y_i, x_j * y_j rounded); a node of two subtrees is an FP32 add; a
+    tree of one leaf is the rounded product. x, y: FP32 (or converted to it exactly)."""
+    x, y = x_RN.to(torch.float32), y_RN.to(torch.float32)
+
+    def node(t: Tree) -> Tensor:
+        if isinstance(t, int):
+            return (x[:, t].double() * y[:, t].double()).float()  # the exact product, rounded once
+        left, right = t
+        if isinstance(right, int) and not isinstance(left, int):
+            return fma_f32(x[:, right], y[:, right], node(left))
+        if isinstance(left, int):
+            return fma_f32(x[:, left], y[:, left], node(right))
+        return node(left) + node(right)
+
+    return node(tree)
 
 
 def probe_rows(n: int) -> tuple[Tensor, list[tuple[int, int]]]:
