@@ -80,9 +80,8 @@ def test_a_different_problem_is_named_at_its_first_differing_tensor(monkeypatch,
 
 
 def test_backends_outside_the_contract_and_triton_on_a_cpu_are_refused(capsys):
-    with pytest.raises(
-        ValueError, match=r"no golden digest sets for backend 'baseline'; allowed: \['torch', 'triton'\]"
-    ):
+    allowed = r"\['torch', 'triton', 'emulate-sm90'\]"
+    with pytest.raises(ValueError, match=rf"no golden digest sets for backend 'baseline'; allowed: {allowed}"):
         golden.verify("baseline", "cpu")
     assert main(["verify", "--backend", "triton"]) == 2
     assert "backend 'triton' needs a CUDA device, got cpu; allowed on cpu: torch" in capsys.readouterr().err
