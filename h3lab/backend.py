@@ -5,6 +5,9 @@
 - `triton`: the same contract as GPU kernels (h3lab.triton; CUDA only). Its reduction orders are
   fixed too, but tensor-core sums differ from the torch chains, so its bits are its own (pinned
   per node type in kernels/), equal across every layout on one GPU type.
+- `emulate-sm90`: the triton backend's bits on sm90 GPUs (H100, H200), computed on a CPU from
+  models of what those kernels' instructions compute (h3lab.emulate): a GPU result anyone can
+  check. Slow (a model, not a kernel); CPU only.
 - `baseline`: what people run today — library GEMMs (BLAS / cuBLAS) in whatever order they pick,
   one GEMM per rank over its local K instead of unit partials, physical row order for weight
   gradients. It exists so reports can show where bits diverge; it is never a fallback.
@@ -26,12 +29,16 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from h3lab.emulate import attention as emulated_attention
+from h3lab.emulate import gemm as emulated_gemm
+from h3lab.emulate.mma import SM90, MmaModel
 from h3lab.ops import adamw, ffn, norm, rows
 from h3lab.ops import attention as att
 from h3lab.ops.fixed import Pieces, chain_mm, round_to, sum_of_squares, unit_tree
 from h3lab.rowplan import RowPlan
 
-CONTRACT_BACKENDS = ("torch", "triton")  # the backends that compute under h3-parallel-v1
+EMULATED = {"emulate-sm90": "sm90"}  # CPU backends that give a GPU architecture's triton bits
+CONTRACT_BACKENDS = ("torch", "triton", *EMULATED)  # the backends that compute under h3-parallel-v1
 BACKENDS = (*CONTRACT_BACKENDS, "baseline")  # baseline: library kernels, the reference point of the baseline mode
 F32 = torch.float32
 
@@ -211,6 +218,49 @@ class TorchBackend:
         return att.attention_bwd_kv(q, do, *stats, delta, k, v, scale)
 
 
+class EmulateSM90Backend(TorchBackend):
+    """The triton backend's bits on sm90 GPUs (kernels/sm90.json), computed on a CPU.
+
+    The GEMMs and attention follow the kernels' arithmetic (h3lab.emulate.gemm, .attention: the
+    tensor cores' addition, the IEEE FMA chains, the row sums' layouts, the special instructions);
+    everything else the triton backend computes with the torch backend's bits by construction (the
+    row-local ops, the row chains, the chain GEMM, the sums of squares, AdamW): TorchBackend's.
+    `model`: the tensor cores' addition (default h3lab.emulate.mma.SM90).
+    """
+
+    name = "emulate-sm90"
+
+    def __init__(self, model: MmaModel = SM90) -> None:
+        self.model = model
+
+    def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
+        return emulated_gemm.mm(a_MK, b_KN, out_dtype, model=self.model)
+
+    def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
+        return emulated_gemm.unit_mm(pieces, num_units, model=self.model)
+
+    def unit_reduce_few_rows(self, a_TK: Tensor, b_KN: Tensor, num_units: int) -> Tensor:
+        return emulated_gemm.unit_mm_few_rows(a_TK, b_KN, num_units, model=self.model)
+
+    def mm_few_k(self, a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
+        return emulated_gemm.mm_few_k(a_KM, b_KN, out_dtype, model=self.model)
+
+    def row_mm(self, a_RN: Tensor, b_RK: Tensor, order: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
+        return emulated_gemm.row_mm(a_RN, b_RK, order, out_dtype, model=self.model)
+
+    def attention_fwd(self, q, k, v, scale, out_dtype):
+        return emulated_attention.forward(q, k, v, scale, out_dtype, model=self.model)
+
+    def attention_delta(self, do: Tensor, o_ref: Tensor) -> Tensor:
+        return emulated_attention.delta(do, o_ref)
+
+    def attention_bwd_q(self, q, do, stats, delta, k, v, scale):
+        return emulated_attention.bwd_q(q, do, stats, delta, k, v, scale, model=self.model)
+
+    def attention_bwd_kv(self, q, do, stats, delta, k, v, scale):
+        return emulated_attention.bwd_kv(q, do, stats, delta, k, v, scale, model=self.model)
+
+
 class BaselineBackend(TorchBackend):
     """Library kernels where people use them: torch.mm, sums, index_add_, softmax; row-local ops shared."""
 
@@ -276,8 +326,13 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
         return TorchBackend()
     if name == "baseline":
         return BaselineBackend()
+    if name in EMULATED:
+        if device.type != "cpu":
+            raise ValueError(f"backend {name!r} runs on a CPU, got {device}; allowed on {device.type}: torch, triton")
+        return EmulateSM90Backend()
     if device.type != "cuda":
-        raise ValueError(f"backend 'triton' needs a CUDA device, got {device}; allowed on {device.type}: torch")
+        allowed = ", ".join(["torch", *EMULATED])
+        raise ValueError(f"backend 'triton' needs a CUDA device, got {device}; allowed on {device.type}: {allowed}")
     from h3lab.triton.backend import TritonBackend  # CUDA-only import
 
     return TritonBackend(device)

@@ -15,10 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "h3lab"
 
-CORE = "core"  # the flat modules of h3lab/, the torch references (ops) and the GPU kernels (triton)
+CORE = "core"  # the flat modules of h3lab/, the torch references (ops), the GPU kernels (triton), their emulation
 MAY_IMPORT: dict[str, set[str]] = {
     CORE: set(),
-    "emulate": {CORE},
     "io": {CORE},
     "model": {CORE, "io"},
     "reference": {CORE, "io", "model"},
@@ -27,12 +26,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "train": {CORE, "io", "model"},
     "nn": {CORE, "io", "model", "dist", "train"},
     "optim": {CORE, "io", "model", "dist", "train", "nn"},
-    "run": {CORE, "emulate", "io", "model", "reference", "dist", "launch", "train", "nn", "optim"},
-    "bench": {CORE, "emulate", "io", "model", "reference", "dist", "launch", "train", "nn", "optim", "run"},
-    "workbench": {CORE, "emulate", "io", "model", "reference", "dist", "launch", "train", "nn", "optim", "run"},
+    "run": {CORE, "io", "model", "reference", "dist", "launch", "train", "nn", "optim"},
+    "bench": {CORE, "io", "model", "reference", "dist", "launch", "train", "nn", "optim", "run"},
+    "workbench": {CORE, "io", "model", "reference", "dist", "launch", "train", "nn", "optim", "run"},
     "cli": {
         CORE,
-        "emulate",
         "io",
         "model",
         "reference",
@@ -50,7 +48,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 PACKAGES = {
     "ops": CORE,
     "triton": CORE,
-    "emulate": "emulate",
+    "emulate": CORE,
     "io": "io",
     "model": "model",
     "reference": "reference",

@@ -36,7 +36,7 @@ from tests.conftest import RUN, one_line_error
         (["--nnodes", "0"], ("nnodes=0", "allowed: an int >= 1")),
         (["--node-rank", "1"], ("node_rank=1", "allowed: 0..0 for nnodes=1")),
         (["--node-rank", "-1"], ("node_rank=-1", "allowed: 0..0")),
-        (["--backend", "triton"], ("backend 'triton' runs on CUDA only", "allowed here: ['torch']")),
+        (["--backend", "triton"], ("backend 'triton' runs on CUDA only", "allowed here: ['torch', 'emulate-sm90']")),
     ],
 )
 def test_a_bad_run_value_is_one_line_and_writes_nothing(capsys, tmp_path, extra, expected):

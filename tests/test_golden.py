@@ -80,9 +80,8 @@ def test_a_different_problem_is_named_at_its_first_differing_tensor(monkeypatch,
 
 
 def test_backends_outside_the_contract_and_triton_on_a_cpu_are_refused(capsys):
-    with pytest.raises(
-        ValueError, match=r"no golden digest sets for backend 'baseline'; allowed: \['torch', 'triton'\]"
-    ):
+    allowed = r"\['torch', 'triton', 'emulate-sm90'\]"
+    with pytest.raises(ValueError, match=rf"no golden digest sets for backend 'baseline'; allowed: {allowed}"):
         golden.verify("baseline", "cpu")
     assert main(["verify", "--backend", "triton"]) == 2
     assert "backend 'triton' needs a CUDA device, got cpu; allowed on cpu: torch" in capsys.readouterr().err
@@ -198,3 +197,57 @@ def test_a_golden_set_that_is_not_json_is_named(sets, capsys):
     assert (
         err.startswith(f"h3lab verify: error: {sets / 'torch.json'}: not a golden set (") and len(err.splitlines()) == 1
     )
+
+
+def play_emulator(monkeypatch: pytest.MonkeyPatch, digests: dict[str, dict[str, str]] | Exception) -> None:
+    """Make the emulator's digests `digests` (or raise it, a missing model), without computing them."""
+
+    def compute(backend, device, parts):
+        assert backend == "emulate-sm90" and device == "cpu"
+        if isinstance(digests, Exception):
+            raise digests
+        return {p: dict(digests[p]) for p in parts}
+
+    monkeypatch.setattr(golden, "compute", compute)
+
+
+def test_the_emulator_checks_the_sm90_sets_block_and_trajectory_on_a_cpu(monkeypatch, capsys, sets):
+    sm90 = PUBLISHED["sm90"]
+    play_emulator(monkeypatch, sm90)
+    res = golden.verify("emulate-sm90", "cpu")
+    assert res["set"] == "sm90" and res["match"] and res["emulated"] == []
+    assert len(res["tensors"]) == 15 + 6 and res["not_observed"] == ["block", "trajectory"]  # real: spot checks
+    assert main(["verify", "--backend", "emulate-sm90"]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced by emulate-sm90 before: nothing recorded" in out
+    assert "to record it in the set's emulated field: h3lab verify --backend emulate-sm90 --record" in out
+    with pytest.raises(ValueError, match="runs on a CPU"):
+        golden.set_name("emulate-sm90", "cuda")
+
+
+def test_recording_the_emulator_adds_what_it_reproduced_and_never_digests(monkeypatch, capsys, sets):
+    sm90 = PUBLISHED["sm90"]
+    play_emulator(monkeypatch, flipped({p: sm90[p] for p in golden.EMULATED_PARTS}, "trajectory", "step1.video"))
+    before = (sets / "sm90.json").read_bytes()
+    assert main(["verify", "--backend", "emulate-sm90", "--record"]) == 2
+    assert "differs, first at trajectory.step1.video; nothing recorded" in capsys.readouterr().err
+    assert (sets / "sm90.json").read_bytes() == before
+    play_emulator(monkeypatch, sm90)
+    assert main(["verify", "--backend", "emulate-sm90", "--record"]) == 0
+    after = json.loads((sets / "sm90.json").read_text())
+    assert after["emulated"]["parts"] == ["block", "trajectory"] and after["emulated"]["backend"] == "emulate-sm90"
+    assert {k: v for k, v in after.items() if k != "emulated"} == json.loads(before)
+    assert golden.verify("emulate-sm90", "cpu")["not_observed"] == []
+    for flags in (["--real"], ["--record", "--replace"], ["--device", "cuda"]):
+        assert main(["verify", "--backend", "emulate-sm90", *flags]) == 2
+    assert main(["verify", "--capture", str(sets)]) == 2  # spot checks are the emulator's
+    with pytest.raises(ValueError, match="never writes digests"):
+        golden.record("emulate-sm90", "cpu")
+
+
+def test_a_missing_model_is_one_line_that_names_it(monkeypatch, capsys, sets):
+    play_emulator(monkeypatch, NotImplementedError("no exact model of ex2.approx.ftz.f32 yet"))
+    assert main(["verify", "--backend", "emulate-sm90"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot compute block/trajectory here: no exact model of ex2.approx.ftz.f32 yet" in err
+    assert len(err.splitlines()) == 1

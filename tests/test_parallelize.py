@@ -359,8 +359,8 @@ def test_bad_forward_arguments_are_refused(one_block):
 
 # ---- what a script reports to h3lab compare ------------------------------------------------------------
 def test_current_layout_and_record_outside_and_inside_a_session(monkeypatch):
-    from h3lab.run.progress import Progress
     from h3lab.nn import recording as rec
+    from h3lab.run.progress import Progress
 
     monkeypatch.delenv("H3LAB_LAYOUT", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

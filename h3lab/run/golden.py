@@ -18,6 +18,12 @@ adds its observation and refuses digests that differ.
 On a GPU the tiny config (head_dim 32) does not reach the kernels' real tiles, so a backend may
 also pin the real-shape problem `REAL` (real config, 520 rows of which 8 are padding: a GEMM row
 tail, padding among the rows): out, dx, dtemb and every per-unit slice of every dW.
+
+An emulated backend (h3lab.backend.EMULATED: `emulate-sm90` on a CPU) is checked against the set
+of the architecture it emulates, for the parts a CPU can compute (the block and the trajectory;
+the real shapes are spot-checked from a GPU capture instead, h3lab.bench.spot_check). It never
+writes digests: recording adds the set's `emulated` field (the parts the emulator reproduced,
+when, on what software, and a spot check if one ran), and refuses where its digests differ.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any
 
 import torch
 
-from h3lab.backend import CONTRACT_BACKENDS, Backend, get_backend
+from h3lab.backend import CONTRACT_BACKENDS, EMULATED, Backend, get_backend
 from h3lab.block import canonical_block
 from h3lab.contract import CONTRACT_ID
 from h3lab.io.env import KNOWN_GPUS, capture, node_type
@@ -47,6 +53,7 @@ TRAJECTORY = Problem(synthetic="tiny", task="trajectory", block=0, last_block=3,
 REAL = Problem(synthetic="real", weights_seed=0, block=0, rows=520, padding=8, seed=0)
 # the parts of a set, in the order verify names tensors: the reference block, the trajectory, the real shapes
 PARTS = ("block", "trajectory", "real")
+EMULATED_PARTS = ("block", "trajectory")  # what a CPU computes of a set by emulation (real: spot checks)
 PROBLEM_KEYS = {"block": "block_problem", "trajectory": "trajectory_problem", "real": "real_problem"}
 TORCH_SET = "torch"
 RECORD_FIELDS = ("torch", "triton", "cuda", "driver", "platform")
@@ -98,9 +105,14 @@ def arch_of(device: torch.device | str) -> str:
 
 
 def set_name(backend: str, device: torch.device | str) -> str:
-    """The set whose digests `backend` on `device` must give: `torch` on any device, the GPU's arch for triton."""
+    """The set whose digests `backend` on `device` must give: `torch` on any device, the GPU's arch for
+    triton, the emulated arch for an emulated backend (on a CPU)."""
     if backend not in CONTRACT_BACKENDS:
         raise ValueError(f"no golden digest sets for backend {backend!r}; allowed: {list(CONTRACT_BACKENDS)}")
+    if backend in EMULATED:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"backend {backend!r} runs on a CPU, got {device}; allowed: --device cpu")
+        return EMULATED[backend]
     return TORCH_SET if backend == "torch" else arch_of(device)
 
 
@@ -161,6 +173,8 @@ def verify(backend: str, device: str, *, real: bool = True) -> dict[str, Any]:
         ValueError: a backend outside the contract, triton on a CPU, or a GPU it cannot run on.
     """
     name = set_name(backend, device)
+    if backend in EMULATED:
+        return verify_emulated(backend, device)
     node = node_type(device)
     published = load_set(name)
     out: dict[str, Any] = {
@@ -194,6 +208,78 @@ def verify(backend: str, device: str, *, real: bool = True) -> dict[str, Any]:
         "not_observed": [p for p in parts if p not in observations.get(node, [])],
         "expected_not_observed": list(published["expected_not_observed"]),
     }
+
+
+def _published_for_emulation(backend: str) -> dict[str, Any]:
+    name = EMULATED[backend]
+    published = load_set(name)
+    if published is None:
+        raise ValueError(
+            f"no golden set {name!r} ({set_path(name)}) for backend {backend!r} to reproduce; allowed: record it on "
+            f"an {name} GPU first: {record_command('triton', 'cuda', real=True)}"
+        )
+    return published
+
+
+def emulated_digests(backend: str, parts: list[str]) -> dict[str, dict[str, str]]:
+    """The digests of `parts` through an emulated backend on the CPU. A part that needs a model the
+    emulator does not have yet (h3lab.emulate.sfu) raises ValueError naming it."""
+    try:
+        return compute(backend, "cpu", parts)
+    except NotImplementedError as err:
+        raise ValueError(f"backend {backend!r} cannot compute {'/'.join(parts)} here: {err}") from None
+
+
+def verify_emulated(backend: str, device: str) -> dict[str, Any]:
+    """`verify` for an emulated backend: the published set's block and trajectory recomputed here."""
+    published = _published_for_emulation(backend)
+    parts = [p for p in EMULATED_PARTS if p in published]
+    expected = flatten({p: published[p] for p in parts})
+    got = flatten(emulated_digests(backend, parts))
+    mismatched = [n for n in expected if got.get(n) != expected[n]]
+    match = not mismatched and got.keys() == expected.keys()
+    emulated = published.get("emulated", {})
+    return {
+        "set": published["set"],
+        "path": str(set_path(published["set"])),
+        "backend": backend,
+        "device": str(torch.device(device)),
+        "node_type": node_type(device),
+        "record_command": f"h3lab verify --backend {backend} --record",
+        "status": "match" if match else "mismatch",
+        "match": match,
+        "first_mismatch": mismatched[0] if mismatched else None,
+        "tensors": {n: {"expected": expected[n], "got": got.get(n)} for n in expected},
+        "scope": published["scope"],
+        "recorded_on": published["recorded_on"],
+        "observations": {n: list(o["parts"]) for n, o in published["observations"].items()},
+        "emulated": list(emulated.get("parts", [])),
+        "not_observed": [p for p in parts if p not in emulated.get("parts", [])],
+        "expected_not_observed": list(published["expected_not_observed"]),
+    }
+
+
+def record_emulated(backend: str, spot_check: dict[str, Any] | None = None) -> Path:
+    """Write into the emulated architecture's set which parts `backend` reproduces here (its
+    `emulated` field: parts, date, software, and `spot_check`'s totals if given). Refuses, writing
+    nothing, where a digest differs or the spot check found a mismatching element."""
+    published = _published_for_emulation(backend)
+    res = verify_emulated(backend, "cpu")
+    where = f"golden set {published['set']!r}: backend {backend!r}"
+    if not res["match"]:
+        raise ValueError(f"{where} differs, first at {res['first_mismatch']}; nothing recorded (the emulator is wrong)")
+    entry: dict[str, Any] = {"backend": backend, "parts": [p for p in EMULATED_PARTS if p in published]}
+    if spot_check is not None:
+        if spot_check["mismatching"] or not spot_check["elements"]:
+            raise ValueError(
+                f"{where}: the real-shape spot check found {spot_check['mismatching']} mismatching of "
+                f"{spot_check['elements']} elements; nothing recorded"
+            )
+        keys = ("elements", "mismatching", "missing_models")
+        entry["real_spot_check"] = {k: spot_check[k] for k in keys} | {"methods": sorted(spot_check["by_method"])}
+    env = capture("cpu")
+    entry |= {"date": time.strftime("%Y-%m-%d"), "environment": {k: env[k] for k in ("torch", "platform")}}
+    return write_json(set_path(published["set"]), published | {"emulated": entry})
 
 
 def _problems(parts: list[str]) -> dict[str, dict[str, Any]]:
@@ -241,6 +327,8 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
             published set without `replace_set`.
     """
     name = set_name(backend, device)
+    if backend in EMULATED:
+        raise ValueError(f"backend {backend!r} never writes digests; allowed: record_emulated (h3lab verify --record)")
     node = node_type(device)
     parts = ["block", "trajectory"] + (["real"] if real else [])
     published = load_set(name)
@@ -272,6 +360,8 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
         if part in merged:
             data[PROBLEM_KEYS[part]] = merged[PROBLEM_KEYS[part]]
             data[part] = merged[part]
+    if old.get("emulated") is not None:  # the same digests: what the emulator reproduced still holds
+        data["emulated"] = old["emulated"]
     path = set_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_json(path, data)

@@ -30,8 +30,10 @@ from typing import Protocol
 
 from h3lab.config import H3Config, block_param_shapes, model_param_shapes, param_dtype
 
-ROW_VECTORS = {"torch": 12, "baseline": 12, "triton": 6}
-SCORE_ARRAYS = {"torch": 24, "baseline": 6, "triton": 0}
+# the emulator (emulate-sm90) holds a few copies of each GEMM operand (h3lab.emulate.wgmma) and its
+# attention one key block of scores at a time
+ROW_VECTORS = {"torch": 12, "baseline": 12, "triton": 6, "emulate-sm90": 24}
+SCORE_ARRAYS = {"torch": 24, "baseline": 6, "triton": 0, "emulate-sm90": 0}
 WEIGHT_COPIES = 4
 TRAIN_COPIES = 8
 DIGEST_BYTES = 256  # a sha256 digest and its tensor name, as a rank's record and the runner hold them

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from h3lab.backend import CONTRACT_BACKENDS
+from h3lab.backend import CONTRACT_BACKENDS, EMULATED
 from h3lab.batch import PackedBatch, check_seed, packed_batch
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.dist.layout import Layout
@@ -94,7 +94,12 @@ class Problem:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device; allowed here: ['cpu']")
         if self.block_backend == "triton" and self.device != "cuda":
-            raise ValueError(f"backend 'triton' runs on CUDA only, device is {self.device!r}; allowed here: ['torch']")
+            allowed = ["torch", *EMULATED]
+            raise ValueError(f"backend 'triton' runs on CUDA only, device is {self.device!r}; allowed here: {allowed}")
+        if self.block_backend in EMULATED and self.device != "cpu":
+            raise ValueError(
+                f"backend {self.block_backend!r} runs on a CPU, device is {self.device!r}; allowed: --device cpu"
+            )
         for name in ("rows", "repeats", "steps", "text_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
