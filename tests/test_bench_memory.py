@@ -41,7 +41,8 @@ SWIGLU_BWD = _frames(
     ("h3lab/block.py", "_block_step", "= run_backward(step, b, rows"),
     (BB, "backward", "_ffn_backward(step, rows"),
     (BB, "_ffn_backward", "dh, dg = be.swiglu_bwd("),
-    ("h3lab/triton/backend.py", "swiglu_bwd", "def swiglu_bwd"),
+    ("h3lab/triton/backend.py", "method", "return launcher(*args, **kwargs, node=self.node)"),
+    ("h3lab/triton/elementwise.py", "swiglu_bwd", "def swiglu_bwd("),
 )
 KV_BWD = _frames((BB, "backward", "_attention_backward(step, rows, tape)"), (BB, "_attention_backward", "dk, dv = be."))
 

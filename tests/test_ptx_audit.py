@@ -1,6 +1,6 @@
 """The PTX audit (h3lab.bench.ptx_audit) on crafted PTX: what it flags, where each flagged instruction
 came from, and how it reads an MMA's operands. The audit itself runs with the GPU nodes' Triton
-(`/work/tri36/bin/python -m h3lab.bench.ptx_audit`); here only its reading is tested."""
+(`python -m h3lab.bench.ptx_audit` with Triton 3.6); here only its reading is tested."""
 
 from __future__ import annotations
 
@@ -80,6 +80,6 @@ def test_the_builds_cover_every_pinned_kernel_at_both_widths():
     builds = ptx_audit.builds()
     kernels = {b.kernel for b in builds}
     assert {"gemm", "unit_gemm", "attention_fwd", "attention_bwd_q", "attention_bwd_kv", "norm"} <= kernels
-    whats = {(b.fn, b.what) for b in builds}
+    whats = {(b.function, b.what) for b in builds}
     assert len(whats) == len(builds)  # each build once
     assert any("tiny" in w for _, w in whats) and any("pointer loads" in w for _, w in whats)

@@ -2,14 +2,15 @@
 
     python -m h3lab.bench.ptx_audit [--json PATH] [--sass DIR]
 
-Run it with the Triton the GPU nodes have (Triton 3.6.0 at /work/tri36/bin/python here, with
-PYTHONPATH at the checkout): the audit is only as true as the compiler that made the PTX, and it
-records which Triton that was. No GPU is needed: each build is compiled for GPUTarget("cuda", 90, 32).
+Run it with the Triton the GPU nodes have (3.6; any Python with that Triton and the checkout on
+PYTHONPATH): the audit is only as true as the compiler that made the PTX, and it records which
+Triton that was. No GPU is needed: each build is compiled for GPUTarget("cuda", 90, 32).
 
 Builds: every variant h3lab.bench.compile_pinned lists for sm90 (the real H3 widths), the shapes
 only the tiny config reaches (`tiny_variants`), the launches the pinned file also allows
 (`extra_variants`: the GEMM bucket without its row tail, FP32 outputs, the attention pointer kernels
-at head_dim 128) and the Gluon unit-tree GEMM (h3lab.bench.compile_sm90.VARIANTS, PTX only).
+of the head dims pinned to TMA). The Gluon kernels pinned for sm90 (the unit-tree GEMM, the
+attention forward) are among compile_pinned's.
 
 Per build it lists every flagged instruction (`classify`) with the source lines it came from (the
 PTX `.loc` records, inlined frames included, so an FMA says whether it is a tl.dot's IEEE chain, a
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import importlib
 import re
 import subprocess
 import sys
@@ -34,8 +34,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from h3lab.bench.compile_pinned import Variant, rowlocal_variants, variants
+from h3lab.bench.compile_pinned import build, variants
 from h3lab.io.jsonfile import write_json
+from h3lab.triton import attention_bwd, attention_fwd, configs, gemm, norm, rope
+from h3lab.triton.variant import Variant
 
 NODE, CAPABILITY = "sm90", 90
 FLOAT_TYPES = {"f16", "bf16", "f16x2", "bf16x2", "f32", "f64", "tf32", "e4m3", "e5m2"}
@@ -242,89 +244,59 @@ def tiny_variants() -> list[Variant]:
     their tile constants differ from the real ones, so they are builds of their own."""
     d, dh, heads, f = 192, 32, 8, 4
     out = []
-    for v in rowlocal_variants(NODE):
+    for v in norm.variants(NODE) + rope.variants(NODE):
         const = dict(v.const)
-        if v.fn == "norm._rms_modulate_kernel":
+        if v.function == "norm._rms_modulate_kernel":
             const |= {"D": d, "BLOCK_D": 256, "LOG2_D": 8}
-        elif v.fn == "norm._qk_norm_rope_kernel":
+        elif v.function == "norm._qk_norm_rope_kernel":
             const |= {"DH": dh, "C": 6 * f, "BLOCK_H": min(const["BLOCK_H"], heads), "BLOCK_DH": dh, "LOG2_DH": 5}
-        elif v.fn == "rope._rope_kernel":
+        elif v.function == "rope._rope_kernel":
             const |= {"F": f, "BLOCK_R": const["BLOCK_R"] * const["BLOCK_C"] // 32, "BLOCK_C": 32}
-        else:
-            continue
         out.append(replace(v, what=f"{v.what} (tiny)", const=const))
     return out
 
 
 def extra_variants() -> list[Variant]:
     """Launches the pinned file allows beside compile_pinned's: the <=1024-row bucket without its row
-    tail, FP32 outputs through TMA, and the attention pointer kernels at head_dim 128 (a TMA config's
-    fallback when a descriptor cannot walk the operands)."""
-    gemms = [v for v in variants(NODE) if v.fn == "gemm.mm_kernel" and v.what.startswith("bf16")]
-    out = []
+    tail, FP32 outputs through TMA, and the attention pointer kernels at every head dim pinned to TMA
+    (a TMA config's fallback when a descriptor cannot walk the operands)."""
+    gemms = [v for v in gemm.variants(NODE) if v.what.startswith("bf16")]
     tail = gemms[0]
-    no_tail = {k: v for k, v in tail.types.items() if "tail" not in k}
-    const = tail.const | {"TAIL": False, "TAIL_M": 1, "TAIL_N": 1, "a_tail_desc": None, "w_tail_desc": None}
-    out.append(replace(tail, what=f"{tail.what}, no row tail", types=no_tail, const=const))
+    no_tail = tail.types | {"a_tail_desc": None, "w_tail_desc": None}
+    const = tail.const | {"TAIL": False, "TAIL_M": 1, "TAIL_N": 1}
+    out = [replace(tail, what=f"{tail.what}, no row tail", types=no_tail, const=const)]
     for v in gemms:
         base = out[0] if v is tail else v
         c = base.types["c_desc"].replace("bf16", "fp32")
         out.append(replace(base, what=f"{v.what}, fp32 out", types=base.types | {"c_ptr": "*fp32", "c_desc": c}))
-    for v in variants(NODE):
-        if v.fn.endswith("_tma_kernel"):
-            fn = v.fn.replace("_tma_kernel", "_kernel")
-            types = {k: t for k, t in v.types.items() if not k.endswith("_desc")}
-            out.append(replace(v, what=f"{v.what}, pointer loads", fn=fn, types=types))
+    for dh, cfg in configs.pinned("attention_fwd", NODE)["by_head_dim"].items():
+        if cfg.get("TMA"):
+            out.append(attention_fwd.variant(cfg | {"TMA": False}, int(dh), f"head_dim {dh}, pointer loads"))
+    for kernel in attention_bwd.KERNELS:
+        for dh, cfg in configs.pinned(kernel, NODE)["by_head_dim"].items():
+            if cfg.get("TMA"):
+                pointer = cfg | {"TMA": False}
+                out.append(attention_bwd.variant(kernel, pointer, int(dh), f"head_dim {dh}, pointer loads"))
     return out
 
 
 def builds() -> list[Variant]:
+    """Every build the audit compiles: compile_pinned's (the Gluon kernels among them), the tiny ones, the extras."""
     return variants(NODE) + tiny_variants() + extra_variants()
 
 
-def compile_build(v: Variant) -> Any:
-    """`v` compiled for sm90 with the installed Triton (compile_pinned.compile_variant's signature rules)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    module, name = v.fn.rsplit(".", 1)
-    fn = getattr(importlib.import_module(f"h3lab.triton.{module}"), name)
-    sig, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        sig[arg] = "constexpr" if arg in v.const else v.types.get(arg, "i32")
-        if sig[arg].startswith("*"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs=v.const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", CAPABILITY, 32), options=dict(v.options))
-
-
 def audit_build(v: Variant, sass_dir: Path | None = None) -> dict[str, Any]:
-    compiled = compile_build(v)
+    compiled = build(v, NODE)
     ptx, cubin = compiled.asm["ptx"], compiled.asm["cubin"]
-    record = {"kernel": v.kernel, "what": v.what, "function": v.fn, "options": dict(v.options)}
+    record = {"kernel": v.kernel, "what": v.what, "function": v.function, "options": dict(v.options)}
     record |= audit_ptx(ptx) | {"sass": sass_ops(cubin)}
     if any(f["category"] == "unrounded" for f in record["flagged"].values()):
         record["fmad_check"] = fmad_check(ptx)
     if sass_dir is not None:
-        stem = re.sub(r"[^\w.-]+", "_", f"{v.fn}.{v.what}").strip("_")
+        stem = re.sub(r"[^\w.-]+", "_", f"{v.function}.{v.what}").strip("_")
         (sass_dir / f"{stem}.ptx").write_text(ptx)
         (sass_dir / f"{stem}.sass").write_text(_sass_text(cubin))
     return record
-
-
-def audit_gluon() -> list[dict[str, Any]]:
-    """The Gluon unit-tree GEMM's variants (PTX only: h3lab.bench.compile_sm90 keeps no cubin)."""
-    from h3lab.bench.compile_sm90 import VARIANTS, compile_unit_sm90
-
-    out = []
-    for pieces, b_kn, stages, lvl2 in VARIANTS:
-        r = compile_unit_sm90(pieces, b_kn, stages, lvl2)
-        b = "[K, N]" if b_kn else "W.T"
-        what = f"gluon, {pieces} piece(s), b {b}, {stages} stages" + (", lvl2 smem" if lvl2 else "")
-        record = {"kernel": "unit_gemm", "what": what, "function": "unit_gemm_sm90.unit_mm_sm90_kernel"}
-        out.append(record | {"options": {"num_warps": 8}} | audit_ptx(r["ptx"]))
-    return out
 
 
 def by_opcode(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -345,13 +317,9 @@ def run(sass_dir: Path | None = None, only: str | None = None) -> dict[str, Any]
         sass_dir.mkdir(parents=True, exist_ok=True)
     records = []
     for v in builds():
-        if only is None or only in f"{v.fn} {v.what}":
+        if only is None or only in f"{v.function} {v.what}":
             records.append(audit_build(v, sass_dir))
             print(_line(records[-1]), flush=True)
-    if only is None or only in "unit_gemm_sm90 gluon":
-        for r in audit_gluon():
-            records.append(r)
-            print(_line(r), flush=True)
     return {
         "format": "h3lab-ptx-audit-v1",
         "triton": triton.__version__,
