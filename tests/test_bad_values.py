@@ -219,6 +219,11 @@ def test_the_bound_is_the_largest_request_that_fits_and_says_the_estimate():
     check_request(Problem(task="train", block=0, last_block=3, steps=10_000, digests=True), host_bytes=host)
 
 
+def test_a_weights_generator_outside_the_allowed_set_is_refused():
+    with pytest.raises(ValueError, match=r"unknown weights_generator 'gpu'; allowed: \['device', 'cpu'\]"):
+        Problem(task="trajectory", last_block=3, weights_generator="gpu")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

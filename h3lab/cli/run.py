@@ -10,7 +10,7 @@ from pathlib import Path
 
 from h3lab.backend import CONTRACT_BACKENDS
 from h3lab.dist.layout import ALL_LAYOUTS, parse_layouts
-from h3lab.run.problem import Problem
+from h3lab.run.problem import WEIGHTS_GENERATORS, Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.run.summary import format_summary
 
@@ -72,6 +72,13 @@ def _add_problem_arguments(p: argparse.ArgumentParser) -> None:
         "and scalars as tensors (for runs too big to store them)",
     )
     p.add_argument("--weights-seed", type=int, default=0, help="seed of synthetic weights")
+    p.add_argument(
+        "--weights-generator",
+        choices=WEIGHTS_GENERATORS,
+        default="device",
+        help="who draws the synthetic weights of a chain, trajectory or training run: the run device's generator "
+        "(on a GPU another set than a CPU's, drawn in seconds) or the CPU's (the set a CPU can reproduce)",
+    )
     p.add_argument("--rows", type=int, default=None, help="packed rows of a block's or a chain's batch (default 264)")
     p.add_argument("--padding", type=int, default=None, help="padding rows inside that batch (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the packed batch")
@@ -111,6 +118,7 @@ def _problem(a: argparse.Namespace) -> Problem:
         **_train_fields(a),
         digests=a.digests,
         weights_seed=a.weights_seed,
+        weights_generator=a.weights_generator,
         **_batch_fields(a),
         seed=a.seed,
         device=a.device,

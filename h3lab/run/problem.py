@@ -27,6 +27,11 @@ DEVICES = ("cpu", "cuda")
 # a training request's rows: as the pipeline packs them (ascending keys), or permuted out of key order
 # (h3lab.model.packing.shuffle_rows, drawn from derived_seed(seed, "rows")); both give the same bytes
 ROW_ORDERS = ("packed", "shuffled")
+# who draws a chain's, trajectory's or training run's synthetic weights: the run device's generator
+# (on a GPU CUDA's Philox: real-size depths in seconds, another set than a CPU's), or the CPU's on
+# every device (the set a CPU reproduces, e.g. the emulator of a GPU's bits). Task "block" always
+# draws on the CPU.
+WEIGHTS_GENERATORS = ("device", "cpu")
 _HYPER = AdamWHyper()  # the defaults of the training run's optimizer fields
 
 
@@ -47,6 +52,7 @@ class Problem:
     weight_decay: float = _HYPER.weight_decay
     max_grad_norm: float = _HYPER.max_grad_norm
     weights_seed: int = 0
+    weights_generator: str = "device"  # WEIGHTS_GENERATORS
     rows: int = 264
     padding: int = 0
     seed: int = 0
@@ -80,6 +86,10 @@ class Problem:
             raise ValueError(f"a chain needs last_block >= block, got blocks {self.block}-{self.last_block}")
         if self.last_block is not None and self.last_block < self.block:
             raise ValueError(f"blocks {self.block}-{self.last_block}; allowed: A-B with A <= B")
+        if self.weights_generator not in WEIGHTS_GENERATORS:
+            raise ValueError(
+                f"unknown weights_generator {self.weights_generator!r}; allowed: {list(WEIGHTS_GENERATORS)}"
+            )
         if self.row_order not in ROW_ORDERS:
             raise ValueError(f"unknown row_order {self.row_order!r}; allowed: {list(ROW_ORDERS)}")
         if self.row_order != "packed" and self.task != "train":
@@ -142,11 +152,13 @@ class Problem:
         return w.to(device)
 
     def model_weights(self, device: torch.device | str = "cpu"):
-        """A lazy whole-model weight provider (h3lab.model.weights), for chains and trajectories."""
+        """A lazy whole-model weight provider (h3lab.model.weights), for chains, trajectories and training;
+        synthetic weights drawn by `weights_generator`'s generator."""
         from h3lab.model.weights import CheckpointWeights, SyntheticWeights
 
-        if self.synthetic is not None:  # chains on a GPU draw their weights there: 50 real blocks in seconds
-            return SyntheticWeights(self.config(), seed=self.weights_seed, device=device, generator=device)
+        if self.synthetic is not None:  # on a GPU its generator draws 50 real blocks in seconds
+            generator = device if self.weights_generator == "device" else "cpu"
+            return SyntheticWeights(self.config(), seed=self.weights_seed, device=device, generator=generator)
         return CheckpointWeights(self.checkpoint, device=device)  # type: ignore[arg-type]
 
     def batch(self, device: torch.device | str = "cpu") -> PackedBatch:
