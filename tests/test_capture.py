@@ -52,3 +52,13 @@ def test_the_capture_records_every_call_and_its_shards_hold_its_tensors(tmp_path
     assert loaded.keys() == tensors.keys() and all(capture.same_bits(loaded[k], tensors[k]) for k in tensors)
     weights = [a for c in record["calls"] for a in c["args"]["list"] if isinstance(a, dict) and "weight" in a]
     assert weights and all(set(w) == {"weight", "dtype", "offset", "shape", "stride"} for w in weights)
+
+
+def test_a_trajectory_capture_replays_call_for_call_and_holds_the_published_bits():
+    record, tensors = sm90_capture.capture_trajectory(get_backend("torch", "cpu"), "cpu", "torch")
+    assert record["golden"]["matches"] and record["golden"]["matching"] == 6  # steps 0-2, video and audio
+    assert record["problem"]["weights_generator"] == "cpu"  # what lets a CPU emulate a GPU's trajectory
+    methods = {c["method"] for c in record["calls"]}
+    assert {"attention_fwd", "chain_mm", "unit_reduce", "rope_tables"} <= methods
+    rows = capture.replay(record["calls"], tensors, {}, get_backend("torch", "cpu"))
+    assert len(rows) == len(record["calls"]) and all(r["same"] for r in rows)

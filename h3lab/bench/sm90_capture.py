@@ -3,7 +3,11 @@
 - tiny (h3lab.run.golden.REFERENCE: the tiny block, forward and backward): every call whole
   (`FullRecorder`), through canonical_block as the golden "block" digests are made;
 - real (golden.REAL: the real widths, 520 rows of which 8 padding): a spot sample per call
-  (h3lab.bench.spot_samples), through block_step as the golden "real" digests are made.
+  (h3lab.bench.spot_samples), through block_step as the golden "real" digests are made;
+- trajectory (golden.TRAJECTORY: tiny, blocks 0-3, two sampler steps): every call whole, weights
+  included, through tasks.compute as the golden "trajectory" digests are made. Replayed through the
+  emulator and set beside an emulated run's own calls, it says whether a trajectory's bits leave the
+  GPU's inside a backend call or in the torch code between calls.
 Each part's record holds its call log, its tensors' shard files and its result digests compared with
 the published set (kernels/golden/<set>.json: sm90 for the triton backend), so a capture says whether
 it holds the published bits. Tensors go to safetensors shards of at most SHARD_BYTES each.
@@ -11,6 +15,7 @@ it holds the published bits. Tensors go to safetensors shards of at most SHARD_B
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +73,22 @@ def capture_real(backend: Backend, device: torch.device | str, set_name: str) ->
     return record | {"golden": compare_digests(digests, set_name, "real")}, store.tensors
 
 
+def capture_trajectory(backend: Backend, device: torch.device | str, set_name: str) -> tuple[dict, dict[str, Tensor]]:
+    from h3lab.run import tasks
+
+    store = TensorStore({})  # the model's weights are built inside the task: stored whole, once each
+    recorder = FullRecorder(store)
+    problem = replace(golden.TRAJECTORY, device=str(device), backend=backend.name)
+    be = RecordingBackend(backend, recorder)
+    result = tasks.compute(problem, LocalComm(), torch.device(device), backend=be).tensors
+    digests = {k: sha256_tensor(v) for k, v in result.items()}
+    record = {"problem": golden.TRAJECTORY.to_dict(), "calls": recorder.calls}
+    return record | {"golden": compare_digests(digests, set_name, "trajectory")}, store.tensors
+
+
+CAPTURES = {"tiny": capture_tiny, "real": capture_real, "trajectory": capture_trajectory}
+
+
 def save_shards(out_dir: Path, stem: str, tensors: dict[str, Tensor], limit: int = SHARD_BYTES) -> dict[str, Any]:
     """Tensors in key order into `stem`.safetensors (or `stem`-0, -1, ... past `limit` bytes each):
     {file: {"bytes", "keys"}}."""
@@ -88,10 +109,16 @@ def save_shards(out_dir: Path, stem: str, tensors: dict[str, Tensor], limit: int
     return out
 
 
-def probe(out_dir: Path, backend: Backend, device: torch.device | str, set_name: str = "sm90") -> dict[str, Any]:
-    """Both captures with `backend` on `device`, saved under out_dir; the part's record."""
+def probe(
+    out_dir: Path,
+    backend: Backend,
+    device: torch.device | str,
+    set_name: str = "sm90",
+    captures: tuple = ("tiny", "real"),
+) -> dict[str, Any]:
+    """The named captures (of `CAPTURES`) with `backend` on `device`, saved under out_dir; the part's record."""
     record = {}
-    for name, fn in (("tiny", capture_tiny), ("real", capture_real)):
-        part, tensors = fn(backend, device, set_name)
+    for name in captures:
+        part, tensors = CAPTURES[name](backend, device, set_name)
         record[name] = part | {"files": save_shards(out_dir, f"capture_{name}", tensors)}
     return record

@@ -1,7 +1,7 @@
 """One GPU command for what the CPU emulator of the sm90 kernels needs from an H200 (issue 31).
 
-    python -m h3lab.bench.sm90_probe --out DIR [--parts mma,tree,sfu,sfu_model,capture]   (CUDA)
-    python -m h3lab.bench.sm90_probe --check DIR                                          (any CPU, offline)
+    python -m h3lab.bench.sm90_probe --out DIR [--parts mma,tree,sfu,sfu_model,capture,...]   (CUDA)
+    python -m h3lab.bench.sm90_probe --check DIR                                              (any CPU)
 
 Parts, in order: `mma` (h3lab.bench.mma_probe: the tensor cores' addition, ~2 x 10^6 dots through
 the kernels' tl.dot tiles, compared in place with h3lab.emulate.mma), `tree` (tree_probe: tl.sum's
@@ -9,7 +9,8 @@ order in attention's layouts), `sfu` (sfu_probe: ex2.approx, MUFU.RCP under div.
 log2), `sfu_model` (sfu_probe.model_check: h3lab.emulate.sfu against the unit over every 2^32
 input, mismatches counted in place), `capture` (sm90_capture: the tiny reference block with every
 backend call's tensors, and spot samples of every call of the real-shape block, with their digests
-against kernels/golden/sm90.json).
+against kernels/golden/sm90.json), `capture_trajectory` (sm90_capture: the golden trajectory with
+every call's tensors; not in the default parts).
 A part that fails is recorded with the end of its traceback; the others still run. DIR/summary.json
 is rewritten after every part ("status": "running", then "passed" when every part ran, else
 "failed") with the environment and each file's size against what the device returns (at most 8
@@ -30,7 +31,7 @@ import torch
 
 from h3lab.io.jsonfile import write_json
 
-PARTS = ("mma", "tree", "sfu", "sfu_model", "capture")
+PARTS = ("mma", "tree", "sfu", "sfu_model", "capture", "capture_trajectory")
 LIMITS = {"files": 8, "file_bytes": 16 << 20, "total_bytes": 64 << 20}
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -45,6 +46,9 @@ def _runners(device: torch.device) -> dict[str, Callable[[Path], dict[str, Any]]
         "sfu": lambda out: sfu_probe.probe(out, device),
         "sfu_model": lambda out: sfu_probe.model_check(sfu_probe.gpu_op, device),
         "capture": lambda out: sm90_capture.probe(out, get_backend("triton", device), device),
+        "capture_trajectory": lambda out: sm90_capture.probe(
+            out, get_backend("triton", device), device, captures=("trajectory",)
+        ),
     }
 
 
@@ -93,7 +97,7 @@ def check(out_dir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="run on this machine's GPU and write everything here")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
+    ap.add_argument("--parts", default=",".join(PARTS[:-1]), help=f"comma-separated, of {list(PARTS)}")
     ap.add_argument("--check", type=Path, help="check a folder's files on this CPU")
     args = ap.parse_args(argv)
     if args.check:
