@@ -211,8 +211,15 @@ def play_emulator(monkeypatch: pytest.MonkeyPatch, digests: dict[str, dict[str, 
     monkeypatch.setattr(golden, "compute", compute)
 
 
+def unemulated(sets: Path) -> None:
+    """The sm90 set in `sets` as recorded on its GPU, before any emulator wrote its `emulated` field."""
+    path = sets / "sm90.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "emulated"}, indent=1))
+
+
 def test_the_emulator_checks_the_sm90_sets_block_and_trajectory_on_a_cpu(monkeypatch, capsys, sets):
     sm90 = PUBLISHED["sm90"]
+    unemulated(sets)
     play_emulator(monkeypatch, sm90)
     res = golden.verify("emulate-sm90", "cpu")
     assert res["set"] == "sm90" and res["match"] and res["emulated"] == []
@@ -227,6 +234,7 @@ def test_the_emulator_checks_the_sm90_sets_block_and_trajectory_on_a_cpu(monkeyp
 
 def test_recording_the_emulator_adds_what_it_reproduced_and_never_digests(monkeypatch, capsys, sets):
     sm90 = PUBLISHED["sm90"]
+    unemulated(sets)
     play_emulator(monkeypatch, flipped({p: sm90[p] for p in golden.EMULATED_PARTS}, "trajectory", "step1.video"))
     before = (sets / "sm90.json").read_bytes()
     assert main(["verify", "--backend", "emulate-sm90", "--record"]) == 2

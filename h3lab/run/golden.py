@@ -47,8 +47,11 @@ from h3lab.triton.configs import KERNELS_DIR
 
 GOLDEN_DIR = KERNELS_DIR / "golden"
 REFERENCE = Problem(synthetic="tiny", weights_seed=0, block=0, rows=264, padding=0, seed=0)
-# the generation gate: 2 sampler steps through the whole tiny transformer (4 blocks), seed 0
-TRAJECTORY = Problem(synthetic="tiny", task="trajectory", block=0, last_block=3, steps=2, seed=0)
+# the generation gate: 2 sampler steps through the whole tiny transformer (4 blocks), seed 0, its
+# weights drawn by the CPU's generator on every device (a GPU's trajectory is one a CPU can emulate)
+TRAJECTORY = Problem(
+    synthetic="tiny", task="trajectory", block=0, last_block=3, steps=2, seed=0, weights_generator="cpu"
+)
 # the kernels at the real H3 shapes (GPU backends)
 REAL = Problem(synthetic="real", weights_seed=0, block=0, rows=520, padding=8, seed=0)
 # the parts of a set, in the order verify names tensors: the reference block, the trajectory, the real shapes
