@@ -1,7 +1,7 @@
 """The MMA model (h3lab.emulate.mma) and the FMA chain (h3lab.emulate.fma) on the CPU: properties of
 the model, checked against exact rational arithmetic (fractions) written independently of the integer
-code, with the edge rules the H200 answered; and dots the H200 computed (sm90-probe-1, saved in
-tests/data/sm90_probe_1.json) that only those rules reproduce."""
+code, with the edge rules the H200 answered; and dots the H200 computed (through h3lab.bench.sm90_probe, saved in
+tests/data/sm90_probe_vectors.json) that only those rules reproduce."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ def test_the_rational_reference_agrees_with_random_bit_patterns_of_fp32():
 
 # ---- dots the H200 computed ------------------------------------------------------------------------
 
-VECTORS = json.loads((Path(__file__).parent / "data" / "sm90_probe_1.json").read_text())
+VECTORS = json.loads((Path(__file__).parent / "data" / "sm90_probe_vectors.json").read_text())
 WITHOUT_THE_RULES = MmaModel(overflow="max", zero_sign="ieee", align_min=-1000)  # the reading before the probe
 
 

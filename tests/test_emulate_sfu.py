@@ -1,6 +1,6 @@
 """The special-function instructions' models (h3lab.emulate.sfu, h3lab.emulate.mufu) on the CPU: every set
-the H200 answered in sm90-probe-1 (inputs redrawn by h3lab.bench.sfu_probe, the GPU's sha256 of its raw
-outputs in tests/data/sm90_probe_1.json) comes out with the same bytes, and the rules at the edges hold."""
+the H200 answered to the SFU probe (inputs redrawn by h3lab.bench.sfu_probe, the GPU's sha256 of its raw
+outputs in tests/data/sm90_probe_vectors.json) comes out with the same bytes, and the rules at the edges hold."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from h3lab.emulate.sfu import NAN_BITS, div_full, ex2_approx_ftz, log2_libdevice
 from h3lab.emulate.sfu_ref import ordered
 from h3lab.metrics import sha256_tensor
 
-SAVED = json.loads((Path(__file__).parent / "data" / "sm90_probe_1.json").read_text())["sfu"]
+SAVED = json.loads((Path(__file__).parent / "data" / "sm90_probe_vectors.json").read_text())["sfu"]
 MODELS = {"ex2": ex2_approx_ftz, "rcp": rcp_approx_ftz, "log2": log2_libdevice}
 
 

@@ -67,9 +67,9 @@ def test_sizes_that_fit_no_tree_are_refused():
         t.lca_sizes(torch.full((len(pairs),), 2.5), pairs, 4)
 
 
-# ---- the kernels' trees, as the H200 answered them (sm90-probe-1, h3lab.bench.tree_probe) ---------
+# ---- the kernels' trees, as the H200 answered them (h3lab.bench.tree_probe) ---------
 
-PROBED = json.loads((Path(__file__).parent / "data" / "sm90_probe_1.json").read_text())["trees"]
+PROBED = json.loads((Path(__file__).parent / "data" / "sm90_probe_vectors.json").read_text())["trees"]
 
 
 def _as_tree(x) -> t.Tree:

@@ -18,7 +18,7 @@
   (h3lab.backend.EmulateSM90Backend) is these plus the torch backend's row-local ops.
 
 Everything is torch integer or IEEE float64 arithmetic in separate ops, so a result is the same on
-any device. The rules come from the H200's answers to h3lab.bench's probes (sm90-probe-1: mma_probe,
+any device. The rules come from the H200's answers to h3lab.bench's probes (h3lab.bench.sm90_probe: mma_probe,
 sfu_probe, tree_probe); what no probe drew is named in h3lab.emulate.mma.HYPOTHESES. Part of the
 core, beside h3lab.ops and h3lab.triton: it imports the core only, and h3lab.backend builds the
 emulate-sm90 backend from it.

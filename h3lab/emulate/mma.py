@@ -10,7 +10,7 @@ One MMA step (a k16 wgmma) adds an accumulator c and 16 exact products a_i * b_i
    is +0 whatever the terms' signs.
 The steps of a dot chain in K order: each takes the previous result as c. This is Khattak &
 Mikaitis's H100 model (arXiv 2512.07004, `models/H100TC.m`) as issue 31 reads it, with the edge
-rules the H200 gave through the kernels' tl.dot tiles (sm90-probe-1, h3lab.bench.mma_probe: every
+rules the H200 gave through the kernels' tl.dot tiles (h3lab.bench.mma_probe: every
 probe dot equals the model; each recipe below tells its rule from the neighbour in mma_probe's
 VARIANTS): overflow gives inf (the overflow recipe), an exact zero sum is +0 (signed_zero),
 subnormal inputs and results are kept (their recipes), IEEE rules for inf and NaN with the NaN

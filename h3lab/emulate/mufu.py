@@ -14,7 +14,7 @@ columns only: the terms of lower columns are dropped, not rounded. Every other s
 ex2: m = 6, the result the 24-bit significand of a value in [1, 2); rcp: m = 7, the result in units
 of 2^-24 of a value in (1/2, 1] (2^24 for j = 0).
 
-The coefficients (`mufu_tables.json`, 4 KB) were fitted to the H200's outputs of sm90-probe-1
+The coefficients (`mufu_tables.json`, 4 KB) were fitted to the H200's outputs
 (h3lab.bench.sfu_probe): ex2 at every x = k / 2^24 of [0, 1) (odd k read the same fraction as k - 1:
 the unit cuts x to 23 fraction bits) and rcp at every significand of [1, 2). In each segment one
 (C1, C2) fits all 2^n outputs (no other near the least-squares fit does); C0 * 2^13 + K is then

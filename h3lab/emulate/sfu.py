@@ -14,8 +14,8 @@
 - `log2_libdevice(x)`: tl.math.log2, which is libdevice's __nv_log2f inlined (no MUFU.LG2): the PTX
   sequence Triton 3.6 emits (h3lab.bench.ptx_audit), step for step in IEEE FP32 operations.
 
-Every rule was read off sm90-probe-1 (h3lab.bench.sfu_probe): the functions reproduce the sha256 of
-every saved set (the ex2 grids, edges and samples, rcp on every significand, the div and log2
+Every rule was read off the H200's answers to h3lab.bench.sfu_probe: the functions reproduce the
+sha256 of every saved set (the ex2 grids, edges and samples, rcp on every significand, the div and log2
 samples); `sfu_probe`'s model check compares them with the hardware over all 2^32 inputs in place.
 Every NaN result is NVIDIA's canonical 0x7FFFFFFF, whatever the input NaN's bits. Integer steps, and
 float64 steps only where they are exact (the FMA: h3lab.emulate.fma).

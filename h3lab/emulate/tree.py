@@ -13,7 +13,7 @@ paths meet, and every one outside that subtree survives: the row sums to n - siz
 Those sizes determine the tree (`tree_from_lca_sizes`); a node's two children are unordered, as
 FP32 addition commutes.
 
-The kernels' trees, as the H200 answered them (h3lab.bench.tree_probe, sm90-probe-1): `wgmma_row_tree`
+The kernels' trees, as the H200 answered them (h3lab.bench.tree_probe): `wgmma_row_tree`
 (attention_fwd's row sums) and `blocked_row_tree` with `contracted_sum` (attention_delta).
 
 Dimension legend: R rows, N leaves (the reduced axis).
