@@ -16,8 +16,10 @@ spaces and units), h3lab.rowplan (the canonical row order, decided on the host).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +28,7 @@ from torch import Tensor
 from h3lab.backend import Backend, TorchBackend
 from h3lab.batch import PackedBatch
 from h3lab.block_backward import backward as run_backward
-from h3lab.block_forward import Step, Trace, forward, zero_padding
+from h3lab.block_forward import Forward, Step, Trace, forward, zero_padding
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
 from h3lab.result import BlockResult
@@ -35,7 +37,7 @@ from h3lab.rowspace import RowSpace
 from h3lab.units import UnitWeights, assemble_unit_grads, unit_weights
 from h3lab.weights import BlockWeights
 
-__all__ = ["BlockStep", "Trace", "block_step", "canonical_block"]
+__all__ = ["BlockStep", "KeptForward", "Trace", "block_backward", "block_forward", "block_step", "canonical_block"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +52,20 @@ class BlockStep:
     # forward_s, backward_s (this rank, collectives included): on CUDA the GPU's own clock (events),
     # so a stretch where the GPU waits for the host, e.g. in a gloo collective, counts; on CPU wall time
     timings: dict[str, float]
+
+
+@dataclass(frozen=True, eq=False)
+class KeptForward:
+    """A block's forward with the records its backward reads (`block_backward` uses them up): what a
+    chain keeps instead of recomputing the forward in its backward pass. The forward is deterministic,
+    so the backward's bits are those of the recomputed one; the records stay in memory until then."""
+
+    out: Tensor  # [R_local, D], padding rows zero
+    batch: PackedBatch  # the forward's batch (its input rows); `block_backward` adds grad_out
+    step: Step
+    forward: Forward
+    index_scope: dict  # the forward's index facts (h3lab.rowplan.index_cache), which the backward reuses
+    forward_s: float
 
 
 TORCH = TorchBackend()  # canonical_block's default: the canonical arithmetic, the same bits on every device
@@ -132,11 +148,57 @@ def block_step(
     metadata are tensors of its own).
     """
     _check(uw, b, backend)
-    # Triton launches on the current CUDA device: make it the batch's (rank 1 of a NCCL layout
-    # holds cuda:1 while the current device may still be cuda:0)
-    on_device = torch.cuda.device(b.device) if b.device.type == "cuda" else contextlib.nullcontext()
-    with strict_mode(), torch.no_grad(), on_device, index_cache():
+    with _step_context(b):
         return _block_step(uw, b, comm, backend, backward, trace or _no_trace, decided_rows)
+
+
+def block_forward(
+    uw: UnitWeights, b: PackedBatch, comm: BlockComm, *, backend: Backend, trace: Trace | None = None
+) -> KeptForward:
+    """The block's forward on this rank's rows and units, kept for `block_backward` (`trace` sees the
+    forward's ops). `b.grad_out` is not read."""
+    _check(uw, b, backend)
+    with _step_context(b) as scope:
+        clock = _Clock(b.device)
+        step = _step(uw, b, comm, backend, trace or _no_trace)
+        kept = forward(step, b, None)
+        clock.lap()
+        out = zero_padding(kept.rows.active, kept.out)
+    return KeptForward(out, b, step, kept._replace(out=out), scope, clock.seconds()[0])
+
+
+def block_backward(kept: KeptForward, grad_out: Tensor, *, trace: Trace | None = None) -> BlockStep:
+    """The backward of a kept forward from `grad_out` ([R_local, D], this rank's rows): the BlockStep
+    `block_step` gives for the same batch with that gradient (`trace` sees the backward's ops).
+
+    Raises:
+        ValueError: `kept` was used by a backward already (its records are gone).
+    """
+    if len(kept.forward.tape) == 0:
+        raise ValueError("this kept forward was used by a backward already; allowed: one backward per block_forward")
+    b = dataclasses.replace(kept.batch, grad_out=grad_out)
+    step = dataclasses.replace(kept.step, tr=trace or _no_trace)
+    f = kept.forward
+    with _step_context(b, kept.index_scope):
+        clock = _Clock(b.device)
+        dx, dw_units, dw_replicated, dtemb = run_backward(step, b, f.rows, f.st, f.tape)
+        clock.lap()
+    timings = {"forward_s": kept.forward_s, "backward_s": clock.seconds()[0]}
+    return BlockStep(kept.out, dx, dw_units, dw_replicated, dtemb, timings)
+
+
+@contextlib.contextmanager
+def _step_context(b: PackedBatch, index_scope: dict | None = None) -> Iterator[dict]:
+    """What every part of a block step runs under: strict mode, no autograd, the batch's CUDA device
+    current (rank 1 of a NCCL layout holds cuda:1 while the current device may still be cuda:0: Triton
+    launches on the current one) and one index-fact scope (yielded; `index_scope` resumes one)."""
+    on_device = torch.cuda.device(b.device) if b.device.type == "cuda" else contextlib.nullcontext()
+    with strict_mode(), torch.no_grad(), on_device, index_cache(index_scope) as scope:
+        yield scope
+
+
+def _step(uw: UnitWeights, b: PackedBatch, comm: BlockComm, be: Backend, tr: Trace) -> Step:
+    return Step(be, tr, uw, RowSpace(comm), b.hidden_states.dtype, uw.q[comm.units[0]].dtype, b.num_timesteps)
 
 
 def _block_step(
@@ -149,7 +211,7 @@ def _block_step(
     decided_rows: RowPlan | None,
 ) -> BlockStep:
     clock = _Clock(b.device)
-    step = Step(be, tr, uw, RowSpace(comm), b.hidden_states.dtype, uw.q[comm.units[0]].dtype, b.num_timesteps)
+    step = _step(uw, b, comm, be, tr)
     out, rows, st, tape = forward(step, b, decided_rows)
     clock.lap()
     out = zero_padding(rows.active, out)

@@ -47,14 +47,17 @@ _SCOPE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("h3lab_inde
 
 
 @contextlib.contextmanager
-def index_cache() -> Iterator[None]:
-    """Reuse index facts until the block exits (nested scopes share the outer one)."""
-    if _SCOPE.get() is not None:
-        yield
+def index_cache(resume: dict | None = None) -> Iterator[dict]:
+    """Reuse index facts until the block exits (nested scopes share the outer one). Yields the scope's
+    dict; `resume` re-enters such a dict (a block's backward run apart from its forward)."""
+    outer = _SCOPE.get()
+    if outer is not None:
+        yield outer
         return
-    token = _SCOPE.set({})
+    scope = {} if resume is None else resume
+    token = _SCOPE.set(scope)
     try:
-        yield
+        yield scope
     finally:
         _SCOPE.reset(token)  # the dict, its weak references and cached tensors go with it
 

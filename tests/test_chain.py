@@ -9,6 +9,7 @@ import torch
 
 from h3lab import canonical_block, metrics
 from h3lab.backend import get_backend
+from h3lab.block import block_backward
 from h3lab.comm import LocalComm
 from h3lab.dist.layout import parse_layouts
 from h3lab.model.chain import canonical_chain, chain_backward, chain_forward
@@ -56,6 +57,35 @@ def test_the_split_chain_is_canonical_blocks_by_hand_from_a_separate_gradient():
         dw = assemble_unit_grads(split.blocks[i].dw_units, LocalComm.units) | split.blocks[i].dw_replicated
         for k, t in ref.dw.items():
             assert_bitwise(dw[k], t, f"block{i} dw {k}")
+
+
+def test_a_chain_that_keeps_its_forwards_gives_the_recomputing_chains_bytes():
+    """recompute=False keeps each block's forward records until its backward (h3lab.block.KeptForward):
+    every output byte is the recomputing chain's, the trace sees the same ops, and a kept forward
+    goes once."""
+    p = dataclasses.replace(CHAIN, last_block=2, padding=5)
+    weights, batch = p.model_weights(), p.batch()
+    traces = {}
+    for recompute in (True, False):
+        rec = TraceRecorder()
+        traces[recompute] = (canonical_chain(weights, batch, [0, 1, 2], trace=rec, recompute=recompute), rec)
+    (ref, ref_trace), (kept, kept_trace) = traces[True], traces[False]
+    assert_bitwise(kept.out, ref.out, "out"), assert_bitwise(kept.dx, ref.dx, "dx")
+    for i in (0, 1, 2):
+        assert_bitwise(kept.blocks[i].dtemb, ref.blocks[i].dtemb, f"block{i} dtemb")
+        for k, per_unit in ref.blocks[i].dw_units.items():
+            for u, t in per_unit.items():
+                assert_bitwise(kept.blocks[i].dw_units[k][u], t, f"block{i} {k}@u{u}")
+        for k, t in ref.blocks[i].dw_replicated.items():
+            assert_bitwise(kept.blocks[i].dw_replicated[k], t, f"block{i} {k}")
+    assert kept_trace.order == ref_trace.order  # every op traced once, in the same order
+    for name, t in ref_trace.tensors.items():
+        assert_bitwise(kept_trace.tensors[name], t, name)
+    fwd = chain_forward(weights, batch, LocalComm(), [0], backend=BE, recompute=False)
+    kept0 = fwd.kept[0]
+    chain_backward(weights, batch, LocalComm(), fwd, batch.grad_out, backend=BE)
+    with pytest.raises(ValueError, match=r"kept forward was used by a backward already; allowed: one backward"):
+        block_backward(kept0, batch.grad_out)
 
 
 def test_a_four_block_chain_is_bitwise_under_layouts_with_every_op_traced(tmp_path):

@@ -29,10 +29,12 @@ SEED = 31
 BE = get_backend("torch")
 
 
-def _trainer(inputs: ModelInputs | None = None, rows_shard=None) -> Trainer:
+def _trainer(inputs: ModelInputs | None = None, rows_shard=None, recompute: bool = True) -> Trainer:
     inputs = model_inputs(CONFIG, seed=9) if inputs is None else inputs
     weights = SyntheticWeights(CONFIG, seed=8)
-    return Trainer(weights, inputs, blocks=BLOCKS, hyper=HYPER, seed=SEED, rows_shard=rows_shard, backend=BE)
+    return Trainer(
+        weights, inputs, blocks=BLOCKS, hyper=HYPER, seed=SEED, rows_shard=rows_shard, backend=BE, recompute=recompute
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,16 @@ def test_rows_out_of_key_order_and_padding_change_no_bit_of_any_step(reference):
     pad = SeqShard(Layout(cp=5), shuffled.num_rows)  # pads 96 rows to 100: keys (-1, j), zero contents
     assert pad.padded_rows == 100
     trainer = _trainer(shuffled, rows_shard=pad.pad)
+    for k, want in enumerate(tensors, start=1):
+        got = trainer.step(k).tensors()
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            assert_bitwise(got[name], t, name)
+
+
+def test_steps_that_keep_the_blocks_forwards_give_the_recomputing_steps_bytes(reference):
+    _, tensors, _, _ = reference
+    trainer = _trainer(recompute=False)
     for k, want in enumerate(tensors, start=1):
         got = trainer.step(k).tensors()
         assert got.keys() == want.keys()

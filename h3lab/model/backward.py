@@ -11,8 +11,9 @@ only the block stack is distributed:
 - backward, given the gradient at the head's output (the loss's, float32): `head_backward`
   (replicated, all S rows) -> this rank's rows of that gradient, taken with the same `rows_shard`
   (`SeqShard.coshard` of the sequence whose `grad_out` it is) -> `chain_backward` (blocks B..A,
-  each forward recomputed from its input) -> the gradient at the stack's input gathered to all S
-  rows in packed order, padding dropped -> `embed_backward` (replicated).
+  each forward recomputed from its input, or kept from the forward without `recompute`) -> the
+  gradient at the stack's input gathered to all S rows in packed order, padding dropped ->
+  `embed_backward` (replicated).
 So everything outside the stack is layout-invariant by construction, the stack by the chain's
 guarantees. d temb: every block returns its share ([T, E] FP32, replicated) and norm_out's AdaLN
 one more; their sum is one left-to-right FP32 chain from +0 in forward order, blocks A..B
@@ -102,6 +103,7 @@ def model_forward(
     comm: BlockComm | None = None,
     rows_shard: RowsShard | None = None,
     trace: Trace | None = None,
+    recompute: bool = True,
 ) -> ModelForward:
     """The model's forward through blocks `blocks` (the bits of `transformer_forward` with those blocks).
 
@@ -111,6 +113,8 @@ def model_forward(
         trace: receives every op of every block's forward (`block{i}.{op}`) and the replicated stages
             (`embed.temb`, `embed.hidden`, `stack.out`, `head.video`, `head.audio`); `model_backward`
             passes it on.
+        recompute: the blocks' forwards rerun in `model_backward` (True) or kept until then
+            (h3lab.model.chain: the same bits, more memory, less time).
 
     Raises:
         ValueError: a bad block range, or anything `transformer_forward` refuses.
@@ -121,7 +125,7 @@ def model_forward(
     emb = embed(weights, inputs, backend=backend)
     tr("embed.temb", emb.batch.temb, "replicated"), tr("embed.hidden", emb.batch.hidden_states, "replicated")
     local = emb.batch if rows_shard is None else rows_shard(emb.batch)
-    chain = chain_forward(weights, local, comm, blocks, backend=backend, trace=trace)
+    chain = chain_forward(weights, local, comm, blocks, backend=backend, trace=trace, recompute=recompute)
     out = gather_sequence(dataclasses.replace(local, hidden_states=chain.out), comm, emb.batch)
     tr("stack.out", out, "replicated")
     result = head(weights, out, emb, backend=backend)

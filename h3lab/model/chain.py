@@ -1,8 +1,12 @@
-"""A chain of blocks: forward through them, then backward in reverse, recomputing each block's forward.
+"""A chain of blocks: forward through them, then backward in reverse, recomputing each block's forward
+or reusing it.
 
-Memory stays at one block's weights and activations plus each block's input rows ([R, D] each):
-the backward of block i reruns its forward from the stored input (as activation checkpointing
-does) with the gradient that block i+1 returned as its upstream gradient.
+With `recompute` (the default) memory stays at one block's weights and activations plus each
+block's input rows ([R, D] each): the backward of block i reruns its forward from the stored input
+(as activation checkpointing does) with the gradient that block i+1 returned as its upstream
+gradient. Without it each block's forward records stay until its backward (`h3lab.block.KeptForward`,
+as autograd keeps an eager model's activations): no forward runs twice. The forward is
+deterministic, so both give the same bits.
 
 The two passes are separate functions because a model's stack gets its upstream gradient only after
 the head and the loss: `chain_forward` keeps each block's input rows, `chain_backward` takes them and
@@ -20,7 +24,7 @@ from torch import Tensor
 
 from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
-from h3lab.block import TORCH, BlockStep, Trace, block_step
+from h3lab.block import TORCH, BlockStep, KeptForward, Trace, block_backward, block_forward, block_step
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.model.weights import ModelWeights, block_units
 from h3lab.units import UnitWeights
@@ -42,6 +46,7 @@ class ChainForward:
     inputs: dict[int, Tensor]  # per block, its input rows [R_local, D]; `chain_backward` takes them off
     blocks: tuple[int, ...]  # the blocks, in forward order
     forward_s: float
+    kept: dict[int, KeptForward]  # per block, its forward's records (without `recompute`; else empty)
 
 
 def chain_forward(
@@ -52,8 +57,10 @@ def chain_forward(
     *,
     backend: Backend,
     trace: Trace | None = None,
+    recompute: bool = True,
 ) -> ChainForward:
-    """Blocks `blocks` (in order) forward on this rank's rows, keeping each block's input rows.
+    """Blocks `blocks` (in order) forward on this rank's rows, keeping each block's input rows (and,
+    without `recompute`, its forward's records: the module docstring).
 
     `trace` sees the forward ops as `block{i}.{op}`. `batch.grad_out` is not read.
 
@@ -62,13 +69,18 @@ def chain_forward(
     """
     if not blocks:
         raise ValueError("a chain needs at least one block")
-    inputs, b, fwd_s = {}, batch, 0.0
+    inputs, kept, b, fwd_s = {}, {}, batch, 0.0
     for i in blocks:
         inputs[i] = b.hidden_states
-        tr = _traced(trace, i, forward=True)
-        step = block_step(_unit_weights(weights, i, batch, comm), b, comm, backend=backend, backward=False, trace=tr)
-        b, fwd_s = dataclasses.replace(b, hidden_states=step.out), fwd_s + step.timings["forward_s"]
-    return ChainForward(out=b.hidden_states, inputs=inputs, blocks=tuple(blocks), forward_s=fwd_s)
+        uw, tr = _unit_weights(weights, i, batch, comm), _traced(trace, i, forward=True)
+        if recompute:
+            step = block_step(uw, b, comm, backend=backend, backward=False, trace=tr)
+            out, seconds = step.out, step.timings["forward_s"]
+        else:
+            kept[i] = block_forward(uw, b, comm, backend=backend, trace=tr)
+            out, seconds = kept[i].out, kept[i].forward_s
+        b, fwd_s = dataclasses.replace(b, hidden_states=out), fwd_s + seconds
+    return ChainForward(out=b.hidden_states, inputs=inputs, blocks=tuple(blocks), forward_s=fwd_s, kept=kept)
 
 
 def chain_backward(
@@ -85,7 +97,8 @@ def chain_backward(
     """The chain's backward from `grad_out` (this rank's rows of the gradient at the last output).
 
     Block i's forward reruns from its stored input (taken off `forward.inputs`, so each goes once
-    its block is done) on `batch`'s row metadata, then its backward. `trace` sees the backward ops
+    its block is done) on `batch`'s row metadata, then its backward; a kept forward (`forward.kept`)
+    goes straight to its backward. `trace` sees the backward ops
     (`d.*`, `dx`) as `block{i}.{op}`; the recomputed forward is not traced twice. `keep(i, step)`
     reduces what is kept of block i (e.g. digests instead of 1.3 GB of real weight gradients).
 
@@ -99,10 +112,15 @@ def chain_backward(
         )
     g, per_block, bwd_s = grad_out, {}, 0.0
     for i in reversed(forward.blocks):
-        b_i = dataclasses.replace(batch, hidden_states=forward.inputs.pop(i), grad_out=g)
-        uw = _unit_weights(weights, i, batch, comm)
-        step = block_step(uw, b_i, comm, backend=backend, trace=_traced(trace, i, forward=False))
-        g, bwd_s = step.dx, bwd_s + step.timings["forward_s"] + step.timings["backward_s"]
+        x, kept, tr = forward.inputs.pop(i), forward.kept.pop(i, None), _traced(trace, i, forward=False)
+        if kept is None:
+            b_i = dataclasses.replace(batch, hidden_states=x, grad_out=g)
+            step = block_step(_unit_weights(weights, i, batch, comm), b_i, comm, backend=backend, trace=tr)
+            seconds = step.timings["forward_s"] + step.timings["backward_s"]
+        else:
+            step = block_backward(kept, g, trace=tr)
+            seconds = step.timings["backward_s"]
+        g, bwd_s = step.dx, bwd_s + seconds
         step = dataclasses.replace(step, out=step.out[:0], dx=None)
         per_block[i] = keep(i, step) if keep is not None else step
     timings = {"forward_s": forward.forward_s, "backward_s": bwd_s}
@@ -118,14 +136,16 @@ def chain_step(
     backend: Backend,
     trace: Trace | None = None,
     keep: Callable[[int, BlockStep], BlockStep] | None = None,
+    recompute: bool = True,
 ) -> ChainStep:
     """Blocks `blocks` (in order) on this rank's rows; `batch.grad_out` is the gradient at the last output.
 
     `trace` sees forward ops as `block{i}.{op}` during the forward pass and backward ops (`d.*`,
     `dx`) during the backward pass; the recomputed forward is not traced twice. `keep(i, step)`
     reduces what is kept of block i (e.g. digests instead of 1.3 GB of real weight gradients).
+    `recompute`: see the module docstring.
     """
-    fwd = chain_forward(weights, batch, comm, blocks, backend=backend, trace=trace)
+    fwd = chain_forward(weights, batch, comm, blocks, backend=backend, trace=trace, recompute=recompute)
     return chain_backward(weights, batch, comm, fwd, batch.grad_out, backend=backend, trace=trace, keep=keep)
 
 

@@ -87,6 +87,7 @@ def model_grads(
     comm: BlockComm | None = None,
     rows_shard: RowsShard | None = None,
     trace: Trace | None = None,
+    recompute: bool = True,
 ) -> ModelGrads:
     """The loss and every gradient of the trained depth for one step, on this rank.
 
@@ -99,13 +100,22 @@ def model_grads(
         backend, comm, rows_shard: as `h3lab.model.transformer_forward`.
         trace: every block's forward and backward ops (`block{i}.{op}`) and the replicated stages,
             `loss.d.video` and `loss.d.audio` (the upstream gradient) among them.
+        recompute: rerun each block's forward in the backward (memory of the blocks' inputs only), or
+            keep its records from the forward (no forward twice; the same bits: h3lab.model.chain).
 
     Raises:
         ValueError: a bad seed or block range, or anything the model refuses.
     """
     sample = objective.sample(inputs, seed)
     fwd = model_forward(
-        weights, sample.inputs, blocks=blocks, backend=backend, comm=comm, rows_shard=rows_shard, trace=trace
+        weights,
+        sample.inputs,
+        blocks=blocks,
+        backend=backend,
+        comm=comm,
+        rows_shard=rows_shard,
+        trace=trace,
+        recompute=recompute,
     )
     loss = objective.loss(sample, fwd.output)
     if trace is not None:

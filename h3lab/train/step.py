@@ -78,6 +78,8 @@ class Trainer:
         seed: the run's seed; step k's sample draws from `step_seed(seed, k)`.
         objective: the rectified-flow objective (default: both modalities weighted 1).
         backend, comm, rows_shard: as `h3lab.train.grads.model_grads`; comm None is the single process.
+        recompute: each block's forward rerun in the backward (memory of the blocks' inputs only) or kept
+            from the forward (`model_grads`: the same bits, no forward twice).
 
     Raises:
         ValueError: a bad block range or seed, or weights the optimizer cannot hold.
@@ -95,11 +97,12 @@ class Trainer:
         backend: Backend,
         comm: BlockComm | None = None,
         rows_shard: RowsShard | None = None,
+        recompute: bool = True,
     ) -> None:
         config = weights.config
         self.blocks, self.seed = check_blocks(blocks, config.num_layers), check_seed(seed)
         self.comm = LocalComm() if comm is None else comm
-        self.inputs, self.backend, self.rows_shard = inputs, backend, rows_shard
+        self.inputs, self.backend, self.rows_shard, self.recompute = inputs, backend, rows_shard, recompute
         self.objective = FlowObjective() if objective is None else objective
         self.weights = InMemoryWeights.copy_of(weights, self.blocks)  # every rank holds whole blocks
         held = non_block_pieces({n: self.weights.tensor(n) for n in model_param_shapes(config, 0)})
@@ -146,6 +149,7 @@ class Trainer:
                 comm=self.comm,
                 rows_shard=self.rows_shard,
                 trace=tr,
+                recompute=self.recompute,
             )
         except ValueError as err:  # e.g. a NaN or Inf the updated weights' forward produced
             raise ValueError(f"step {k}: {err}{self._grown(k)}") from err
