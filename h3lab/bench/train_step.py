@@ -3,6 +3,7 @@ in one run, written as one JSON record.
 
     python -m h3lab.bench.train_step --out F.json [--config real|tiny] [--blocks 0-3] [--rows N]
         [--steps S] [--warmup W] [--lr X] [--device cuda|cpu] [--backend triton|torch] [--seed N]
+        [--recompute off|on]
 
 On an H200 (real shapes, blocks 0-3 with the embedders, token refiner and heads; the eager side needs
 diffusers 0.42.1, the `parity` extra, which a GPU node without it takes from a carried wheel; `h3lab
@@ -15,7 +16,9 @@ The two sides train the same depth from the same weights (`SyntheticWeights`, th
 precision) on the same request (`request`: exactly N packed rows), step k drawing the same sample
 (`h3lab.train.step.step_seed(seed, k)`) with the same AdamW hyperparameters and clip:
 - canonical: `h3lab.train.step.Trainer.step` (sample, forward, loss, backward through the whole depth,
-  clip, AdamW on FP32 masters), its per-phase times (forward, backward, clip, update) its own;
+  clip, AdamW on FP32 masters), its per-phase times (forward, backward, clip, update) its own; by
+  default each block's forward is kept for its backward (`--recompute off`), as autograd keeps the
+  eager side's activations;
 - eager: what a user would run instead, `h3lab.reference.eager_train.EagerTrainer` (diffusers' model,
   autograd, the loss in plain PyTorch, `clip_grad_norm_`, `torch.optim.AdamW` fused on CUDA and
   foreach on CPU, on FP32 master copies of the bf16 parameters; its docstring says how), the same
@@ -31,10 +34,11 @@ the peak over them; the ratio of the medians (canonical / eager); both losses pe
 relative gap (each step draws its own sample, so the loss moves with its noise level: what compares
 is the two sides at one step; `--lr` defaults to 1e-5, small against the weights' N(0, 1/fan_in)
 scale, 0.014 at the real width 5376, since Adam's first steps move every weight by about lr); and the
-canonical step's repeatability: step 1 of a fresh `Trainer` from the same weights against the timed
-trainer's step 1, by a digest of every tensor the step reports (loss, every gradient, every updated
-weight). The record is written at the start (`status: running`), after the canonical side, and at
-the end (`complete`, or `failed` / `interrupted` with the error: an exception, Ctrl-C, SIGTERM, SIGHUP).
+canonical step's repeatability: step 1 of a fresh `Trainer` from the same weights, and of one with
+the other `--recompute`, against the timed trainer's step 1, by a digest of every tensor the step
+reports (loss, every gradient, every updated weight). The record is written at the start (`status:
+running`), after the canonical side, and at the end (`complete`, or `failed` / `interrupted` with
+the error: an exception, Ctrl-C, SIGTERM, SIGHUP).
 """
 
 from __future__ import annotations
@@ -113,6 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--backend", default=None, choices=("triton", "torch"), help="canonical kernels (cuda: triton)")
     ap.add_argument("--seed", type=int, default=0, help="weights, request and every step's sample derive from it")
+    ap.add_argument(
+        "--recompute",
+        default="off",
+        choices=("off", "on"),
+        help="canonical side: 'off' keeps each block's forward for its backward, as autograd keeps the eager "
+        "side's activations; 'on' reruns it in the backward (memory of the blocks' inputs only)",
+    )
     a = ap.parse_args(argv)
     config = H3Config.named(a.config)
     a.blocks = parse_blocks(a.blocks, config.num_layers)
@@ -165,8 +176,12 @@ def built_and_run(
 
 def canonical_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: ModelInputs) -> dict[str, Any]:
     """`Trainer.step` timed (module docstring), then step 1 of a fresh Trainer against the timed one's."""
-    be = get_backend(a.backend, a.device)  # both trainers' kernels
-    make = lambda: Trainer(weights, inputs, blocks=a.blocks, hyper=a.hyper, seed=a.seed, backend=be)  # noqa: E731
+    be = get_backend(a.backend, a.device)  # every trainer's kernels
+    recompute = a.recompute == "on"
+
+    def make(recompute: bool = recompute) -> Trainer:
+        return Trainer(weights, inputs, blocks=a.blocks, hyper=a.hyper, seed=a.seed, backend=be, recompute=recompute)
+
     first: dict[str, str] = {}
 
     def step(trainer: Trainer, k: int, clock: StepClock) -> dict[str, Any]:
@@ -185,8 +200,10 @@ def canonical_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: Mod
     _free(a.device)
     again = step_digest(make().step(1))
     _free(a.device)
-    repeat = {"step": 1, "digest": first["digest"], "digest_fresh_trainer": again, "bitwise": again == first["digest"]}
-    return out | {"repeat": repeat}
+    other = step_digest(make(not recompute).step(1))  # the forwards kept vs recomputed: the same bits
+    _free(a.device)
+    repeat = {"step": 1, "digest": first["digest"], "digest_fresh_trainer": again, "digest_other_recompute": other}
+    return out | {"repeat": repeat | {"bitwise": again == first["digest"] == other}}
 
 
 def eager_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: ModelInputs) -> dict[str, Any]:
