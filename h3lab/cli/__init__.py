@@ -19,14 +19,12 @@ from typing import NamedTuple
 class Subcommand(NamedTuple):
     module: str
     help: str
-    aliases: tuple[str, ...] = ()
 
 
 COMMANDS: dict[str, Subcommand] = {
     "accuracy": Subcommand(
         "h3lab.cli.accuracy",
         "one block: the canonical block against the FP64 oracle and diffusers (a synthetic or given checkpoint)",
-        aliases=("reproduce",),  # the name it had; `make reproduce` is the layout sweep (`h3lab workbench reproduce`)
     ),
     "compare": Subcommand(
         "h3lab.cli.compare",
@@ -60,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3lab", description="Bitwise, layout-invariant MiniMax-H3 block.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help, aliases=list(cmd.aliases))
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         p.set_defaults(handler=importlib.import_module(cmd.module).add_arguments(p))
     return parser
 

@@ -8,7 +8,7 @@ runs/<id>/
                              was given; the real config's weights (1.3 GB a block), chains and trajectories
                              are drawn from the weight seed by every process instead (h3lab.run.problem)
   <mode>/seed<s>/            one h3lab.run.runner run directory (summary.json, canonical, layouts/, logs)
-  accuracy.json              canonical bf16 vs FP64 vs diffusers (the `h3lab reproduce` table)
+  accuracy.json              canonical bf16 vs FP64 vs diffusers (the `h3lab accuracy` table)
   verdicts|layouts|ranks|collectives.parquet, figures/
   sweep.json                 "running" (with its owner) from `prepare` on; written last: status,
                              every run and every failure; "failed" or "interrupted" with the error
