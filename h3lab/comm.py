@@ -2,7 +2,7 @@
 
 The block is written once against this interface. A single process (`LocalComm`) holds all eight
 units and every row, so each method is the identity and the block is the canonical TP1 block.
-A layout (h3lab.dist.layout) supplies a comm whose methods move bytes between ranks and finish the
+A layout (h3lab.parallel.layout) supplies a comm whose methods move bytes between ranks and finish the
 unit tree; it never changes the arithmetic. Row spaces, from small to large:
 - local rows: this rank's shard (SP splits a TP group's rows);
 - TP rows: the rows a tensor-parallel group works on (SP all-gathers them);

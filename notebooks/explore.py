@@ -32,7 +32,7 @@ trace = True  # a fresh run records every op (the first-divergence timeline)
 record = ""  # a new file for the key numbers (JSON); "": inside a fresh run's folder, none for a given run_dir
 
 # %%
-from h3lab.dist.layout import Layout
+from h3lab.parallel.layout import Layout
 from h3lab.run.runner import slug
 from h3lab.workbench import figures, tables, views
 from h3lab.workbench import sweep as sw

@@ -25,7 +25,7 @@
 
 # %% tags=["parameters"]
 device = "cpu"  # cpu or cuda
-layouts = "all"  # layout names (list or comma-separated) or "all" (the seven of h3lab.dist.layout.ALL_LAYOUTS)
+layouts = "all"  # layout names (list or comma-separated) or "all" (the seven of h3lab.parallel.layout.ALL_LAYOUTS)
 checkpoint = (
     ""  # a diffusers checkpoint folder; "": synthetic weights of `config` (a tiny block is written as a checkpoint)
 )

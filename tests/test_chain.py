@@ -11,8 +11,8 @@ from h3lab import canonical_block, metrics
 from h3lab.backend import get_backend
 from h3lab.block import block_backward
 from h3lab.comm import LocalComm
-from h3lab.dist.layout import parse_layouts
 from h3lab.model.chain import canonical_chain, chain_backward, chain_forward
+from h3lab.parallel.layout import parse_layouts
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.run.tasks import compute

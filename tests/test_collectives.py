@@ -15,7 +15,9 @@ import pytest
 
 from h3lab.bench.workers.collective_check import CHECK_SEGMENT_BYTES
 from h3lab.contract import TREE_SHAPE
-from h3lab.dist.collectives import (
+from h3lab.launch.launcher import launch
+from h3lab.ops.fixed import balanced_tree
+from h3lab.parallel.collectives import (
     ALGORITHMS,
     AUTO_SCATTER_MIN_BYTES,
     CollectiveDecision,
@@ -25,8 +27,6 @@ from h3lab.dist.collectives import (
     new_collective,
     tree_string,
 )
-from h3lab.launch.launcher import launch
-from h3lab.ops.fixed import balanced_tree
 
 SHAPES = "1,7,9973,65537,33x17,3x5"
 # world -> (nproc_per_node, agents, worker args): every algorithm on all ranks, plus these extras

@@ -7,8 +7,8 @@ import signal
 
 import torch
 
-from h3lab.dist.distcomm import DistComm
-from h3lab.dist.layout import Layout
+from h3lab.parallel.distcomm import DistComm
+from h3lab.parallel.layout import Layout
 from h3lab.run.progress import Progress
 from h3lab.run.workers import faults
 

@@ -14,9 +14,9 @@ import pytest
 from safetensors.torch import load_file
 
 from h3lab.cli import main
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import bitwise_equal
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.run.steps import KINDS
 from tests.conftest import leftovers, one_line_error
 

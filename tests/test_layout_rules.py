@@ -1,7 +1,7 @@
 """The layout rules' one home, on every layout of `all` (and a few more): which ranks form each group
 (`Layout.groups()`), who owns each unit and row shard, which copy a replica must equal, the shards
-put back into the full tensor (h3lab.dist.assemble), and the order groups are created in
-(h3lab.dist.procgroups). Pure: no processes; each rule is checked against SeqShard's rows and the
+put back into the full tensor (h3lab.parallel.assemble), and the order groups are created in
+(h3lab.parallel.procgroups). Pure: no processes; each rule is checked against SeqShard's rows and the
 contract's units, computed apart."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from h3lab.contract import NUM_UNITS, units_of_rank
-from h3lab.dist.assemble import (
+from h3lab.parallel.assemble import (
     full_tensor,
     full_tensors,
     replica_source,
@@ -21,9 +21,9 @@ from h3lab.dist.assemble import (
     unit_owners,
     units_of,
 )
-from h3lab.dist.layout import ALL_LAYOUTS, GROUP_KINDS, Layout
-from h3lab.dist.procgroups import new_groups
-from h3lab.dist.seqshard import SeqShard
+from h3lab.parallel.layout import ALL_LAYOUTS, GROUP_KINDS, Layout
+from h3lab.parallel.procgroups import new_groups
+from h3lab.parallel.seqshard import SeqShard
 
 NAMES = (*ALL_LAYOUTS, "cp2", "tp2+sp", "tp2xcp4+sp", "cp4:2x2")
 

@@ -7,8 +7,8 @@ import torch
 
 from h3lab import H3Config, packed_batch
 from h3lab.batch import ROW_FIELDS
-from h3lab.dist.layout import ALL_LAYOUTS, Layout, parse_layouts
-from h3lab.dist.seqshard import SeqShard
+from h3lab.parallel.layout import ALL_LAYOUTS, Layout, parse_layouts
+from h3lab.parallel.seqshard import SeqShard
 
 
 def test_the_seven_named_layouts_round_trip():

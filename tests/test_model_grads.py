@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.config import H3Config, model_param_shapes, param_dtype
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.model import InMemoryWeights, SyntheticWeights, model_inputs, shuffle_rows, transformer_forward
 from h3lab.model.backward import check_blocks, model_backward, model_forward
 from h3lab.model.head import ModelOutput
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.reference.parity import model_velocity
 from h3lab.run.trace import TraceRecorder
 from h3lab.train.grads import model_grads

@@ -28,9 +28,9 @@ import h3lab.nn.function
 import h3lab.optim as optim
 from h3lab.backend import get_backend
 from h3lab.config import model_param_shapes
-from h3lab.dist.layout import Layout
 from h3lab.model import model_inputs, shuffle_rows
 from h3lab.nn import diffusers_kwargs, flow_matching_loss, full_state_dict, parallelize
+from h3lab.parallel.layout import Layout
 from h3lab.reference.eager_train import depth_state
 from h3lab.reference.parity import model_velocity
 from h3lab.run import tasks

@@ -21,7 +21,7 @@ import pytest
 
 import h3lab.launch.launcher as launch_module
 from h3lab.cli import main
-from h3lab.dist.layout import parse_layouts
+from h3lab.parallel.layout import parse_layouts
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench.rundata import load_sweep

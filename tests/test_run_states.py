@@ -21,9 +21,9 @@ import pytest
 import h3lab.io.rundir as rundir
 from h3lab import H3Config
 from h3lab.cli import main
-from h3lab.dist.layout import parse_layouts
 from h3lab.io.checkpoint import synthesize_checkpoint
 from h3lab.io.jsonfile import write_json
+from h3lab.parallel.layout import parse_layouts
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
 from tests.conftest import leftovers

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from h3lab.dist.layout import ALL_LAYOUTS, parse_layouts
 from h3lab.metrics import bitwise_equal
+from h3lab.parallel.layout import ALL_LAYOUTS, parse_layouts
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run, slug
 from tests.conftest import leftovers

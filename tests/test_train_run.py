@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from h3lab.config import model_param_shapes
-from h3lab.dist.layout import Layout, parse_layouts
-from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import bitwise_equal
+from h3lab.parallel.layout import Layout, parse_layouts
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run, slug
 from h3lab.run.steps import KINDS, step_kind, step_verdicts

@@ -10,9 +10,9 @@ import torch
 from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.config import model_param_shapes
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.model import InMemoryWeights, ModelInputs, SyntheticWeights, model_inputs, shuffle_rows
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.train.adamw import AdamW, AdamWHyper
 from h3lab.train.grads import model_grads
 from h3lab.train.objective import FlowObjective

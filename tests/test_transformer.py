@@ -35,8 +35,6 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 
 from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.io.checkpoint import synthesize_checkpoint
 from h3lab.metrics import error_stats, ulp_distance
 from h3lab.model import (
@@ -56,6 +54,8 @@ from h3lab.model import (
     transformer_forward,
 )
 from h3lab.model.packing import layout_positions
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.reference.parity import model_velocity
 from tests.conftest import MODEL_CONFIGS, assert_bitwise, model_in_dtype, random_diffusers_model
 

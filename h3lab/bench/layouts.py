@@ -45,10 +45,10 @@ from typing import Any
 import torch
 
 from h3lab.config import H3Config
-from h3lab.dist.layout import Layout, parse_layouts
 from h3lab.io.env import capture
 from h3lab.io.jsonfile import write_json
 from h3lab.launch.launcher import launch
+from h3lab.parallel.layout import Layout, parse_layouts
 
 LARGE_BYTES = 1 << 20  # a collective at least this large is "large" (the skew is read at the first one)
 # the issue's targets on the layout's overhead: (det/eager at the layout) / (det/eager at tp1)
@@ -83,7 +83,7 @@ def run_layout_bench(
     """Run the benchmark; returns its record (also written to `out`, the ranks' files beside it).
 
     Args:
-        layouts: names (h3lab.dist.layout grammar); each must fit the launch's GPUs.
+        layouts: names (h3lab.parallel.layout grammar); each must fit the launch's GPUs.
         rows: row counts of the packed sequence (the eager layouts need multiples of the row shards).
         out: the JSON file; ranks' records and logs go to `<out stem>.ranks/`.
         config: "real" or "tiny".
@@ -93,7 +93,7 @@ def run_layout_bench(
         eager: also time the eager layout. digests: check det's bits against tp1's.
         diagnose: run the arrival-skew suspects (h3lab.bench.workers.layout_diagnose) on every layout of > 1 rank,
             at its first row count.
-        algorithm, segment_bytes: the deterministic collectives' (h3lab.dist.collectives).
+        algorithm, segment_bytes: the deterministic collectives' (h3lab.parallel.collectives).
         overlap: False finishes each reduction the block starts at once (no overlap with its work).
         timeout_s: the whole launch's limit.
 

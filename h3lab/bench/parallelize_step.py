@@ -51,13 +51,13 @@ from torch import Tensor
 
 from h3lab.bench.step_timing import StepClock, run_side
 from h3lab.config import NAMED_CONFIGS, H3Config
-from h3lab.dist.layout import Layout
 from h3lab.io.env import capture as capture_env
 from h3lab.io.jsonfile import write_json
 from h3lab.launch.launcher import launch
 from h3lab.metrics import digest
 from h3lab.model.packing import min_request_rows, request_of_rows
 from h3lab.model.weights import SyntheticWeights
+from h3lab.parallel.layout import Layout
 
 BENCH_FORMAT = "h3lab-bench-parallelize-step-v1"
 PROG = "python -m h3lab.bench.parallelize_step"

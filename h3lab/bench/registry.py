@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from h3lab.dist.layout import Layout
+from h3lab.parallel.layout import Layout
 
 NODE_TYPES = ("cpu", "h100", "h200", "b200")  # h3lab.io.env.node_type, lower case
 # the layouts the layout benchmark times, those whose world fits the publish's GPUs

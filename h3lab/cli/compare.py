@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from h3lab.dist.layout import ALL_LAYOUTS, parse_layouts
+from h3lab.parallel.layout import ALL_LAYOUTS, parse_layouts
 from h3lab.run.compare import COMMAND_FORMS, CompareRequest, compare_run, format_compare
 
 

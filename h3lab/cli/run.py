@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from h3lab.backend import CONTRACT_BACKENDS
-from h3lab.dist.layout import ALL_LAYOUTS, parse_layouts
+from h3lab.parallel.layout import ALL_LAYOUTS, parse_layouts
 from h3lab.run.problem import WEIGHTS_GENERATORS, Problem
 from h3lab.run.runner import RunRequest, run
 from h3lab.run.summary import format_summary

@@ -39,13 +39,13 @@ from h3lab.backend import CONTRACT_BACKENDS, Backend, get_backend
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.config import FP32_MODULE_PREFIXES, H3Config, model_param_shapes
 from h3lab.contract import check_strict_flags, reduced_precision_off
-from h3lab.dist.distcomm import build_comm
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.nn import recording
 from h3lab.nn.function import velocity
 from h3lab.nn.inputs import model_inputs_of
 from h3lab.nn.state import ParallelState, register, state_of
+from h3lab.parallel.distcomm import build_comm
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.units import unit_shards
 from h3lab.weights import BlockWeights
 
@@ -65,7 +65,7 @@ def parallelize(
         model: diffusers' `MiniMaxH3Transformer3DModel` (any config h3lab runs, any weights; the
             checkpoint's mixed precision or float32 throughout), its parameters on one device: the
             CPU, or this rank's GPU (which becomes the current CUDA device).
-        layout: a layout name (`h3lab.dist.layout` grammar) or a `Layout`.
+        layout: a layout name (`h3lab.parallel.layout` grammar) or a `Layout`.
         backend: the kernels, "torch" or "triton" (a name or a backend object); default: triton on
             CUDA, torch on the CPU.
         mesh: optionally a `torch.distributed.device_mesh.DeviceMesh` with dims named "tp" and "cp"

@@ -28,8 +28,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import Tensor
 
-from h3lab.dist.layout import Layout
 from h3lab.nn.state import is_sharded, parallelized
+from h3lab.parallel.layout import Layout
 
 LAYOUT_VAR = "H3LAB_LAYOUT"
 SPACES = ("replicated", "shard")  # the whole tensor on every rank; a parameter's shard (or its gradient's)

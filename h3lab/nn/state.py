@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 from h3lab.config import BLOCK_PREFIX, H3Config
-from h3lab.dist.layout import Layout
 from h3lab.model.transformer import RowsShard
 from h3lab.model.weights import ShardedWeights
+from h3lab.parallel.layout import Layout
 from h3lab.units import UNIT_SHARDED
 
 STATE_ATTR = "_h3lab"  # the attribute of a parallelized model that holds its ParallelState

@@ -40,7 +40,6 @@ from torch import Tensor
 from tqdm import tqdm
 
 from h3lab.contract import describe
-from h3lab.dist.layout import Layout
 from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import FINAL_STATES, claim, describe_end, reserve_space, write_final
@@ -49,6 +48,7 @@ from h3lab.launch.launcher import check_local_processes, launch, new_token
 from h3lab.metrics import bitwise_equal, compare, sha256_tensor
 from h3lab.nn.recording import LAYOUT_VAR
 from h3lab.nn.state import split_name
+from h3lab.parallel.layout import Layout
 from h3lab.run.diagnose import diagnose
 from h3lab.run.runner import _launch_record, slug
 from h3lab.run.steps import step_kind, step_verdicts

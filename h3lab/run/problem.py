@@ -16,8 +16,8 @@ import torch
 from h3lab.backend import CONTRACT_BACKENDS, EMULATED
 from h3lab.batch import PackedBatch, check_seed, packed_batch
 from h3lab.config import NAMED_CONFIGS, H3Config
-from h3lab.dist.layout import Layout
 from h3lab.model.inputs import ModelInputs
+from h3lab.parallel.layout import Layout
 from h3lab.train.adamw import AdamWHyper
 from h3lab.weights import BlockWeights, synthetic_block
 

@@ -37,8 +37,6 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from h3lab.contract import NUM_UNITS, describe
-from h3lab.dist.assemble import full_tensors, replicas_agree
-from h3lab.dist.layout import Layout
 from h3lab.io.env import brief, capture
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import FINAL_STATES, claim, describe_end, read_record, reserve_space, write_final
@@ -52,6 +50,8 @@ from h3lab.launch.launcher import (
     split_endpoint,
 )
 from h3lab.metrics import compare
+from h3lab.parallel.assemble import full_tensors, replicas_agree
+from h3lab.parallel.layout import Layout
 from h3lab.run import tasks
 from h3lab.run.diagnose import diagnose
 from h3lab.run.limits import check_request
@@ -361,7 +361,7 @@ def _compare_layout(req: RunRequest, layout: Layout, d: Path) -> dict:
 
 
 def _assemble(d: Path, layout: Layout, config, num_rows: int | None) -> tuple[dict[str, torch.Tensor], bool]:
-    """The full result from the ranks' shards (h3lab.dist.assemble, h3lab.run.tasks naming); checks
+    """The full result from the ranks' shards (h3lab.parallel.assemble, h3lab.run.tasks naming); checks
     that replicas agree byte for byte."""
     parts = [load_file(str(d / f"rank{r}.safetensors")) for r in range(layout.world)]
     consistent = replicas_agree(parts, layout, tasks.space_of)

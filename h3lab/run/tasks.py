@@ -26,10 +26,10 @@ from h3lab.batch import PackedBatch
 from h3lab.block import BlockStep, Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.config import NUM_UNITS, H3Config, block_param_shapes
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.metrics import digest
 from h3lab.model.chain import chain_step
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.run.problem import Problem
 from h3lab.tensorname import TensorName
 from h3lab.train.step import PHASES, Trainer
@@ -192,7 +192,7 @@ def _trajectory(problem: Problem, comm: BlockComm, device: torch.device, backend
 
 
 def space_of(name: str) -> str:
-    """Where a rank's tensor `name` sits in the canonical result (h3lab.dist.assemble): rows, one
+    """Where a rank's tensor `name` sits in the canonical result (h3lab.parallel.assemble): rows, one
     canonical unit, or replicated."""
     if name in ROW_TENSORS:
         return "local"

@@ -19,9 +19,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from h3lab.dist.assemble import full_tensor
-from h3lab.dist.layout import Layout
 from h3lab.metrics import bit_pattern, bitwise_equal, compare
+from h3lab.parallel.assemble import full_tensor
+from h3lab.parallel.layout import Layout
 from h3lab.tensorname import TensorName
 
 # how a rank's traced tensor sits in the canonical one: its local rows; TP rows x its unit-major columns;
@@ -71,7 +71,7 @@ def load_trace(prefix: Path | str) -> tuple[dict[str, Tensor], list[tuple[str, s
 
 def assemble_trace(layout_dir: Path, layout: Layout, num_rows: int) -> tuple[dict[str, Tensor], list]:
     """The ranks' traces of one layout -> one trace in the canonical view (rows trimmed to `num_rows`;
-    h3lab.dist.assemble)."""
+    h3lab.parallel.assemble)."""
     parts = [load_trace(layout_dir / f"rank{r}.trace") for r in range(layout.world)]
     order = parts[0][1]
     full = {name: full_tensor([p[0][name] for p in parts], layout, space, num_rows) for name, space in order}

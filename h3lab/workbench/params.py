@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h3lab.dist.layout import ALL_LAYOUTS, Layout, parse_layouts
+from h3lab.parallel.layout import ALL_LAYOUTS, Layout, parse_layouts
 from h3lab.run.compare import CompareRequest
 from h3lab.run.problem import MODES, Problem
 

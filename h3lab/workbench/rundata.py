@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from h3lab.dist.layout import Layout
 from h3lab.io.env import KNOWN_GPUS
 from h3lab.io.rundir import describe_status, effective_status
+from h3lab.parallel.layout import Layout
 from h3lab.run.problem import Problem
 from h3lab.run.runner import slug
 from h3lab.run.trace import load_trace, timeline

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from h3lab.config import H3Config
-from h3lab.dist.layout import parse_layouts
 from h3lab.io.env import capture, node_type
 from h3lab.io.jsonfile import write_json
 from h3lab.io.rundir import (
@@ -44,6 +43,7 @@ from h3lab.io.rundir import (
     reserve_space,
     write_final,
 )
+from h3lab.parallel.layout import parse_layouts
 from h3lab.run.runner import RunRequest, run
 from h3lab.workbench import tables
 from h3lab.workbench.params import WEIGHTS_SEED, ReproduceParams, runs_root, sweep_problem

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from h3lab.batch import PackedBatch
-from h3lab.dist.layout import Layout
-from h3lab.dist.procgroups import RankGroups, new_groups
-from h3lab.dist.seqshard import SeqShard
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.procgroups import RankGroups, new_groups
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.reference.eager import EagerCollectives, EagerParallel, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
 from h3lab.weights import BlockWeights
@@ -25,7 +25,7 @@ EagerGroups = RankGroups[dist.ProcessGroup]  # the layout's TP, CP and row group
 
 
 def eager_groups(layout: Layout, rank: int) -> EagerGroups:
-    """Create the groups (h3lab.dist.procgroups); every rank of the world calls this in the same
+    """Create the groups (h3lab.parallel.procgroups); every rank of the world calls this in the same
     order (a rank outside the layout too: it gets no group)."""
     return new_groups(layout, dict.fromkeys(("tp", "cp", "rows"), dist.new_group), rank=rank)
 

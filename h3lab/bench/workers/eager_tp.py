@@ -29,9 +29,9 @@ from torch import Tensor
 from h3lab.batch import packed_batch
 from h3lab.bench.workers.eager_layouts import eager_groups, eager_inputs, eager_parallel
 from h3lab.config import H3Config
-from h3lab.dist.layout import parse_layouts
 from h3lab.io.jsonfile import write_json
 from h3lab.launch.lifeline import exit_now, watch
+from h3lab.parallel.layout import parse_layouts
 from h3lab.reference.eager import eager_block, tp_shard
 from h3lab.reference.oracle import rope_cos_sin
 from h3lab.weights import BlockWeights, synthetic_block

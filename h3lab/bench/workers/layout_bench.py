@@ -9,7 +9,7 @@ each timed step starts after a barrier of the layout's ranks (gloo, on the host)
 synchronisation, and is timed by CUDA events (wall clock on CPU). A case runs its warm-up steps
 (the first one's collectives recorded: compiles, first-use costs), `steps` plain steps (the step
 times and the peak memory), then `collective_steps` steps whose every collective is recorded
-(h3lab.dist.timed), for the wait/transfer split. Writes OUT_DIR/rank{r}.json after every case.
+(h3lab.parallel.timed), for the wait/transfer split. Writes OUT_DIR/rank{r}.json after every case.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from h3lab.bench.workers import layout_diagnose
 from h3lab.bench.workers.eager_layouts import EagerGroups, eager_groups, eager_inputs, eager_parallel
 from h3lab.block import BlockStep, block_step
 from h3lab.config import H3Config
-from h3lab.dist.distcomm import DistComm, build_comm
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
-from h3lab.dist.timed import CollectiveClock, TimedComm, now_ns
 from h3lab.io.jsonfile import write_json
 from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import digest
+from h3lab.parallel.distcomm import DistComm, build_comm
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
+from h3lab.parallel.timed import CollectiveClock, TimedComm, now_ns
 from h3lab.reference.eager import EagerCollectives, eager_block
 from h3lab.units import unit_weights
 from h3lab.weights import BlockWeights, synthetic_block

@@ -1,7 +1,7 @@
 """The layout benchmark's diagnosis of rank arrival skew (`python -m h3lab.bench.layouts --diagnose`).
 
 Each suspect of a late rank, run on the deterministic layout's own steps, every collective recorded
-(h3lab.dist.timed), so one run on the GPUs says which of them moves the arrivals:
+(h3lab.parallel.timed), so one run on the GPUs says which of them moves the arrivals:
 - `arrival_barrier`: a one-element all_reduce before every collective, timed apart: the wait for
   the late peer measured directly (checks the split the plain records infer from arrival times);
 - `progress_file`: the runner's per-collective status-file write (h3lab.run.progress.Progress as
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from h3lab.dist.distcomm import DistComm
-from h3lab.dist.layout import Layout
-from h3lab.dist.timed import CollectiveClock, TimedComm, now_ns
+from h3lab.parallel.distcomm import DistComm
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.timed import CollectiveClock, TimedComm, now_ns
 from h3lab.run import tasks
 from h3lab.run.problem import Problem
 from h3lab.run.progress import Progress

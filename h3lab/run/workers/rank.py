@@ -30,12 +30,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from h3lab.backend import get_backend
-from h3lab.dist.distcomm import build_comm
-from h3lab.dist.layout import Layout
-from h3lab.dist.seqshard import SeqShard
 from h3lab.io.jsonfile import write_json
 from h3lab.launch.lifeline import watch
 from h3lab.metrics import compare
+from h3lab.parallel.distcomm import build_comm
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.seqshard import SeqShard
 from h3lab.run.problem import Problem
 from h3lab.run.progress import Progress
 from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from h3lab.dist.layout import Layout
 from h3lab.io.jsonfile import write_json
 from h3lab.launch.lifeline import watch
 from h3lab.nn.recording import end_session, start_session
+from h3lab.parallel.layout import Layout
 from h3lab.run.progress import Progress
 from h3lab.run.workers.rank import _redirect_output, _start_heartbeat, _take_sigterm_in_a_thread
 

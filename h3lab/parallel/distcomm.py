@@ -1,12 +1,12 @@
 """`DistComm`: a layout's implementation of the block's `BlockComm` seam over torch.distributed.
 
-Deterministic mode: every reduction goes through h3lab.dist.collectives (the backend moves bytes, the
+Deterministic mode: every reduction goes through h3lab.parallel.collectives (the backend moves bytes, the
 balanced tree adds them), so a TP rank's unit subtree root is finished exactly as the 8-unit
 tree would. Baseline mode (`BaselineComm`): what people run today — `all_reduce(SUM)` of the
 bf16 partial, whatever order the backend picks; gathers are copies in both.
 
 `build_comm` must be called by every rank in the same order: it creates all process groups
-(h3lab.dist.procgroups, from `Layout.groups()`).
+(h3lab.parallel.procgroups, from `Layout.groups()`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from h3lab.dist.assemble import units_of
-from h3lab.dist.collectives import DeterministicCollective, Finish, new_collective
-from h3lab.dist.layout import Layout
-from h3lab.dist.procgroups import new_groups
+from h3lab.parallel.assemble import units_of
+from h3lab.parallel.collectives import DeterministicCollective, Finish, new_collective
+from h3lab.parallel.layout import Layout
+from h3lab.parallel.procgroups import new_groups
 
 
 def _no_call(site: str) -> None:

@@ -6,7 +6,7 @@ tp4xcp2+sp, cp2, tp2+sp. Ranks are packed node-major with TP innermost:
 rank = cp_index * tp + tp_index, node = rank // local. A TP group that spans nodes (tp > local)
 reduces through the hierarchical collective (the tree inside each node, then across nodes).
 `Layout.groups()` says which ranks form each TP, CP, row and node group (`Groups`, pure data; the
-process groups are created from it by h3lab.dist.procgroups).
+process groups are created from it by h3lab.parallel.procgroups).
 """
 
 from __future__ import annotations

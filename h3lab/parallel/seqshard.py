@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from h3lab.batch import ROW_FIELDS, PackedBatch
-from h3lab.dist.assemble import row_shard
-from h3lab.dist.layout import Layout
+from h3lab.parallel.assemble import row_shard
+from h3lab.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class SeqShard:
 
     def local_rows(self, rank: int) -> slice:
         """Rows the rank holds between TP regions (its SP slice, or its CP group's rows): its row shard
-        (h3lab.dist.assemble.row_shard, from the row groups of `Layout.groups()`)."""
+        (h3lab.parallel.assemble.row_shard, from the row groups of `Layout.groups()`)."""
         per = self.padded_rows // self.layout.row_shards
         k = row_shard(self.layout, rank)
         return slice(k * per, (k + 1) * per)

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from h3lab.config import NUM_UNITS
 from h3lab.contract import units_of_rank
-from h3lab.dist.layout import Layout
 from h3lab.metrics import bitwise_equal
+from h3lab.parallel.layout import Layout
 
 SPACES = ("local", "tp_units", "units", "unit", "replicated")
 

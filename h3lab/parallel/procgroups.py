@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 
 import torch.distributed as dist
 
-from h3lab.dist.layout import GROUP_KINDS, Layout
+from h3lab.parallel.layout import GROUP_KINDS, Layout
 
 G = TypeVar("G")
 
