@@ -1,9 +1,9 @@
 """One rank of a layout: run the block on its rows and units, compare its shards, write them out.
 
 Launched only by h3lab.run.runner through h3lab.launch.launcher: `python -m h3lab.run.workers.rank SPEC.json`.
-The rank writes, under the layout directory: rank{r}.log (stdout and stderr), rank{r}.status.json
-(running / done / error / terminated, updated at every collective call so a hang can be traced
-to the straggler), rank{r}.safetensors (its out/dx rows, its dW unit slices, replicated grads)
+The rank writes, under the layout directory, what every rank writes (h3lab.run.workers.supervised:
+rank{r}.log, rank{r}.status.json updated at every collective call so a hang can be traced to the
+straggler, rank{r}.heartbeat), rank{r}.safetensors (its out/dx rows, its dW unit slices, replicated grads)
 and rank{r}.json (verdicts against the canonical block, timings, collective decisions).
 
 H3LAB_FAULT=<raise|hang|kill|stop>:<rank> injects a fault on one rank after the process group is up,
@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
-import threading
-import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,7 +26,6 @@ from safetensors.torch import load_file, save_file
 
 from h3lab.backend import get_backend
 from h3lab.io.jsonfile import write_json
-from h3lab.launch.lifeline import watch
 from h3lab.metrics import compare
 from h3lab.parallel.distcomm import build_comm
 from h3lab.parallel.layout import Layout
@@ -41,91 +35,15 @@ from h3lab.run.progress import Progress
 from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare
 from h3lab.run.trace import TraceRecorder
 from h3lab.run.workers import faults
-
-
-def _redirect_output(log: Path) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1), os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
-
-
-HEARTBEAT_S = 0.2
-
-
-def _start_heartbeat(path: Path) -> None:
-    """Write the time every 0.2 s from a thread; it keeps beating while the main thread waits in a
-    collective (torch releases the GIL there), so the rank whose beat stopped first died first."""
-
-    def beat() -> None:
-        while True:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(repr(time.time()))
-            tmp.replace(path)
-            time.sleep(HEARTBEAT_S)
-
-    threading.Thread(target=beat, daemon=True, name="h3lab-heartbeat").start()
-
-
-def _take_sigterm_in_a_thread(on_term: Callable[[int, object], None]) -> None:
-    """SIGTERM (torchrun stopping its ranks after one failed, or the runner's sweep) runs `on_term` at
-    once, also while the main thread is blocked in a collective. Python runs a handler in the main
-    thread between bytecodes only, so a rank waiting in gloo's C++ took SIGTERM when the collective
-    returned, or never: torchrun waited its grace period and sent SIGKILL. Python's C-level handler
-    also writes the signal's number to the wakeup fd, whichever thread the signal lands on; a thread
-    reading that fd runs `on_term`. No signal mask changes, so processes the rank starts (a compiler)
-    take SIGTERM as usual."""
-    signal.signal(signal.SIGTERM, on_term)
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-
-    def wait() -> None:
-        while True:
-            if signal.SIGTERM in os.read(read_fd, 64):
-                on_term(signal.SIGTERM, None)
-
-    threading.Thread(target=wait, daemon=True, name="h3lab-sigterm").start()
+from h3lab.run.workers.supervised import supervised_rank
 
 
 def run_rank(spec: dict) -> int:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out_dir = Path(spec["layout_dir"])
-    status = out_dir / f"rank{rank}.status.json"
-    _redirect_output(out_dir / f"rank{rank}.log")
+    return supervised_rank(Path(spec["layout_dir"]), lambda rank, world, progress: _done(spec, rank, world, progress))
 
-    progress = Progress(status)
 
-    def on_term(signum: int, _frame: object) -> None:  # the agent or the runner stops us
-        record = {"state": "terminated", "signal": signum, "time": time.time(), "calls": progress.calls}
-        write_json(status, record | {"site": progress.site})
-        os._exit(128 + signum)
-
-    def on_launcher_gone(pid: int) -> None:  # a thread: also ends a rank blocked in a collective
-        record = {"state": "terminated", "reason": f"its launcher (pid {pid}) is gone", "time": time.time()}
-        write_json(status, record | {"calls": progress.calls, "site": progress.site})
-        os._exit(1)
-
-    _take_sigterm_in_a_thread(on_term)
-    watch(on_launcher_gone, parent_signal=signal.SIGKILL)  # SIGKILL: also ends a rank stuck in C++
-    progress.tick("start")
-    _start_heartbeat(out_dir / f"rank{rank}.heartbeat")
-    try:
-        record = _run(spec, rank, world, progress)
-    except BaseException as err:
-        write_json(
-            status,
-            {
-                "state": "error",
-                "error": f"{type(err).__name__}: {err}",
-                "time": time.time(),
-                "traceback": traceback.format_exc(),
-            },
-        )
-        traceback.print_exc()
-        return 1
-    write_json(status, {"state": "done", "time": time.time(), "all_equal": record["all_equal"]})
-    return 0
+def _done(spec: dict, rank: int, world: int, progress: Progress) -> dict:
+    return {"all_equal": _run(spec, rank, world, progress)["all_equal"]}
 
 
 def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
