@@ -41,6 +41,7 @@ from h3lab.triton.attention_bwd import (
 )
 from h3lab.triton.attention_fwd import attention_fwd_kernel, attention_fwd_tma_kernel
 from h3lab.triton.configs import cdiv, interpreting, node_of, pinned
+from h3lab.triton.variant import ATTENTION_FP_FUSION
 
 F32 = torch.float32
 LOG2E = 1.4426950408889634  # 1 / ln 2; qk_scale = scale * LOG2E is rounded once to FP32 at launch
@@ -216,6 +217,7 @@ def attention_fwd(
             DOT_PREC=_dot_precision(q.dtype),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
+            enable_fp_fusion=ATTENTION_FP_FUSION,
         )
         return o, o_ref, (lse,)
     attention_fwd_kernel[grid](
@@ -233,6 +235,7 @@ def attention_fwd(
         DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        enable_fp_fusion=ATTENTION_FP_FUSION,
     )
     return o, o_ref, (lse,)
 
@@ -263,6 +266,7 @@ def attention_delta(
         BLOCK_R=cfg["BLOCK_R"],
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 1),
+        enable_fp_fusion=ATTENTION_FP_FUSION,
     )
     return delta
 
@@ -282,7 +286,8 @@ def _bwd_operands(
 def _bwd_meta(cfg: Mapping[str, Any], head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
     """The backward kernels' compile-time arguments and launch options under `cfg`."""
     meta = {"HEAD_DIM": head_dim, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
-    return meta | {"DOT_PREC": _dot_precision(dtype), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "enable_fp_fusion": ATTENTION_FP_FUSION}
+    return meta | {"DOT_PREC": _dot_precision(dtype)} | launch
 
 
 def attention_bwd_q(

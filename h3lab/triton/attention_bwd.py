@@ -28,7 +28,7 @@ import triton.language as tl
 
 from h3lab.triton import configs
 from h3lab.triton.attention_fwd import arg_types
-from h3lab.triton.variant import Variant
+from h3lab.triton.variant import ATTENTION_FP_FUSION, Variant
 
 
 @triton.jit(do_not_specialize=["n_q"])
@@ -398,7 +398,7 @@ def variant(kernel: str, cfg: dict[str, Any], head_dim: int, what: str = "", ali
         types |= {"grads": ("*fp32", "*fp32"), "key_strides": ("i32",) * 4, "grad_strides": ("i32",) * 2}
     const = {"HEAD_DIM": head_dim, "DOT_PREC": "tf32", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
     aligned = tuple(n for n in fn.arg_names if "strides" in n) if aligned_strides else ()
-    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "enable_fp_fusion": ATTENTION_FP_FUSION}
     return Variant(kernel, what, fn, types, const, opts, aligned)
 
 
@@ -415,5 +415,6 @@ def variants(node: str) -> list[Variant]:
             types = {"do_ptr": "*bf16", "o_ptr": "*fp32", "delta_ptr": "*fp32"}
             const = {"HEAD_DIM": int(dh), "BLOCK_R": cfg["BLOCK_R"]}
             opts = {"num_warps": cfg["num_warps"], "num_stages": cfg.get("num_stages", 1)}
+            opts |= {"enable_fp_fusion": ATTENTION_FP_FUSION}
             out.append(Variant(kernel, f"head_dim {dh}", attention_delta_kernel, types, const, opts))
     return out

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from h3lab.triton import configs
-from h3lab.triton.variant import Variant
+from h3lab.triton.variant import ATTENTION_FP_FUSION, Variant
 
 
 @triton.jit
@@ -207,7 +207,7 @@ def variant(cfg: dict[str, Any], head_dim: int, what: str = "", aligned_strides:
     const = {"HEAD_DIM": head_dim, "DOT_PREC": "tf32", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
     const |= {"WRITE_REF": True}
     aligned = tuple(n for n in fn.arg_names if "stride" in n) if aligned_strides else ()
-    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "enable_fp_fusion": ATTENTION_FP_FUSION}
     return Variant("attention_fwd", what, fn, types, const, opts, aligned)
 
 

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3lab.triton import configs
-from h3lab.triton.variant import Variant
+from h3lab.triton.variant import ATTENTION_FP_FUSION, Variant
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -367,6 +367,7 @@ def attention_fwd_sm90(
         WRITE_REF=o_ref is not o,
         num_warps=4 if pingpong else 8,
         maxnreg=MAXNREG,
+        enable_fp_fusion=ATTENTION_FP_FUSION,
     )
     return o, o_ref, (lse,)
 
@@ -381,7 +382,7 @@ def variant(pingpong: bool, stages: int = 2) -> Variant:
     types |= {"lse_ptr": "*fp32", "qk_scale": "fp32"}
     const = {"STAGES": stages, "PINGPONG": pingpong, "WRITE_REF": True, "num_warps": warps}
     what = f"gluon, head_dim 128, {'ping-pong' if pingpong else 'one consumer'}, {stages} stages"
-    opts = {"num_warps": warps, "num_stages": 1, "maxnreg": MAXNREG}  # FP fusion on, as the launch has it
+    opts = {"num_warps": warps, "num_stages": 1, "maxnreg": MAXNREG, "enable_fp_fusion": ATTENTION_FP_FUSION}
     return Variant("attention_fwd", what, attention_fwd_ws_kernel, types, const, opts, align_pointers=False)
 
 

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ALIGNED = [["tt.divisibility", 16]]
+# The attention kernels' pinned bits contract multiplies and adds into FMAs where Triton's compiler
+# does (h3lab.bench.ptx_audit lists the sites, h3lab.emulate.attention models them): FMA fusion on,
+# named at every launch and build rather than left to Triton's default, which a release may change.
+# Every other kernel launches with it off (`options`).
+ATTENTION_FP_FUSION = True
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ class Variant:
 
 
 def options(cfg: dict[str, Any], stages: bool = True) -> dict[str, Any]:
-    """A pinned entry's launch options: its warps (and stages), FP fusion off as every launcher has it."""
+    """A pinned entry's launch options: its warps (and stages), FP fusion off as every launcher but
+    attention's has it (ATTENTION_FP_FUSION)."""
     return {"num_warps": cfg["num_warps"], "enable_fp_fusion": False} | (
         {"num_stages": cfg["num_stages"]} if stages else {}
     )
