@@ -17,16 +17,16 @@ from h3lab.bench.workers.collective_check import CHECK_SEGMENT_BYTES
 from h3lab.contract import TREE_SHAPE
 from h3lab.launch.launcher import launch
 from h3lab.ops.fixed import balanced_tree
-from h3lab.parallel.collectives import (
+from h3lab.parallel.algorithms import (
     ALGORITHMS,
     AUTO_SCATTER_MIN_BYTES,
     CollectiveDecision,
     choose_algorithm,
     hierarchical_local_sizes,
     hierarchical_tree_string,
-    new_collective,
     tree_string,
 )
+from h3lab.parallel.collectives import new_collective
 
 SHAPES = "1,7,9973,65537,33x17,3x5"
 # world -> (nproc_per_node, agents, worker args): every algorithm on all ranks, plus these extras

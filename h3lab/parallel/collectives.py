@@ -32,86 +32,46 @@ bf16 result. None of these changes which adds run in which order: the bits are t
 from __future__ import annotations
 
 import math
-import os
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from h3lab.ops.fixed import balanced_tree
+from h3lab.parallel.algorithms import (
+    ALGORITHMS,
+    CollectiveDecision,
+    choose_algorithm,
+    hierarchical_local_sizes,
+    hierarchical_tree_string,
+    tree_string,
+)
+from h3lab.parallel.transport import (
+    SHM_DIR,
+    Bytes,
+    Finish,
+    Group,
+    SharedFrames,
+    all_to_all,
+    chunk_numels,
+    gather_rows,
+    pipelined_scatter_all_reduce,
+    start_all_to_all,
+    start_gather_rows,
+    transport_of,
+)
 
-ALGORITHMS = ("auto", "gather_tree", "scatter_tree", "hierarchical")
 REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _WIRE_DTYPES = (*REDUCE_DTYPES, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _MAX_NDIM = 10  # shape signatures carry up to 10 dims; the block's tensors have at most 4
 
-# auto: gather_tree below, scatter_tree at or above these sizes of one member's partial. scatter_tree
-# saves (P-1)(P-2)/P*S received bytes but pays a second collective (latency a), so it wins above
-# S* = a*B*P/((P-1)(P-2)) (B = bandwidth). gloo: measured with `collective_check --bench`, P=8 on the
-# 2-core box (oversubscribed, a ~ 5 ms): gather_tree vs scatter_tree 8.9 vs 10.7 ms at 64 KiB,
-# 12.6 vs 13.4 ms at 256 KiB, 27.6 vs 17.2 ms at 1 MiB -> 256 KiB. NCCL on NVLink: a ~ 15 us,
-# B ~ 370 GB/s busBw -> S* ~ 1 MiB at P=8 (estimate until the 8-GPU bench replaces it). At P=2
-# both move S bytes, so gather_tree (one collective) always.
-AUTO_SCATTER_MIN_BYTES = {"gloo": 256 << 10, "nccl": 1 << 20}
-Finish = Callable[[Tensor], Tensor]  # an elementwise function of the reduced values (see all_reduce)
-_SHM_DIR = Path("/dev/shm")
-# torch 2.13 renamed all_gather_into_tensor (now a deprecated alias); GPU nodes may bring torch 2.11
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_SHM_MIN_CAPACITY = 1 << 20  # frames start at 1 MiB and at least double: 10 re-maps up to 1 GiB
-
 
 def _keep(t: Tensor) -> Tensor:
     return t
-
-
-def tree_string(labels: Sequence[str]) -> str:
-    """The `balanced_tree` expression over `labels`, e.g. "((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7))"."""
-    if not labels:
-        raise ValueError("tree_string needs at least one label")
-    if len(labels) == 1:
-        return labels[0]
-    mid = (len(labels) + 1) // 2
-    sides = [tree_string(labels[:mid]), tree_string(labels[mid:])]
-    return "+".join(f"({s})" if "+" in s else s for s in sides)
-
-
-def hierarchical_tree_string(labels: Sequence[str], local_size: int) -> str:
-    """The nested tree: `tree_string` over groups of `local_size` consecutive labels, then over the groups."""
-    return tree_string([tree_string(labels[i : i + local_size]) for i in range(0, len(labels), local_size)])
-
-
-def hierarchical_local_sizes(num_members: int) -> list[int]:
-    """Local sizes L whose nested tree (L-trees, then a tree over the groups) is the flat balanced tree."""
-    labels = [f"r{i}" for i in range(num_members)]
-    divisors = [d for d in range(1, num_members + 1) if num_members % d == 0]
-    return [d for d in divisors if hierarchical_tree_string(labels, d) == tree_string(labels)]
-
-
-@dataclass(frozen=True)
-class CollectiveDecision:
-    """What one call site of a collective ran, and why (recorded at its first call)."""
-
-    site: str
-    op: str  # "all_reduce" | "reduce_scatter" | "all_gather"
-    algorithm: str  # "gather_tree" | "scatter_tree" | "hierarchical" | "copy" | "identity"
-    reason: str
-    tree: str  # the expression over members' global ranks ("copy" for all_gather)
-    group: dict  # {"ranks": [...], "groups": [[...], ...], "local_size": L or None}
-    dtype: str
-    numel: int
-    bytes_sent: int  # per member, what this member asked the backend to move (payload, padding included)
-    bytes_received: int
-    transport: str
-    bytes_local: int = 0  # bytes read from other members' /dev/shm frames (no backend involved)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -123,289 +83,6 @@ class _SiteStats:
     bytes_local: int = 0
     seconds: float = 0.0
     algorithms: Counter = field(default_factory=Counter)
-
-
-@dataclass
-class _Bytes:
-    sent: int = 0
-    received: int = 0
-    local: int = 0
-
-
-def choose_algorithm(
-    op: str,
-    requested: str,
-    *,
-    nbytes: int,
-    num_members: int,
-    local_size: int | None,
-    transport: str,
-    then: bool = False,
-) -> tuple[str, str]:
-    """(algorithm, reason) for one call; `local_size` is None unless the hierarchical tree is allowed;
-    `then`: the caller's elementwise function runs on the reduced values before they are shared."""
-    P = num_members
-    if op == "all_gather":
-        return "copy", "all_gather is a copy: one backend all-gather in member order, no arithmetic"
-    if P == 1:
-        return "identity", "one member: the tree is the member's tensor"
-    if requested != "auto":
-        return requested, f"requested {requested!r}"
-    L = local_size
-    if L is not None and L < P:
-        return "hierarchical", (
-            f"auto: local_size {L} < {P} members: tree over {L} node-local partials, "
-            f"then an all-gather of {P // L} group partials per lane"
-        )
-    if op == "reduce_scatter":
-        return "scatter_tree", "auto: reduce_scatter is scatter_tree's first half ((P-1)/P*S received, not (P-1)*S)"
-    key = "nccl" if transport == "nccl" else "gloo"
-    threshold = AUTO_SCATTER_MIN_BYTES[key]
-    if P == 2 and then and nbytes >= threshold:
-        return "scatter_tree", (
-            f"auto: P=2, {nbytes} B >= {threshold} B ({key}) finished before sharing: the owner's half is "
-            "finished, then gathered (S/2 + what the finish leaves of S/2 received, not S)"
-        )
-    if P == 2:
-        return "gather_tree", "auto: P=2: gather_tree and scatter_tree both receive S; one collective beats two"
-    if nbytes < threshold:
-        return "gather_tree", f"auto: {nbytes} B < {threshold} B ({key}): latency-bound, one collective"
-    return "scatter_tree", f"auto: {nbytes} B >= {threshold} B ({key}): bandwidth-bound, 2(P-1)/P*S received"
-
-
-@dataclass(frozen=True)
-class _Group:
-    """A process group seen in member order: torch numbers a group's ranks in sorted global order."""
-
-    pg: dist.ProcessGroup
-    order: tuple[int, ...]  # order[j]: group rank of the j-th member (member order)
-    me: int  # this rank's position in member order
-
-    @classmethod
-    def make(cls, ranks: list[int], rank: int) -> _Group | None:
-        """Every rank of the world calls this for every group, in the same order (dist.new_group)."""
-        pg = dist.new_group(ranks)
-        if rank not in ranks:
-            return None
-        return cls(pg, tuple(dist.get_group_rank(pg, q) for q in ranks), ranks.index(rank))
-
-    @property
-    def identity(self) -> bool:
-        return self.order == tuple(range(len(self.order)))
-
-
-def _transport(device: torch.device, group: _Group) -> str:
-    backend = str(dist.get_backend(group.pg)).lower()
-    if device.type == "cuda" and "nccl" in backend:
-        return "nccl"
-    if "gloo" in backend:
-        return "gloo" if device.type == "cpu" else "gloo (staged through CPU)"
-    allowed = "cpu/cuda tensors on gloo, cuda tensors on nccl"
-    raise ValueError(f"no transport for {device.type} tensors on backend {backend!r}; allowed: {allowed}")
-
-
-def _wire(t: Tensor, transport: str) -> Tensor:
-    """Flat contiguous uint8 bytes where the backend can move them (CPU for gloo)."""
-    t = t.reshape(-1).contiguous()
-    if transport != "nccl":
-        t = t.cpu()
-    return t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-
-
-def _gather_rows(group: _Group, flat: Tensor, transport: str, moved: _Bytes) -> Tensor:
-    """All-gather one flat tensor per member: [n, numel] on `flat`'s device, member order."""
-    return _start_gather_rows(group, flat, transport, moved)()
-
-
-def _start_gather_rows(group: _Group, flat: Tensor, transport: str, moved: _Bytes) -> Callable[[], Tensor]:
-    """`_gather_rows` begun: the backend moves the bytes while the caller queues other work; the
-    returned function waits for them (on NCCL the current stream waits, the host does not)."""
-    n = len(group.order)
-    wire = _wire(flat, transport)
-    out = wire.new_empty(n * wire.numel())
-    work = _all_gather_single(out, wire, group=group.pg, async_op=True)
-    moved.sent += (n - 1) * wire.numel()
-    moved.received += (n - 1) * wire.numel()
-
-    def finish() -> Tensor:
-        work.wait()
-        rows = out.view(flat.dtype).view(n, flat.numel())
-        if not group.identity:
-            rows = rows[list(group.order)]
-        return rows.to(flat.device)
-
-    return finish
-
-
-def _all_to_all(
-    group: _Group, flat: Tensor, in_numels: list[int], out_numels: list[int], transport: str, moved: _Bytes
-) -> Tensor:
-    """Member j receives `flat`'s j-th piece (sizes `in_numels`, member order); returns what this member
-    received from members 0..n-1 (sizes `out_numels`), concatenated in member order."""
-    return _start_all_to_all(group, flat, in_numels, out_numels, transport, moved)()
-
-
-def _start_all_to_all(
-    group: _Group, flat: Tensor, in_numels: list[int], out_numels: list[int], transport: str, moved: _Bytes
-) -> Callable[[], Tensor]:
-    """`_all_to_all` begun; the returned function waits for the bytes (see `_start_gather_rows`)."""
-    item, me = flat.element_size(), group.me
-    by_grank = sorted(range(len(group.order)), key=lambda j: group.order[j])  # member positions, group-rank order
-    if not group.identity:
-        pieces = torch.split(flat, in_numels)
-        flat = torch.cat([pieces[j] for j in by_grank]) if flat.numel() else flat
-    wire = _wire(flat, transport)
-    out = wire.new_empty(sum(out_numels) * item)
-    work = dist.all_to_all_single(
-        out,
-        wire,
-        output_split_sizes=[out_numels[j] * item for j in by_grank],
-        input_split_sizes=[in_numels[j] * item for j in by_grank],
-        group=group.pg,
-        async_op=True,
-    )
-    moved.sent += (sum(in_numels) - in_numels[me]) * item
-    moved.received += (sum(out_numels) - out_numels[me]) * item
-
-    def finish() -> Tensor:
-        work.wait()
-        got = (out.view(flat.dtype) if out.numel() else flat.new_empty(0)).to(flat.device)
-        if not group.identity and got.numel():
-            pieces = dict(zip(by_grank, torch.split(got, [out_numels[j] for j in by_grank]), strict=True))
-            got = torch.cat([pieces[j] for j in range(len(group.order))])
-        return got
-
-    return finish
-
-
-def _chunk_numels(numel: int, parts: int) -> list[int]:
-    """Element counts of `torch.tensor_split(x, parts)` pieces: the first numel % parts get one more."""
-    return [numel // parts + (j < numel % parts) for j in range(parts)]
-
-
-def _pipelined_scatter_all_reduce(
-    group: _Group, gather_group: _Group, x: Tensor, seg: int, transport: str, moved: _Bytes, then: Finish
-) -> Tensor:
-    """scatter_tree's all_reduce over consecutive segments of `seg` elements (a multiple of P) of the
-    flat tensor, each reduced as the plain algorithm reduces a whole tensor (owner j adds chunk j of
-    the segment): the same elementwise tree, so the same bits. Segment k+1's all-to-all is queued
-    before segment k's tree; the gathers go through `gather_group` (a second communicator of the
-    same members, in the same order), so a segment's gather, the next one's tree and the one after's
-    all-to-all can run at once; a full segment is gathered straight into the output. `then` runs on
-    each owner's chunk before its gather. Members must be in group-rank order."""
-    P = len(group.order)
-    flat = x.reshape(-1)
-    N = flat.numel()
-    bounds = [(lo, min(lo + seg, N)) for lo in range(0, N, seg)]
-    outs: list[Tensor] = []  # allocated at the first gather, in the dtype `then` gives
-    direct = transport in ("nccl", "gloo")  # the backend writes into `out` itself (no staging copy)
-
-    def scatter(k: int) -> tuple[Callable[[], Tensor], int]:
-        lo, hi = bounds[k]
-        c = -(-(hi - lo) // P)
-        piece = flat[lo:hi]
-        if P * c != hi - lo:  # only a last, short segment is padded
-            piece = torch.cat([piece, piece.new_zeros(P * c - (hi - lo))])
-        return _start_all_to_all(group, piece, [c] * P, [c] * P, transport, moved), c
-
-    def gather(k: int, mine: Tensor) -> Callable[[], None]:
-        lo, hi = bounds[k]
-        if not outs:
-            outs.append(flat.new_empty(N, dtype=mine.dtype))
-        out = outs[0]
-        if direct and mine.numel() * P == hi - lo:
-            work = _all_gather_single(
-                _wire(out[lo:hi], transport), _wire(mine, transport), group=gather_group.pg, async_op=True
-            )
-            moved.sent += (P - 1) * mine.numel() * mine.element_size()
-            moved.received += (P - 1) * mine.numel() * mine.element_size()
-            return work.wait
-        gathered = _start_gather_rows(gather_group, mine, transport, moved)
-        return lambda: out[lo:hi].copy_(gathered().reshape(-1)[: hi - lo])
-
-    waits: list[Callable[[], object]] = []
-    pending = scatter(0)
-    for k in range(len(bounds)):
-        got, c = pending
-        if k + 1 < len(bounds):
-            pending = scatter(k + 1)
-        waits.append(gather(k, then(balanced_tree(list(got().view(P, c).unbind(0))))))
-    for wait in waits:
-        wait()
-    return outs[0].view(x.shape)
-
-
-class _SharedFrames:
-    """Double-buffered per-member frames in /dev/shm for one node group (the node-local IPC path).
-
-    Call k writes frame k % 2, then one barrier, then every member reads all L frames. A member
-    writing call k+2 into the same frame has passed call k+1's barrier, which every member reached
-    only after its call-k reads: two frames need one barrier per call, not two.
-    Files are unlinked once every member has mapped them, so a killed process leaks nothing.
-    """
-
-    def __init__(self, group: _Group, local_size: int, group_id: int, first_rank: int) -> None:
-        self.group, self.me, self.L, self.group_id = group.pg, group.me, local_size, group_id
-        token = [uuid.uuid4().hex]  # one name for the group, from its first member
-        dist.broadcast_object_list(token, src=first_rank, group=self.group)
-        self.token, self.generation, self.capacity, self.calls = token[0], 0, 0, 0
-        self.frames: list[Tensor] = []
-
-    def _path(self, member: int) -> Path:
-        return _SHM_DIR / f"h3lab-{self.token}-g{self.group_id}-v{self.generation}-m{member}"
-
-    def _map(self, capacity: int) -> None:
-        self.generation += 1
-        self.frames = []
-        own = self._path(self.me)
-        need = self.L * 2 * capacity  # every member's frames of this group, on this host
-        try:  # the file is sparse until written; a full tmpfs would SIGBUS the first write, so check first
-            own_frames = torch.from_file(str(own), shared=True, size=2 * capacity, dtype=torch.uint8)
-            dist.barrier(group=self.group)
-            missing = sum(not self._path(m).exists() for m in range(self.L))
-            stat = os.statvfs(_SHM_DIR)
-            short = stat.f_bavail * stat.f_frsize < need
-            flags = torch.tensor([missing, short], dtype=torch.uint8)
-            seen = torch.empty(2 * self.L, dtype=torch.uint8)
-            _all_gather_single(seen, flags, group=self.group)  # every member sees every verdict: all raise
-            missing_by, short_by = seen.view(self.L, 2).t().tolist()
-            if any(missing_by):
-                raise ValueError(
-                    f"node group {self.group_id}: members cannot see each other's {_SHM_DIR} frames (missing per "
-                    f"member: {missing_by}); allowed: local_size grouping processes of one host"
-                )
-            if any(short_by):
-                raise ValueError(
-                    f"node group {self.group_id}: {_SHM_DIR} lacks {need} B free for {self.L} x 2 frames of "
-                    f"{capacity} B (short on members {short_by}); enlarge it (docker --shm-size) or use CUDA tensors"
-                )
-            peers = {
-                m: torch.from_file(str(self._path(m)), shared=True, size=2 * capacity, dtype=torch.uint8)
-                for m in range(self.L)
-                if m != self.me
-            }
-            dist.barrier(group=self.group)  # everyone mapped everything: the names can go
-        finally:
-            own.unlink(missing_ok=True)
-        peers[self.me] = own_frames
-        self.frames = [peers[m].view(2, capacity) for m in range(self.L)]
-        self.capacity = capacity
-
-    def tree(self, x: Tensor, moved: _Bytes) -> Tensor:
-        """balanced_tree over the L members' `x` (same shape and dtype on every member)."""
-        nbytes = x.numel() * x.element_size()
-        if nbytes > self.capacity:  # every member sees the same nbytes, so all re-map together
-            self._map(-(-max(nbytes, 2 * self.capacity, _SHM_MIN_CAPACITY) // 64) * 64)
-        frame = self.calls % 2
-        self.calls += 1
-        self.frames[self.me][frame, :nbytes].copy_(_wire(x, "gloo"))
-        dist.barrier(group=self.group)
-        parts = [self.frames[m][frame, :nbytes].view(x.dtype).view(x.shape) for m in range(self.L)]
-        moved.local += (self.L - 1) * nbytes
-        return balanced_tree(parts)
-
-    def close(self) -> None:
-        self.frames = []  # the mappings go with the last reference
 
 
 class DeterministicCollective:
@@ -424,7 +101,7 @@ class DeterministicCollective:
         intra_group,
         lane_group,
         segment_bytes: int | None = None,
-        gather_group: _Group | None = None,
+        gather_group: Group | None = None,
     ) -> None:
         self.members, self.rank, self.algorithm = list(members), rank, algorithm
         self.segment_bytes, self._gather_group = segment_bytes, gather_group
@@ -432,9 +109,9 @@ class DeterministicCollective:
         self.index = self.members.index(rank) if rank in self.members else None
         self._hier_L = local_size if hierarchical else None  # None: the hierarchical tree is not allowed
         self._flat, self._intra, self._lane = flat_group, intra_group, lane_group
-        self._shm: _SharedFrames | None = None
+        self._shm: SharedFrames | None = None
         self._sites: dict[tuple[str, str], _SiteStats] = {}
-        self._total = _Bytes()
+        self._total = Bytes()
         self._closed = False
         P, L = len(members), local_size or len(members)
         self.tree = tree_string([f"r{q}" for q in members])
@@ -540,7 +217,7 @@ class DeterministicCollective:
     ) -> Tensor | Callable[[], Tensor]:
         self._check_usable(x, op, site)
         began = time.perf_counter()
-        transport = _transport(x.device, self._flat) if self._flat is not None else "none"
+        transport = transport_of(x.device, self._flat) if self._flat is not None else "none"
         key = (op, site)
         first = key not in self._sites
         if first and op != "all_gather" and len(self.members) > 1:
@@ -556,7 +233,7 @@ class DeterministicCollective:
             transport=transport,
             then=then is not None,
         )
-        moved = _Bytes()
+        moved = Bytes()
         if op == "all_gather":
             out, used_transport = self._gather(x, dim, sizes, moved, transport)
             finish = lambda: out  # noqa: E731
@@ -617,7 +294,7 @@ class DeterministicCollective:
         sig = torch.full((2 + _MAX_NDIM,), -1, dtype=torch.int64, device=x.device)
         sig[0], sig[1] = _WIRE_DTYPES.index(x.dtype), x.dim()
         sig[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-        rows = _gather_rows(self._flat, sig, transport, _Bytes()).cpu().tolist()
+        rows = gather_rows(self._flat, sig, transport, Bytes()).cpu().tolist()
         return [(str(_WIRE_DTYPES[r[0]]), tuple(r[2 : 2 + r[1]])) for r in rows]
 
     def _check_signatures(self, x: Tensor, op: str, site: str, transport: str) -> None:
@@ -629,7 +306,7 @@ class DeterministicCollective:
     # ---- algorithms ---------------------------------------------------------------------------
 
     def _start_reduce(
-        self, x: Tensor, alg: str, moved: _Bytes, transport: str, *, scatter: bool, then: Finish
+        self, x: Tensor, alg: str, moved: Bytes, transport: str, *, scatter: bool, then: Finish
     ) -> tuple[Callable[[], Tensor], str]:
         """The reduction begun: the first backend call is queued, the returned function finishes it
         (`then` on the reduced values: before the gather where one follows)."""
@@ -641,7 +318,7 @@ class DeterministicCollective:
             out, used = self._hierarchical(x, moved, transport, scatter=scatter)
             return done(then(out)), used
         if alg == "gather_tree":
-            gathered = _start_gather_rows(self._flat, x, transport, moved)
+            gathered = start_gather_rows(self._flat, x, transport, moved)
 
             def tree() -> Tensor:
                 out = balanced_tree(list(gathered().unbind(0))).view(x.shape)
@@ -650,9 +327,9 @@ class DeterministicCollective:
             return tree, transport
         assert alg == "scatter_tree", alg
         if scatter:  # the owner of chunk j (dim-0 rows, tensor_split) receives chunk j of every member
-            rows = _chunk_numels(x.shape[0], P)
+            rows = chunk_numels(x.shape[0], P)
             numels = [r * (x.numel() // x.shape[0]) for r in rows]
-            got = _start_all_to_all(self._flat, x.reshape(-1), numels, [numels[me]] * P, transport, moved)
+            got = start_all_to_all(self._flat, x.reshape(-1), numels, [numels[me]] * P, transport, moved)
 
             def owner_tree() -> Tensor:
                 return then(balanced_tree(list(got().view(P, numels[me]).unbind(0))).view(rows[me], *x.shape[1:]))
@@ -661,18 +338,18 @@ class DeterministicCollective:
         seg = self._segment_numel(x)
         if seg:
             group = self._gather_group or self._flat
-            return done(_pipelined_scatter_all_reduce(self._flat, group, x, seg, transport, moved, then)), transport
+            return done(pipelined_scatter_all_reduce(self._flat, group, x, seg, transport, moved, then)), transport
         # all_reduce: any chunking of the flat tensor gives the same elementwise tree; equal chunks of
         # c = ceil(numel/P) elements (zero padding) let both steps use even splits
         c = -(-x.numel() // P)
         flat = x.reshape(-1)
         if P * c != flat.numel():
             flat = torch.cat([flat, flat.new_zeros(P * c - flat.numel())])
-        got = _start_all_to_all(self._flat, flat, [c] * P, [c] * P, transport, moved)
+        got = start_all_to_all(self._flat, flat, [c] * P, [c] * P, transport, moved)
 
         def finish() -> Tensor:
             mine = then(balanced_tree(list(got().view(P, c).unbind(0))))
-            out = _gather_rows(self._flat, mine, transport, moved).reshape(-1)[: x.numel()]
+            out = gather_rows(self._flat, mine, transport, moved).reshape(-1)[: x.numel()]
             return out.view(x.shape)
 
         return finish, transport
@@ -686,28 +363,28 @@ class DeterministicCollective:
         seg = self.segment_bytes // x.element_size() // P * P
         return seg if seg and x.numel() >= 2 * seg else 0
 
-    def _hierarchical(self, x: Tensor, moved: _Bytes, transport: str, *, scatter: bool) -> tuple[Tensor, str]:
+    def _hierarchical(self, x: Tensor, moved: Bytes, transport: str, *, scatter: bool) -> tuple[Tensor, str]:
         P, me = len(self.members), self.index
         L = self._hier_L
         G, local_index, group_id = P // L, me % L, me // L
         if L == 1:
             part, intra = x, "none"
-        elif x.device.type == "cpu" and _SHM_DIR.is_dir():
+        elif x.device.type == "cpu" and SHM_DIR.is_dir():
             if self._shm is None:
                 first = self.members[group_id * L]
-                self._shm = _SharedFrames(self._intra, L, group_id, first)
-            part, intra = self._shm.tree(x, moved), f"{_SHM_DIR} frames"
+                self._shm = SharedFrames(self._intra, L, group_id, first)
+            part, intra = self._shm.tree(x, moved), f"{SHM_DIR} frames"
         else:
-            part = balanced_tree(list(_gather_rows(self._intra, x, transport, moved).unbind(0))).view(x.shape)
+            part = balanced_tree(list(gather_rows(self._intra, x, transport, moved).unbind(0))).view(x.shape)
             intra = transport
         lanes = "none" if G == 1 else transport
         used = f"intra-group: {intra}; lanes: {lanes}"
         if not scatter:
             if G == 1:
                 return (part.clone() if L == 1 else part), used
-            out = balanced_tree(list(_gather_rows(self._lane, part, transport, moved).unbind(0)))
+            out = balanced_tree(list(gather_rows(self._lane, part, transport, moved).unbind(0)))
             return out.view(x.shape), used
-        rows = _chunk_numels(x.shape[0], P)
+        rows = chunk_numels(x.shape[0], P)
         row_numel = x.numel() // x.shape[0]
         numels = [r * row_numel for r in rows]
         offsets = [sum(numels[:j]) for j in range(P)]
@@ -717,11 +394,11 @@ class DeterministicCollective:
         # lane member g (member g*L + local_index) owns chunk g*L + local_index of every group partial
         owned = [g * L + local_index for g in range(G)]
         send = torch.cat([flat[offsets[j] : offsets[j] + numels[j]] for j in owned])
-        got = _all_to_all(self._lane, send, [numels[j] for j in owned], [numels[me]] * G, transport, moved)
+        got = all_to_all(self._lane, send, [numels[j] for j in owned], [numels[me]] * G, transport, moved)
         out = balanced_tree(list(got.view(G, numels[me]).unbind(0)))
         return out.view(rows[me], *x.shape[1:]), used
 
-    def _gather(self, x: Tensor, dim: int, sizes: Sequence[int] | None, moved: _Bytes, transport: str):
+    def _gather(self, x: Tensor, dim: int, sizes: Sequence[int] | None, moved: Bytes, transport: str):
         P = len(self.members)
         if P == 1:
             return x.clone(), "none"
@@ -745,7 +422,7 @@ class DeterministicCollective:
             pad_shape = list(x.shape)
             pad_shape[dim] = top - x.shape[dim]
             padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-        rows = _gather_rows(self._flat, padded, transport, moved)
+        rows = gather_rows(self._flat, padded, transport, moved)
         pieces = [rows[j].view(padded.shape).narrow(dim, 0, sizes[j]) for j in range(P)]
         return torch.cat(pieces, dim=dim), transport
 
@@ -763,7 +440,7 @@ def new_collective(
     Every rank of the world must call this, in the same order with the same arguments: it creates
     the process groups (flat, and for hierarchical the node groups and lanes). Non-members get an
     object that raises ValueError when used. `segment_bytes` pipelines scatter_tree's all_reduce of
-    messages of at least two segments (the same bits, see `_pipelined_scatter_all_reduce`).
+    messages of at least two segments (the same bits, see `pipelined_scatter_all_reduce`).
 
     Raises:
         ValueError: unknown algorithm, bad ranks, a local size that does not divide the members or
@@ -793,18 +470,18 @@ def new_collective(
     world, rank = dist.get_world_size(), dist.get_rank()
     if any(not 0 <= q < world for q in ranks):
         raise ValueError(f"ranks {ranks}: allowed: 0..{world - 1} (world size {world})")
-    flat = _Group.make(ranks, rank) if P > 1 else None
+    flat = Group.make(ranks, rank) if P > 1 else None
     intra = lane = None
     if nested_ok and algorithm in ("auto", "hierarchical") and P > 1:
         L, G = local_size, P // local_size
         intra, lane = flat if G == 1 else None, flat if L == 1 else None
         if 1 < L < P:  # every rank creates every group, in the same order
             for g in range(G):
-                intra = _Group.make(ranks[g * L : (g + 1) * L], rank) or intra
+                intra = Group.make(ranks[g * L : (g + 1) * L], rank) or intra
             for lane_index in range(L):
-                lane = _Group.make(ranks[lane_index::L], rank) or lane
+                lane = Group.make(ranks[lane_index::L], rank) or lane
     # a pipelined all_reduce gathers on a second communicator, so its gathers overlap its all-to-alls
-    second = _Group.make(ranks, rank) if segment_bytes is not None and P > 1 else None
+    second = Group.make(ranks, rank) if segment_bytes is not None and P > 1 else None
     return DeterministicCollective(
         members=ranks,
         rank=rank,

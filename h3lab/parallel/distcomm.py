@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from h3lab.parallel.assemble import units_of
-from h3lab.parallel.collectives import DeterministicCollective, Finish, new_collective
+from h3lab.parallel.collectives import DeterministicCollective, new_collective
 from h3lab.parallel.layout import Layout
 from h3lab.parallel.procgroups import new_groups
+from h3lab.parallel.transport import Finish
 
 
 def _no_call(site: str) -> None:

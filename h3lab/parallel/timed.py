@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from h3lab.parallel.collectives import Finish
 from h3lab.parallel.distcomm import DistComm
+from h3lab.parallel.transport import Finish
 
 
 def now_ns() -> int:
