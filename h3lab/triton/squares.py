@@ -1,13 +1,15 @@
-"""Sums of squares for the clip's global norm: the row-block sums as one Triton kernel per tensor.
+"""Sums of squares for the clip's global norm: the row-block sums of many tensors in one Triton launch.
 
 Reference: h3lab.ops.fixed.sum_of_squares, bit for bit. A tensor's elements in row-major order
 (2-D views with any strides are read in that order), squared in FP32, in row blocks of ROW_BLOCK
 elements (masked elements square to +0, the reference's padding); each block's sum is the
 reference's `pair_sum` tree, built from exact halvings of the tile (h3lab.triton.norm._pair_sum),
-never `tl.sum`'s own tree. The block sums of many tensors then meet in `pair_sum` (torch, IEEE
-adds): tensors whose block counts pad to the same power of two are summed together, each padded
-with +0 as `pair_sum` pads it alone, so the launches per norm are one per tensor plus a few per
-width, not one per tree level and tensor.
+never `tl.sum`'s own tree. A block's sum depends on its elements alone, so which program computes
+it changes no bit: one launch per dtype covers every tensor (a table of their addresses, sizes and
+strides; each program finds its tensor by a binary search over the programs' starts), where one
+launch per tensor cost a model's clip hundreds of launches. The block sums of many tensors then
+meet in `pair_sum` (torch, IEEE adds): tensors whose block counts pad to the same power of two are
+summed together, each padded with +0 as `pair_sum` pads it alone.
 
 Launcher: `sums_of_squares`. Dimension legend: R rows, C columns of a tensor viewed as 2-D.
 """
@@ -33,40 +35,72 @@ _LOG2_ROW_BLOCK = ROW_BLOCK.bit_length() - 1
 assert 1 << _LOG2_ROW_BLOCK == ROW_BLOCK, "ROW_BLOCK must be a power of two"
 
 
+TABLE = ("address", "n", "C", "s_r", "s_c", "NB", "out")  # one int64 row per tensor
+
+
 @triton.jit
 def block_squares_kernel(
-    x_ptr, out_ptr, n, C, s_r, s_c, NB, BPP: tl.constexpr, RB: tl.constexpr, LOG2_RB: tl.constexpr
-):
-    # out[b] = pair_sum of the squares of elements [b * RB, (b + 1) * RB) in row-major order
-    b = tl.program_id(0).to(tl.int64) * BPP + tl.arange(0, BPP)
+    table_ptr, starts_ptr, out_ptr, T, DTYPE: tl.constexpr, SEARCH: tl.constexpr, BPP: tl.constexpr,
+    RB: tl.constexpr, LOG2_RB: tl.constexpr,
+):  # fmt: skip
+    # tensor t's programs are [starts[t], starts[t + 1]); its table row (TABLE) says where it is and
+    # where its NB block sums go: out[row.out + b] = pair_sum of the squares of its elements
+    # [b * RB, (b + 1) * RB) in row-major order
+    p = tl.program_id(0)
+    lo, hi = 0, T
+    for _ in tl.static_range(SEARCH):  # 2^SEARCH >= T: the last t with starts[t] <= p
+        mid = (lo + hi) // 2
+        below = tl.load(starts_ptr + mid) <= p
+        lo, hi = tl.where(below, mid, lo), tl.where(below, hi, mid)
+    row = table_ptr + lo * 7
+    x_ptr = tl.load(row).to(tl.pointer_type(DTYPE))
+    n, C, s_r, s_c = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    NB, out = tl.load(row + 5), tl.load(row + 6)
+    b = (p - tl.load(starts_ptr + lo)).to(tl.int64) * BPP + tl.arange(0, BPP)
     i = b[:, None] * RB + tl.arange(0, RB)[None, :]
-    mask = i < n
-    x = tl.load(x_ptr + (i // C) * s_r + (i % C) * s_c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + b, _pair_sum(x * x, BPP, RB, LOG2_RB), mask=b < NB)
+    x = tl.load(x_ptr + (i // C) * s_r + (i % C) * s_c, mask=i < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out + b, _pair_sum(x * x, BPP, RB, LOG2_RB), mask=b < NB)
 
 
 def _num_blocks(x: Tensor) -> int:
     return max(1, -(-x.numel() // ROW_BLOCK))
 
 
-def _block_sums(x: Tensor, out: Tensor, cfg: dict) -> None:
-    """out[:num_blocks(x)] = the row-block sums of x's squares (float32)."""
-    x2 = x if x.dim() == 2 else x.reshape(1, -1)  # row-major order kept; a copy only where a view cannot
-    nb, bpp = _num_blocks(x), cfg["blocks_per_program"]
-    block_squares_kernel[(configs.cdiv(nb, bpp),)](
-        x2,
+def _block_sums(xs: list[Tensor], offsets: list[int], out: Tensor, cfg: dict) -> None:
+    """out[offsets[k] : offsets[k] + num_blocks(xs[k])] = the row-block sums of xs[k]'s squares, for
+    tensors of one dtype, in one launch."""
+    views = [x if x.dim() == 2 else x.reshape(1, -1) for x in xs]  # row-major order; a copy only where needed
+    bpp, rows, starts = cfg["blocks_per_program"], [], [0]
+    for x2, off in zip(views, offsets, strict=True):
+        nb = _num_blocks(x2)
+        rows.append([x2.data_ptr(), x2.numel(), max(x2.shape[1], 1), x2.stride(0), x2.stride(1), nb, off])
+        starts.append(starts[-1] + configs.cdiv(nb, bpp))
+    table, programs = _on_device(rows, out.device), _on_device(starts, out.device)
+    dtype = tl.bfloat16 if xs[0].dtype == torch.bfloat16 else tl.float32
+    block_squares_kernel[(starts[-1],)](
+        table,
+        programs,
         out,
-        x2.numel(),
-        max(x2.shape[1], 1),
-        x2.stride(0),
-        x2.stride(1),
-        nb,
+        len(views),
+        DTYPE=dtype,
+        SEARCH=max(1, (len(views) - 1).bit_length()),
         BPP=bpp,
         RB=ROW_BLOCK,
         LOG2_RB=_LOG2_ROW_BLOCK,
         num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )
+    # `views` (copies of non-2-D tensors among them) lived until the launch was queued: stream order
+    # keeps their memory from reuse until the kernel has read it
+
+
+def _on_device(values: list, device: torch.device) -> Tensor:
+    """An int64 tensor of `values` on `device`; on CUDA through pinned memory, so the copy waits
+    for neither the host nor the work queued before it."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sums_of_squares(xs: Sequence[Tensor], *, node: str | None = None) -> Tensor:
@@ -86,22 +120,33 @@ def sums_of_squares(xs: Sequence[Tensor], *, node: str | None = None) -> Tensor:
     by_width: dict[int, list[int]] = {}  # tensors whose block counts pad to the same power of two
     for k, x in enumerate(xs):
         by_width.setdefault(1 << (_num_blocks(x) - 1).bit_length(), []).append(k)
-    sums, order = [], []
+    grids, order, offsets, base = [], [], {}, 0
     for width, ks in by_width.items():
-        grid = torch.zeros((len(ks), width), dtype=F32, device=device)  # +0 pads, as pair_sum pads
+        grids.append((base, len(ks), width))
         for j, k in enumerate(ks):
-            _block_sums(xs[k], grid[j], cfg)
-        sums.append(pair_sum(grid))
+            offsets[k] = base + j * width
+        base += len(ks) * width
         order += ks
+    flat = torch.zeros(base, dtype=F32, device=device)  # +0 pads, as pair_sum pads
+    for dtype in IN_DTYPES:
+        ks = [k for k in range(len(xs)) if xs[k].dtype == dtype]
+        if ks:
+            _block_sums([xs[k] for k in ks], [offsets[k] for k in ks], flat, cfg)
+    sums = [pair_sum(flat[b : b + n * w].view(n, w)) for b, n, w in grids]
     where = [0] * len(xs)
     for pos, k in enumerate(order):
         where[k] = pos
-    return torch.cat(sums).index_select(0, torch.tensor(where, device=device))
+    return torch.cat(sums).index_select(0, _on_device(where, device))
 
 
 def variants(node: str) -> list[Variant]:
-    """The clip's row-block squares of a bf16 gradient."""
+    """The clip's row-block squares of bf16 and of FP32 gradients (a model's ~500 pieces: SEARCH 9)."""
     cfg = configs.pinned("squares", node)
-    types = {"x_ptr": "*bf16", "out_ptr": "*fp32"}
-    const = {"BPP": cfg["blocks_per_program"], "RB": ROW_BLOCK, "LOG2_RB": ROW_BLOCK.bit_length() - 1}
-    return [Variant("squares", "row blocks", block_squares_kernel, types, const, options(cfg, False))]
+    types = {"table_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32"}
+    const = {"BPP": cfg["blocks_per_program"], "RB": ROW_BLOCK, "LOG2_RB": ROW_BLOCK.bit_length() - 1, "SEARCH": 9}
+    return [
+        Variant(
+            "squares", f"row blocks, {name}", block_squares_kernel, types, const | {"DTYPE": dt}, options(cfg, False)
+        )
+        for name, dt in (("bf16", tl.bfloat16), ("fp32", tl.float32))
+    ]
