@@ -44,6 +44,9 @@ def test_the_record_holds_bitwise_verdicts_and_every_sides_timed_steps(tmp_path,
         and t.loc[("tp1", 0, "parallelize_flow"), "bitwise"]
         and t.loc[("tp2", 1, "parallelize_custom"), "bitwise"]
     )
+    assert r["host_syncs"]["total"]["trainer"] > 0
+    assert set(r["phases_median_s"]["parallelize_flow"]) == {"sample", "forward", "loss", "backward", "clip", "update"}
+    assert set(r["phases_median_s"]["trainer"]) == {"forward", "backward", "clip", "update"}
     assert "parallelize_flow / trainer" in capsys.readouterr().out
 
 
