@@ -1,7 +1,8 @@
 """`python -m h3lab.bench.parallelize_step` at the tiny config on the CPU (gloo): the record the H200 run
 writes, its bitwise verdicts (tp2 against tp1 on a custom loss; the parallelized model on h3lab's
-objective against Trainer), the report's table, bad arguments. No speed is asserted (a benchmark's
-figures are its record's)."""
+objective against Trainer), the report's table, bad arguments, and the host synchronisations of one
+step: the parallelized model's make none where Trainer's make none, and none more often (counted calls,
+under our control, unlike a clock). No speed is asserted (a benchmark's figures are its record's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 
 import pytest
 
-from h3lab.bench.parallelize_step import BENCH_FORMAT, main
+from h3lab.bench.parallelize_step import BENCH_FORMAT, context, flow_step, host_syncs, main, trainer_step
 from h3lab.workbench.benchmarks import table
 
 SIDES = ["parallelize_flow", "trainer", "eager", "parallelize_custom"]
@@ -44,7 +45,26 @@ def test_the_record_holds_bitwise_verdicts_and_every_sides_timed_steps(tmp_path,
         and t.loc[("tp1", 0, "parallelize_flow"), "bitwise"]
         and t.loc[("tp2", 1, "parallelize_custom"), "bitwise"]
     )
+    assert r["host_syncs"]["parallelize_flow beyond trainer"] == {} and r["host_syncs"]["total"]["trainer"] > 0
+    assert set(r["phases_median_s"]["parallelize_flow"]) == {"sample", "forward", "loss", "backward", "clip", "update"}
+    assert set(r["phases_median_s"]["trainer"]) == {"forward", "backward", "clip", "update"}
     assert "parallelize_flow / trainer" in capsys.readouterr().out
+
+
+def test_a_flow_step_syncs_the_host_only_where_a_trainer_step_does():
+    """Step 3 of each (the optimizer's state made at step 1): every site of the parallelized model's host
+    syncs is one of Trainer's, at most as often. A second check of the request inside the forward, or a
+    row name copied from the host, adds sites or counts."""
+    spec = {"layout": "tp1", "device": "cpu", "config": "tiny", "layers": "1", "rows": "96", "seed": "0"}
+    ctx = context(spec | {"backend": "torch", "steps": "1"})
+    counts = {}
+    for name, make in (("flow", flow_step), ("trainer", trainer_step)):
+        step, _ = make(ctx)
+        step(1, lambda phase: None), step(2, lambda phase: None)
+        counts[name] = host_syncs(lambda: step(3, lambda phase: None), ctx.device)["sites"]  # noqa: B023
+    flow, trainer = counts["flow"], counts["trainer"]
+    assert trainer.get("h3lab/model/inputs.py:__post_init__", 0) > 0  # the counter sees the request's checks
+    assert {s: (n, trainer.get(s, 0)) for s, n in flow.items() if n > trainer.get(s, 0)} == {}
 
 
 @pytest.mark.parametrize(

@@ -357,6 +357,46 @@ def test_bad_forward_arguments_are_refused(one_block):
         model(**grad_in)
 
 
+# ---- a request's values checked once --------------------------------------------------------------------
+def _fields(inputs) -> dict:
+    return {k: (v.dtype, v.tolist()) if isinstance(v, torch.Tensor) else v for k, v in vars(inputs).items()}
+
+
+@pytest.mark.parametrize("keys", [False, True])
+def test_a_handed_out_request_is_read_as_it_is_without_a_host_sync(keys):
+    """The tensors `diffusers_kwargs` handed out give the request a fresh check would make, field for field,
+    with no host sync (the request checked its values when it was made); copies of them are checked."""
+    from h3lab.bench.parallelize_step import host_syncs
+    from h3lab.nn.inputs import model_inputs_of
+
+    inputs = shuffle_rows(model_inputs(ONE, seed=3, num_text=5), 4)
+    kwargs = diffusers_kwargs(inputs, keys=keys)
+    keys_in = kwargs.pop("logical_keys", None)
+    cpu = torch.device("cpu")
+    handed = []
+    syncs = host_syncs(lambda: handed.append(model_inputs_of(kwargs, cpu, keys_in)), cpu)
+    copies = {k: v.clone() for k, v in kwargs.items()}
+    checked = []
+    fresh = host_syncs(
+        lambda: checked.append(model_inputs_of(copies, cpu, None if keys_in is None else keys_in.clone())), cpu
+    )
+    assert syncs["total"] == 0 and fresh["sites"].get("h3lab/model/inputs.py:__post_init__", 0) > 0
+    assert _fields(handed[0]) == _fields(checked[0])  # the same fields: no state of its own beside them
+    assert inputs.num_condition_video_rows > 0 and handed[0].num_condition_video_rows == 0  # as any forward's
+
+
+def test_a_handed_out_tensor_written_in_place_is_checked_again(one_block):
+    model, inputs, _ = one_block
+    kwargs = diffusers_kwargs(inputs.replace(video_rows=inputs.video_rows.clone()))
+    kwargs["hidden_states"][0, 0, 0] = float("nan")  # the version counter moves
+    with pytest.raises(ValueError, match=r"video_rows: holds inf or NaN"):
+        model(**kwargs)
+    keys = inputs.logical_keys.clone()
+    keys[1] = keys[0]
+    with pytest.raises(ValueError, match=r"logical_keys: keys must be unique"):
+        model(**diffusers_kwargs(inputs), logical_keys=keys)  # other keys than the request's: checked
+
+
 # ---- what a script reports to h3lab compare ------------------------------------------------------------
 def test_current_layout_and_record_outside_and_inside_a_session(monkeypatch):
     from h3lab.nn import recording as rec

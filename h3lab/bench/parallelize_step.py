@@ -27,7 +27,11 @@ the checkpoint's mixed precision) trains on one request (`request_of_rows`: exac
 Every side runs steps 1 and 2 untimed (the first compiles the kernels), takes digests (h3lab.metrics
 .digest) of every weight after step 2 and the bits of each step's loss and gradient norm, then times
 `--steps` steps: each after a barrier of the layout's ranks and a device synchronisation, CUDA events
-on a GPU (the wall clock on a CPU), medians and quartiles (h3lab.bench.step_timing). Bitwise: tp2's
+on a GPU (the wall clock on a CPU), medians and quartiles (h3lab.bench.step_timing), and phases: the
+parallelized model's between its calls (sample, forward, loss, backward, clip, update; CUDA events),
+Trainer's from its own clocks (`TrainStep.timings`: forward, backward, clip, update, each up to a
+host sync). One more step counts its host synchronisations by site (`host_syncs`); the record holds
+the sites where `parallelize_flow` makes more than `trainer` (the target: none). Bitwise: tp2's
 `parallelize_custom` against tp1's on both ranks; `parallelize_flow` against `trainer` (the loss, the
 norm, every weight after step 2). The record is written at the start (`running`) and at the end
 (`complete`, or `failed` with the launch that failed and its logs).
@@ -36,6 +40,7 @@ norm, every weight after step 2). The record is written at the start (`running`)
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -48,6 +53,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from h3lab.bench.step_timing import StepClock, run_side
 from h3lab.config import NAMED_CONFIGS, H3Config
@@ -170,23 +176,29 @@ def verdicts(layouts: dict[str, list[dict]]) -> dict[str, Any]:
         },
         "target": {"parallelize_flow / trainer": TARGET},
         "within_target": median["parallelize_flow"] / median["trainer"] <= TARGET,
+        "phases_median_s": {k: one[k]["phases_median_s"] for k in ("parallelize_flow", "trainer")},
+        "host_syncs": sync_verdict(one["parallelize_flow"]["host_syncs"], one["trainer"]["host_syncs"]),
     }
+
+
+def sync_verdict(flow: dict[str, Any], trainer: dict[str, Any]) -> dict[str, Any]:
+    """One step's host synchronisations, the parallelized model's against Trainer's: the totals, and
+    every site where the parallelized model makes more (none is the target: the same work)."""
+    more = {
+        site: {"parallelize_flow": n, "trainer": trainer["sites"].get(site, 0)}
+        for site, n in flow["sites"].items()
+        if n > trainer["sites"].get(site, 0)
+    }
+    totals = {k: {"parallelize_flow": flow[k], "trainer": trainer[k]} for k in ("total", "cuda_reported") if k in flow}
+    return totals | {"parallelize_flow beyond trainer": more}
 
 
 # ---- one rank ------------------------------------------------------------------------------------------
 def worker(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    layout = Layout.parse(spec["layout"])
-    device = torch.device(spec["device"])
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    config = H3Config.named(spec["config"]).replace(num_layers=int(spec["layers"]))
-    seed = int(spec["seed"])
-    weights = SyntheticWeights(config, seed=seed, device=device, generator=device)
-    inputs = request_of_rows(config, int(spec["rows"]), seed + 1).to(device)  # built before any timing
-    ctx = types.SimpleNamespace(spec=spec, layout=layout, device=device, weights=weights, inputs=inputs, seed=seed)
+    ctx = context(spec)
+    layout, device = ctx.layout, ctx.device
     sides: dict[str, Any] = {}
     names = (
         ("parallelize_custom",) if layout.world > 1 else ("parallelize_flow", "trainer", "eager", "parallelize_custom")
@@ -200,6 +212,21 @@ def worker(spec_path: Path) -> int:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
+
+
+def context(spec: dict[str, str]) -> types.SimpleNamespace:
+    """What every side of a rank reads: the spec, the layout, the device (this rank's GPU), the weights
+    and the request (made before any timing), the seed."""
+    layout = Layout.parse(spec["layout"])
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    config = H3Config.named(spec["config"]).replace(num_layers=int(spec["layers"]))
+    seed = int(spec["seed"])
+    weights = SyntheticWeights(config, seed=seed, device=device, generator=device)
+    inputs = request_of_rows(config, int(spec["rows"]), seed + 1).to(device)
+    return types.SimpleNamespace(spec=spec, layout=layout, device=device, weights=weights, inputs=inputs, seed=seed)
 
 
 def _model(ctx: types.SimpleNamespace):
@@ -220,35 +247,47 @@ def _model(ctx: types.SimpleNamespace):
     return h3lab.parallelize(model, ctx.layout, backend=ctx.spec["backend"])
 
 
-def _timed(
-    ctx: types.SimpleNamespace, step: Callable[[int], tuple[Tensor, Tensor]], weights: Callable[[], dict]
-) -> dict:
-    """Steps 1-2 untimed and their bits, then `--steps` timed steps (module docstring)."""
+Mark = Callable[[str], None]  # the clock's mark: the phase that ends now
+Step = Callable[[int, Mark], tuple[Tensor, Tensor, dict[str, float]]]  # k, mark -> loss, norm, phases it timed
+Weights = Callable[[], dict[str, Tensor]]  # every weight whole, for the digests
+
+
+def _no_mark(phase: str) -> None:
+    return None
+
+
+def _timed(ctx: types.SimpleNamespace, step: Step, weights: Weights) -> dict:
+    """Steps 1-2 untimed and their bits, then `--steps` timed steps, then one more step's host
+    synchronisations (module docstring)."""
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
     losses, norms = [], []
     for k in range(1, BITWISE_STEPS + 1):
-        loss, norm = step(k)
+        loss, norm, _ = step(k, _no_mark)
         losses.append(float(loss).hex()), norms.append(float(norm).hex())
     digests = {n: digest(t) for n, t in weights().items()}
 
     def timed(k: int, clock: StepClock) -> dict[str, Any]:
         barrier()
         clock.start()
-        loss, norm = step(BITWISE_STEPS + k)
-        total, _ = clock.stop()
+        loss, norm, phases = step(BITWISE_STEPS + k, clock.mark)
+        total, marked = clock.stop()
         return {
             "step": BITWISE_STEPS + k,
             "seconds": total,
-            "phases": {},
+            "phases": marked | phases,
             "loss": float(loss),
             "grad_norm": float(norm),
         }
 
-    out = run_side(timed, 0, int(ctx.spec["steps"]), ctx.device)
-    return out | {"losses": losses, "norms": norms, "weights": digests}
+    steps = int(ctx.spec["steps"])
+    out = run_side(timed, 0, steps, ctx.device)
+    barrier()
+    syncs = host_syncs(lambda: step(BITWISE_STEPS + steps + 1, _no_mark), ctx.device)
+    return out | {"losses": losses, "norms": norms, "weights": digests, "host_syncs": syncs}
 
 
-def parallelize_flow(ctx: types.SimpleNamespace) -> dict[str, Any]:
+def flow_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
+    """`parallelize_flow`'s step (module docstring), its phases marked as each call returns."""
     import h3lab.optim
     from h3lab.nn import diffusers_kwargs, flow_matching_loss, full_state_dict
     from h3lab.train.objective import FlowObjective
@@ -257,20 +296,28 @@ def parallelize_flow(ctx: types.SimpleNamespace) -> dict[str, Any]:
     model, objective = _model(ctx), FlowObjective()
     opt = h3lab.optim.AdamW(model.parameters(), lr=LR)
 
-    def step(k: int) -> tuple[Tensor, Tensor]:
+    def step(k: int, mark: Mark) -> tuple[Tensor, Tensor, dict[str, float]]:
         sample = objective.sample(ctx.inputs, step_seed(ctx.seed, k))
-        out = model(**diffusers_kwargs(sample.inputs))
+        kwargs = diffusers_kwargs(sample.inputs)
+        mark("sample")
+        out = model(**kwargs)
+        mark("forward")
         loss = flow_matching_loss(objective, sample, out.sample[0], out.audio_sample[0])
+        mark("loss")
         loss.backward()
+        mark("backward")
         norm = h3lab.optim.clip_grad_norm_(model, MAX_NORM)
+        mark("clip")
         opt.step()
         opt.zero_grad()
-        return loss.detach(), norm
+        mark("update")
+        return loss.detach(), norm, {}
 
-    return _timed(ctx, step, lambda: full_state_dict(model))
+    return step, lambda: full_state_dict(model)
 
 
-def parallelize_custom(ctx: types.SimpleNamespace) -> dict[str, Any]:
+def custom_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
+    """`parallelize_custom`'s step (module docstring), its phases marked as each call returns."""
     import h3lab.optim
     from h3lab.nn import diffusers_kwargs, full_state_dict
 
@@ -282,21 +329,28 @@ def parallelize_custom(ctx: types.SimpleNamespace) -> dict[str, Any]:
     advantage = torch.randn(i.video_rows.shape[0], generator=g).to(ctx.device)
     kwargs = diffusers_kwargs(i)
 
-    def step(k: int) -> tuple[Tensor, Tensor]:
+    def step(k: int, mark: Mark) -> tuple[Tensor, Tensor, dict[str, float]]:
         out = model(**kwargs)
+        mark("forward")
         mse = ((out.sample[0] - targets[0]) ** 2).mean(-1)
         cos = F.cosine_similarity(out.audio_sample[0], targets[1], dim=-1)
         loss = (advantage * mse.clamp(max=4.0)).mean() + 0.5 * (1 - cos).clamp(min=0.05).mean()
+        mark("loss")
         loss.backward()
+        mark("backward")
         norm = h3lab.optim.clip_grad_norm_(model, MAX_NORM)
+        mark("clip")
         opt.step()
         opt.zero_grad()
-        return loss.detach(), norm
+        mark("update")
+        return loss.detach(), norm, {}
 
-    return _timed(ctx, step, lambda: full_state_dict(model))
+    return step, lambda: full_state_dict(model)
 
 
-def trainer(ctx: types.SimpleNamespace) -> dict[str, Any]:
+def trainer_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
+    """`trainer`'s step; its phases are its own clocks' (`TrainStep.timings`: model_forward,
+    model_backward, the clip, the update; each up to a host sync)."""
     from h3lab.backend import get_backend
     from h3lab.train.adamw import AdamWHyper
     from h3lab.train.step import Trainer
@@ -306,11 +360,23 @@ def trainer(ctx: types.SimpleNamespace) -> dict[str, Any]:
     hyper = AdamWHyper(lr=LR, max_grad_norm=MAX_NORM)
     t = Trainer(ctx.weights, ctx.inputs, blocks=blocks, hyper=hyper, seed=ctx.seed, backend=be)
 
-    def step(k: int) -> tuple[Tensor, Tensor]:
+    def step(k: int, mark: Mark) -> tuple[Tensor, Tensor, dict[str, float]]:
         s = t.step(k)
-        return s.loss, s.grad_norm
+        return s.loss, s.grad_norm, {p.removesuffix("_s"): v for p, v in s.timings.items()}
 
-    return _timed(ctx, step, lambda: dict(t.weights.tensors))
+    return step, lambda: dict(t.weights.tensors)
+
+
+def parallelize_flow(ctx: types.SimpleNamespace) -> dict[str, Any]:
+    return _timed(ctx, *flow_step(ctx))
+
+
+def parallelize_custom(ctx: types.SimpleNamespace) -> dict[str, Any]:
+    return _timed(ctx, *custom_step(ctx))
+
+
+def trainer(ctx: types.SimpleNamespace) -> dict[str, Any]:
+    return _timed(ctx, *trainer_step(ctx))
 
 
 def eager(ctx: types.SimpleNamespace) -> dict[str, Any]:
@@ -328,6 +394,131 @@ def eager(ctx: types.SimpleNamespace) -> dict[str, Any]:
         seed=ctx.seed,
     )
     return eager_side(a, ctx.weights, ctx.inputs)
+
+
+# ---- host synchronisations of one step ---------------------------------------------------------------
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # h3lab/
+_HOST_READS = ("_local_scalar_dense", "nonzero", "_unique", "unique", "equal", "masked_select")  # aten op names
+_SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s
+
+
+def host_syncs(run: Callable[[], object], device: torch.device) -> dict[str, Any]:
+    """The host synchronisations `run()` makes: "sites" counts them by the innermost h3lab function on the
+    stack ("h3lab/model/inputs.py:__post_init__"), "total" sums them; on CUDA "cuda_reported" is what
+    torch itself reports (`torch.cuda.set_sync_debug_mode`, no sites: an autograd backward's reports
+    reach the host at its end).
+
+    Counted on every device alike, as calls that are a host sync on a GPU (a CPU never waits): an op that
+    reads a tensor on the host (item, bool, int, float, tolist, nonzero, unique, equal, a boolean-mask
+    index; torch's dispatcher sees them, in an autograd backward's thread too), and a blocking copy
+    naming a device (`Tensor.to`, `torch.tensor`, `torch.as_tensor`: a sync when the source is on the
+    host; named, not seen, so counted whatever the source).
+    """
+    sites: dict[str, int] = {}
+
+    def note() -> None:
+        site = _site(sys._getframe(1))
+        sites[site] = sites.get(site, 0) + 1
+
+    reported = _cuda_reported(lambda: _noted(run, note)) if device.type == "cuda" else None
+    if reported is None:
+        _noted(run, note)
+    out: dict[str, Any] = {"sites": dict(sorted(sites.items())), "total": sum(sites.values())}
+    return out | ({"cuda_reported": reported} if device.type == "cuda" else {})
+
+
+def _site(frame: Any) -> str:
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_PACKAGE + os.sep) and frame.f_code not in _COUNTER_CODE:
+            return f"h3lab/{os.path.relpath(path, _PACKAGE)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "outside h3lab"
+
+
+def _cuda_reported(run: Callable[[], object]) -> int:
+    """`run()` under torch's sync debug mode: the synchronisations it reports."""
+    import warnings
+
+    count = 0
+
+    def seen(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        nonlocal count
+        count += _SYNC_WARNING in str(message)
+
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():  # restores showwarning on exit
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    return count
+
+
+class _HostReads(TorchDispatchMode):
+    """Notes every op that reads a tensor on the host."""
+
+    def __init__(self, note: Callable[[], None]) -> None:
+        super().__init__()
+        self.note = note
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.overloadpacket.__name__
+        masked = name == "index" and any(
+            isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
+        )
+        if name.startswith(_HOST_READS) or masked:
+            self.note()
+        return func(*args, **(kwargs or {}))
+
+
+def _noted(run: Callable[[], object], note: Callable[[], None]) -> None:
+    """`run()` with `_HostReads` on, and `Tensor.tolist` and the blocking copies naming a device noted."""
+
+    def tolist(self: Tensor) -> Any:
+        note()
+        return originals["tolist"](self)
+
+    def to(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        named = kwargs.get("device") is not None or any(isinstance(a, str | torch.device) for a in args)
+        if named and not kwargs.get("non_blocking", False):
+            note()
+        return originals["to"](self, *args, **kwargs)
+
+    def factory(name: str) -> Callable[..., Tensor]:
+        def made(*args: Any, **kwargs: Any) -> Tensor:
+            if kwargs.get("device") is not None:
+                note()
+            return originals[name](*args, **kwargs)
+
+        return made
+
+    owners = {"tolist": torch.Tensor, "to": torch.Tensor, "tensor": torch, "as_tensor": torch}
+    originals = {n: getattr(o, n) for n, o in owners.items()}
+    own = {n: n in vars(o) for n, o in owners.items()}  # Tensor's methods live on its C base class
+    patches = {"tolist": tolist, "to": to, "tensor": factory("tensor"), "as_tensor": factory("as_tensor")}
+    _COUNTER_CODE.update(f.__code__ for f in patches.values())
+    try:
+        for n, f in patches.items():
+            setattr(owners[n], n, f)
+        with _HostReads(note):
+            run()
+    finally:
+        for n, o in owners.items():
+            if own[n]:
+                setattr(o, n, originals[n])
+            else:
+                delattr(o, n)
+
+
+# the counter's own frames, never a site (torch wraps a mode's __torch_dispatch__)
+_COUNTER_CODE = {
+    inspect.unwrap(f).__code__ for f in (host_syncs, _site, _cuda_reported, _noted, _HostReads.__torch_dispatch__)
+}
 
 
 SIDES = {
@@ -366,10 +557,12 @@ def main(argv: list[str] | None = None) -> int:
     if record["status"] != "complete":
         print(f"{PROG}: {record['error']}", file=sys.stderr)
         return 1
-    r, b = record["ratios"], record["bitwise"]
+    r, b, syncs = record["ratios"], record["bitwise"], record["host_syncs"]
+    phases = {side: {p: round(s * 1e3, 2) for p, s in ph.items()} for side, ph in record["phases_median_s"].items()}
     print(
         f"parallelize_flow / trainer {r['parallelize_flow / trainer']:.3f} (target <= {TARGET}), "
-        f"parallelize_flow / eager {r['parallelize_flow / eager']:.3f}; bitwise: {b}; {a.out}",
+        f"parallelize_flow / eager {r['parallelize_flow / eager']:.3f}; bitwise: {b}; {a.out}\n"
+        f"phases, median ms: {phases}\nhost syncs per step: {syncs}",
         flush=True,
     )
     return 0
