@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -58,6 +58,9 @@ class ParallelState:
     rows_shard: RowsShard | None  # None: this rank holds every row (TP without SP or CP)
     names: tuple[str, ...]  # the model's parameters, in `named_parameters` order
     clip: PendingClip | None = None
+    # the last recorded forward's and backward's own seconds (model_forward's `forward_s`,
+    # model_backward's `backward_s`: the clocks Trainer reports), for benchmarks
+    timings: dict[str, float] = field(default_factory=dict)
     _model: weakref.ref | None = None  # the model this state is of (set by `register`)
 
     def model(self) -> nn.Module:
