@@ -419,10 +419,10 @@ def host_syncs(run: Callable[[], object], device: torch.device) -> dict[str, Any
     reach the host at its end).
 
     Counted on every device alike, as calls that are a host sync on a GPU (a CPU never waits): an op that
-    reads a tensor on the host (item, bool, int, float, tolist, nonzero, unique, equal, a boolean-mask
-    index; torch's dispatcher sees them, in an autograd backward's thread too), and a blocking copy
-    naming a device (`Tensor.to`, `torch.tensor`, `torch.as_tensor`: a sync when the source is on the
-    host; named, not seen, so counted whatever the source).
+    reads a tensor on the host (item, bool, int, float, nonzero, unique, equal, a boolean-mask index:
+    torch's dispatcher sees them, in an autograd backward's thread too; tolist), and a blocking copy
+    naming a device (`Tensor.cpu`, `Tensor.to`, `torch.tensor`, `torch.as_tensor`: a sync when one end
+    is the host; named, not seen, so counted wherever the tensor is).
     """
     sites: dict[str, int] = {}
 
@@ -477,21 +477,24 @@ class _HostReads(TorchDispatchMode):
         self.note = note
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func.overloadpacket.__name__
-        masked = name == "index" and any(
-            isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
-        )
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")  # "" for a higher-order op
+        indices = args[1] if name == "index" and isinstance(args[1], list | tuple) else ()
+        masked = any(isinstance(i, Tensor) and i.dtype == torch.bool for i in indices)
         if name.startswith(_HOST_READS) or masked:
             self.note()
         return func(*args, **(kwargs or {}))
 
 
 def _noted(run: Callable[[], object], note: Callable[[], None]) -> None:
-    """`run()` with `_HostReads` on, and `Tensor.tolist` and the blocking copies naming a device noted."""
+    """`run()` with `_HostReads` on, and `Tensor.tolist`, `Tensor.cpu` and the blocking copies naming a
+    device noted."""
 
-    def tolist(self: Tensor) -> Any:
-        note()
-        return originals["tolist"](self)
+    def read(name: str) -> Callable[..., Any]:
+        def reads(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            note()
+            return originals[name](self, *args, **kwargs)
+
+        return reads
 
     def to(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         named = kwargs.get("device") is not None or any(isinstance(a, str | torch.device) for a in args)
@@ -507,10 +510,12 @@ def _noted(run: Callable[[], object], note: Callable[[], None]) -> None:
 
         return made
 
-    owners = {"tolist": torch.Tensor, "to": torch.Tensor, "tensor": torch, "as_tensor": torch}
+    owners = {"tolist": torch.Tensor, "cpu": torch.Tensor, "to": torch.Tensor, "tensor": torch, "as_tensor": torch}
     originals = {n: getattr(o, n) for n, o in owners.items()}
     own = {n: n in vars(o) for n, o in owners.items()}  # Tensor's methods live on its C base class
-    patches = {"tolist": tolist, "to": to, "tensor": factory("tensor"), "as_tensor": factory("as_tensor")}
+    patches = {"tolist": read("tolist"), "cpu": read("cpu"), "to": to} | {
+        n: factory(n) for n in ("tensor", "as_tensor")
+    }
     _COUNTER_CODE.update(f.__code__ for f in patches.values())
     try:
         for n, f in patches.items():
