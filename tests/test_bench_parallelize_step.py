@@ -46,8 +46,9 @@ def test_the_record_holds_bitwise_verdicts_and_every_sides_timed_steps(tmp_path,
         and t.loc[("tp2", 1, "parallelize_custom"), "bitwise"]
     )
     assert r["host_syncs"]["parallelize_flow beyond trainer"] == {} and r["host_syncs"]["total"]["trainer"] > 0
-    assert set(r["phases_median_s"]["parallelize_flow"]) == {"sample", "forward", "loss", "backward", "clip", "update"}
-    assert set(r["phases_median_s"]["trainer"]) == {"forward", "backward", "clip", "update"}
+    calls = {"sample", "forward", "loss", "backward", "clip", "update", "model_forward", "model_backward"}
+    assert set(r["phases_median_s"]["parallelize_flow"]) == calls
+    assert set(r["phases_median_s"]["trainer"]) == {"model_forward", "model_backward", "clip", "update"}
     assert "parallelize_flow / trainer" in capsys.readouterr().out
 
 
@@ -74,6 +75,7 @@ def test_a_flow_step_syncs_the_host_only_where_a_trainer_step_does():
         (["--rows", "8"], "--rows 8; allowed: >= "),
         (["--steps", "0"], "--steps 0; allowed: >= 1"),
         (["--backend", "triton"], "--backend triton runs on --device cuda only"),
+        (["--order", "trainer,eager"], "--order trainer,eager; allowed: parallelize_flow,trainer,eager,"),
     ],
 )
 def test_a_bad_argument_is_one_line_and_writes_nothing(tmp_path, capsys, extra, expected):

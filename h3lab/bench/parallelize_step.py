@@ -3,6 +3,7 @@ h3lab's own `Trainer` and against diffusers + autograd + `torch.optim.AdamW`, as
 
     python -m h3lab.bench.parallelize_step --out F.json [--config real|tiny] [--layers 4] [--rows N]
         [--steps S] [--device cuda|cpu] [--backend triton|torch] [--seed N] [--timeout SECONDS]
+        [--order parallelize_flow,trainer,eager,parallelize_custom]
 
 On one H200 (diffusers 0.42.1 is needed on every rank: the `parity` extra, from a carried wheel where
 the node lacks it; `h3lab publish --node h200` runs this through its registry):
@@ -13,28 +14,31 @@ the node lacks it; `h3lab publish --node h200` runs this through its registry):
 A model of the real config's shapes with `--layers` blocks and synthetic weights (`SyntheticWeights`,
 the checkpoint's mixed precision) trains on one request (`request_of_rows`: exactly N rows), AdamW
 (lr 1e-5) with a clip at 1. Two launches through h3lab.launch.launcher, the ranks in this module (`--worker`):
-- tp1, one process, four sides one after the other, each on its own copy of the weights (the other
-  side's tensors freed first): `parallelize_flow` (a parallelized diffusers model trained on h3lab's
-  objective through autograd, `flow_matching_loss` on `FlowObjective.sample` of step k's seed, with
-  `h3lab.optim`: the work of a `Trainer` step, so its time against `trainer` is the wrapper's cost,
-  target <= 1.03x), `trainer` (`h3lab.train.step.Trainer`), `eager` (h3lab.bench.train_step's eager
-  side: diffusers + autograd + torch.optim.AdamW on FP32 masters), `parallelize_custom` (the same
-  parallelized model on a loss of its own: an advantage-weighted, clamped MSE of the video head plus
-  a cosine term on the audio head, on a fixed noised request);
+- tp1, one process, four sides one after the other (`--order`: another order shows what a side's
+  place costs it), each on its own copy of the weights (the other side's tensors freed first):
+  `parallelize_flow` (a parallelized diffusers model trained on h3lab's objective through autograd,
+  `flow_matching_loss` on `FlowObjective.sample` of step k's seed, with `h3lab.optim`: the work of a
+  `Trainer` step, so its time against `trainer` is the wrapper's cost, target <= 1.03x), `trainer`
+  (`h3lab.train.step.Trainer`), `eager` (h3lab.bench.train_step's eager side: diffusers + autograd +
+  torch.optim.AdamW on FP32 masters), `parallelize_custom` (the same parallelized model on a loss of
+  its own: an advantage-weighted, clamped MSE of the video head plus a cosine term on the audio head,
+  on a fixed noised request);
 - tp2, two processes (one GPU each where there are two; on one GPU both share it and the bytes
   travel over gloo through the host, NCCL refusing two ranks on one GPU, so its times are no speed
   figure): `parallelize_custom` again.
 Every side runs steps 1 and 2 untimed (the first compiles the kernels), takes digests (h3lab.metrics
 .digest) of every weight after step 2 and the bits of each step's loss and gradient norm, then times
-`--steps` steps: each after a barrier of the layout's ranks and a device synchronisation, CUDA events
-on a GPU (the wall clock on a CPU), medians and quartiles (h3lab.bench.step_timing), and phases: the
+`--steps` steps: each after a barrier of the layout's ranks and a device synchronisation, CUDA events on
+a GPU (the wall clock on a CPU), medians and quartiles (h3lab.bench.step_timing), and phases: the
 parallelized model's between its calls (sample, forward, loss, backward, clip, update; CUDA events),
-Trainer's from its own clocks (`TrainStep.timings`: forward, backward, clip, update, each up to a
-host sync). One more step counts its host synchronisations by site (`host_syncs`); the record holds
-the sites where `parallelize_flow` makes more than `trainer` (the target: none). Bitwise: tp2's
-`parallelize_custom` against tp1's on both ranks; `parallelize_flow` against `trainer` (the loss, the
-norm, every weight after step 2). The record is written at the start (`running`) and at the end
-(`complete`, or `failed` with the launch that failed and its logs).
+Trainer's from its own clocks (`TrainStep.timings`: model_forward, model_backward, clip, update, each up
+to a host sync), and `parallelize_flow`'s model_forward and model_backward from the same clocks (what
+the wrapper adds around them is forward - model_forward, backward - model_backward). One more step
+counts its host synchronisations by site (`host_syncs`); the record holds the sites where
+`parallelize_flow` makes more than `trainer` (the target: none). Bitwise: tp2's `parallelize_custom`
+against tp1's on both ranks; `parallelize_flow` against `trainer` (the loss, the norm, every weight
+after step 2). The record is written at the start (`running`) and at the end (`complete`, or `failed`
+with the launch that failed and its logs).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ LAYOUTS = ("tp1", "tp2")
 BITWISE_STEPS = 2  # untimed, then compared
 TARGET = 1.03  # parallelize_flow / trainer, medians
 LR, MAX_NORM = 1e-5, 1.0
+ORDER = ("parallelize_flow", "trainer", "eager", "parallelize_custom")  # tp1's sides, as they run by default
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", default=None, choices=("triton", "torch"), help="h3lab's kernels (cuda: triton)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
+    ap.add_argument("--order", default=",".join(ORDER), help="tp1's sides in the order they run, comma-separated")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a rank: its spec
     a = ap.parse_args(argv)
     if a.worker is not None:
@@ -109,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--rows {a.rows}; allowed: >= {min_request_rows(config)} (text, a keyframe, a frame, audio)")
     if a.steps < 1:
         raise ValueError(f"--steps {a.steps}; allowed: >= 1")
+    if sorted(a.order.split(",")) != sorted(ORDER):
+        raise ValueError(f"--order {a.order}; allowed: {','.join(ORDER)} in any order, each once")
     a.backend = a.backend or ("triton" if a.device == "cuda" else "torch")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible here; allowed: --device cpu")
@@ -200,9 +208,7 @@ def worker(spec_path: Path) -> int:
     ctx = context(spec)
     layout, device = ctx.layout, ctx.device
     sides: dict[str, Any] = {}
-    names = (
-        ("parallelize_custom",) if layout.world > 1 else ("parallelize_flow", "trainer", "eager", "parallelize_custom")
-    )
+    names = ("parallelize_custom",) if layout.world > 1 else tuple(spec["order"].split(","))
     for name in names:
         sides[name] = SIDES[name](ctx)
         _free(device)
@@ -287,14 +293,17 @@ def _timed(ctx: types.SimpleNamespace, step: Step, weights: Weights) -> dict:
 
 
 def flow_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
-    """`parallelize_flow`'s step (module docstring), its phases marked as each call returns."""
+    """`parallelize_flow`'s step (module docstring), its phases marked as each call returns, and
+    model_forward's and model_backward's own clocks (as Trainer's)."""
     import h3lab.optim
     from h3lab.nn import diffusers_kwargs, flow_matching_loss, full_state_dict
+    from h3lab.nn.state import state_of
     from h3lab.train.objective import FlowObjective
     from h3lab.train.step import step_seed
 
     model, objective = _model(ctx), FlowObjective()
     opt = h3lab.optim.AdamW(model.parameters(), lr=LR)
+    state = state_of(model)
 
     def step(k: int, mark: Mark) -> tuple[Tensor, Tensor, dict[str, float]]:
         sample = objective.sample(ctx.inputs, step_seed(ctx.seed, k))
@@ -311,7 +320,7 @@ def flow_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
         opt.step()
         opt.zero_grad()
         mark("update")
-        return loss.detach(), norm, {}
+        return loss.detach(), norm, {f"model_{p.removesuffix('_s')}": v for p, v in state.timings.items()}
 
     return step, lambda: full_state_dict(model)
 
@@ -349,8 +358,8 @@ def custom_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
 
 
 def trainer_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
-    """`trainer`'s step; its phases are its own clocks' (`TrainStep.timings`: model_forward,
-    model_backward, the clip, the update; each up to a host sync)."""
+    """`trainer`'s step; its phases are its own clocks' (`TrainStep.timings`: model_forward's,
+    model_backward's, the clip's, the update's; each up to a host sync)."""
     from h3lab.backend import get_backend
     from h3lab.train.adamw import AdamWHyper
     from h3lab.train.step import Trainer
@@ -362,7 +371,8 @@ def trainer_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
 
     def step(k: int, mark: Mark) -> tuple[Tensor, Tensor, dict[str, float]]:
         s = t.step(k)
-        return s.loss, s.grad_norm, {p.removesuffix("_s"): v for p, v in s.timings.items()}
+        names = {"forward_s": "model_forward", "backward_s": "model_backward", "clip_s": "clip", "update_s": "update"}
+        return s.loss, s.grad_norm, {names[p]: v for p, v in s.timings.items()}
 
     return step, lambda: dict(t.weights.tensors)
 
@@ -409,10 +419,10 @@ def host_syncs(run: Callable[[], object], device: torch.device) -> dict[str, Any
     reach the host at its end).
 
     Counted on every device alike, as calls that are a host sync on a GPU (a CPU never waits): an op that
-    reads a tensor on the host (item, bool, int, float, tolist, nonzero, unique, equal, a boolean-mask
-    index; torch's dispatcher sees them, in an autograd backward's thread too), and a blocking copy
-    naming a device (`Tensor.to`, `torch.tensor`, `torch.as_tensor`: a sync when the source is on the
-    host; named, not seen, so counted whatever the source).
+    reads a tensor on the host (item, bool, int, float, nonzero, unique, equal, a boolean-mask index:
+    torch's dispatcher sees them, in an autograd backward's thread too; tolist), and a blocking copy
+    naming a device (`Tensor.cpu`, `Tensor.to`, `torch.tensor`, `torch.as_tensor`: a sync when one end
+    is the host; named, not seen, so counted wherever the tensor is).
     """
     sites: dict[str, int] = {}
 
@@ -467,21 +477,24 @@ class _HostReads(TorchDispatchMode):
         self.note = note
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func.overloadpacket.__name__
-        masked = name == "index" and any(
-            isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
-        )
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")  # "" for a higher-order op
+        indices = args[1] if name == "index" and isinstance(args[1], list | tuple) else ()
+        masked = any(isinstance(i, Tensor) and i.dtype == torch.bool for i in indices)
         if name.startswith(_HOST_READS) or masked:
             self.note()
         return func(*args, **(kwargs or {}))
 
 
 def _noted(run: Callable[[], object], note: Callable[[], None]) -> None:
-    """`run()` with `_HostReads` on, and `Tensor.tolist` and the blocking copies naming a device noted."""
+    """`run()` with `_HostReads` on, and `Tensor.tolist`, `Tensor.cpu` and the blocking copies naming a
+    device noted."""
 
-    def tolist(self: Tensor) -> Any:
-        note()
-        return originals["tolist"](self)
+    def read(name: str) -> Callable[..., Any]:
+        def reads(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            note()
+            return originals[name](self, *args, **kwargs)
+
+        return reads
 
     def to(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         named = kwargs.get("device") is not None or any(isinstance(a, str | torch.device) for a in args)
@@ -497,10 +510,12 @@ def _noted(run: Callable[[], object], note: Callable[[], None]) -> None:
 
         return made
 
-    owners = {"tolist": torch.Tensor, "to": torch.Tensor, "tensor": torch, "as_tensor": torch}
+    owners = {"tolist": torch.Tensor, "cpu": torch.Tensor, "to": torch.Tensor, "tensor": torch, "as_tensor": torch}
     originals = {n: getattr(o, n) for n, o in owners.items()}
     own = {n: n in vars(o) for n, o in owners.items()}  # Tensor's methods live on its C base class
-    patches = {"tolist": tolist, "to": to, "tensor": factory("tensor"), "as_tensor": factory("as_tensor")}
+    patches = {"tolist": read("tolist"), "cpu": read("cpu"), "to": to} | {
+        n: factory(n) for n in ("tensor", "as_tensor")
+    }
     _COUNTER_CODE.update(f.__code__ for f in patches.values())
     try:
         for n, f in patches.items():

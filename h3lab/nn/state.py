@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,7 @@ class PendingClip:
     coef: Tensor  # 0-d float32
     norm: Tensor  # 0-d float32
     grads: dict[str, tuple[Tensor, int]]  # parameter name -> its gradient and version counter at the norm
+    names: dict[int, str]  # id of each of the model's parameters at the norm -> its name
 
     def changed(self, grads: dict[str, Tensor | None]) -> list[str]:
         """The parameters whose gradient is not the one (or not at the version) the norm was taken of."""
@@ -58,13 +59,9 @@ class ParallelState:
     rows_shard: RowsShard | None  # None: this rank holds every row (TP without SP or CP)
     names: tuple[str, ...]  # the model's parameters, in `named_parameters` order
     clip: PendingClip | None = None
-    _model: weakref.ref | None = None  # the model this state is of (set by `register`)
-
-    def model(self) -> nn.Module:
-        model = self._model() if self._model is not None else None
-        if model is None:
-            raise ValueError("the parallelized model is gone; allowed: a live model")
-        return model
+    # the last recorded forward's and backward's own seconds (model_forward's `forward_s`,
+    # model_backward's `backward_s`: the clocks Trainer reports), for benchmarks
+    timings: dict[str, float] = field(default_factory=dict)
 
     def params(self, model: nn.Module) -> list[Tensor]:
         """The model's parameters in `names` order.
@@ -105,7 +102,6 @@ _MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def register(model: nn.Module, state: ParallelState) -> None:
-    state._model = weakref.ref(model)
     object.__setattr__(model, STATE_ATTR, state)  # no nn.Module bookkeeping: not a module or parameter
     _MODELS.add(model)
 

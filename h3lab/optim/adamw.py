@@ -115,8 +115,11 @@ class AdamW(torch.optim.Optimizer):
         clip = owner.clip
         if clip is None:
             return torch.ones((), dtype=torch.float32, device=owner.device)
-        names = {id(p): n for n, p in zip(owner.names, owner.params(owner.model()), strict=True)}
-        grads = {names[id(p)]: p.grad for g in self.param_groups for p in g["params"]}
+        # by the names the model's parameters had at the norm (one not among them: a name no norm took)
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = {
+            clip.names.get(id(p), f"<parameter {k}: not the model's at the norm>"): p.grad for k, p in enumerate(params)
+        }
         changed = clip.changed(grads)
         if changed:
             raise ValueError(

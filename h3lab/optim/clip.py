@@ -46,7 +46,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:
         max_norm=float(max_norm),
         at="clip_grad_norm_",
     )
-    state.clip = PendingClip(coef=coef, norm=gn.norm, grads={n: (g, g._version) for n, g in grads.items()})
+    pending = {n: (g, g._version) for n, g in grads.items()}
+    state.clip = PendingClip(coef=coef, norm=gn.norm, grads=pending, names={id(p): n for n, p in params.items()})
     return gn.norm
 
 
