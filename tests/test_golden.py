@@ -56,7 +56,7 @@ def flipped(digests: dict[str, dict[str, str]], part: str, tensor: str) -> dict[
 def test_this_cpu_reproduces_the_torch_set(capsys):
     assert main(["verify"]) == 0
     out = capsys.readouterr().out
-    assert "recorded on CPU; observed on CPU (block, trajectory), H200 (block)" in out
+    assert "recorded on CPU; observed on CPU (block, trajectory), H200 (block, trajectory)" in out
     assert "expected, not yet observed on: H100, B200" in out
     assert f"ok   {'out':32s} {PUBLISHED['torch']['block']['out'][:16]}" in out
     assert "CPU / torch: reproduces the published bits of set torch" in out
@@ -120,9 +120,9 @@ def test_gpus_check_torch_against_the_device_independent_set(monkeypatch, capsys
     out = capsys.readouterr().out
     assert "set torch (" in out and "recorded on CPU" in out
     assert "block, trajectory: expected, not yet observed on H100" in out
-    play_gpu(monkeypatch, "H200", "sm90", {"torch": cpu_torch})  # the H200 reproduced the block, not the trajectory
+    play_gpu(monkeypatch, "H200", "sm90", {"torch": cpu_torch})  # the H200 has reproduced both parts
     res = golden.verify("torch", "cuda")
-    assert res["match"] and res["not_observed"] == ["trajectory"]
+    assert res["match"] and res["not_observed"] == []
 
 
 def test_a_b200_with_nothing_published_prints_its_digests_and_how_to_publish(monkeypatch, capsys, sets, cpu_torch):
