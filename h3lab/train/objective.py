@@ -145,9 +145,10 @@ class FlowObjective:
                 per_modality[m] = torch.zeros((), dtype=F32, device=pred.device)
                 continue
             total = pair_sum(pair_sum(e * e, -1)[order], -1)  # channels, then rows in key order
-            per_modality[m] = total / torch.tensor(float(count), dtype=F32, device=pred.device)
-            grads[m][nc:] = e * torch.tensor(2.0 * self.weights[m] / count, dtype=F32, device=pred.device)
-        w = {m: torch.tensor(self.weights[m], dtype=F32, device=output.video.device) for m in MODALITIES}
+            # the FP32 scalars made on the device (torch.full): a host tensor copied there would wait for the GPU
+            per_modality[m] = total / torch.full((), float(count), dtype=F32, device=pred.device)
+            grads[m][nc:] = e * torch.full((), 2.0 * self.weights[m] / count, dtype=F32, device=pred.device)
+        w = {m: torch.full((), float(self.weights[m]), dtype=F32, device=output.video.device) for m in MODALITIES}
         total = w["video"] * per_modality["video"] + w["audio"] * per_modality["audio"]
         return FlowLoss(total, per_modality, ModelOutput(**grads))
 
