@@ -20,7 +20,12 @@ from h3lab.run.trace import TraceRecorder, first_divergence, load_trace, timelin
 from h3lab.units import assemble_unit_grads
 from tests.conftest import assert_bitwise
 
-LAYOUTS = "tp2 tp4xcp2+sp tp8:2x4"
+# One layout with every axis (TP, CP, SP) at its smallest: what a chain and a trajectory add to a
+# block (each block's input rows carried to the next; a trajectory's steps, each gathering its sequence
+# from the row shards) runs on row shards and TP units alike. The TP widths and the two-node split
+# (tp8:2x4) are the block's and the comm's (tests/test_runner.py runs the seven layouts), and a 4-block
+# chain's forward and backward under tp8:2x4 runs in each training step of tests/test_train_run.py.
+LAYOUTS = "tp2xcp2+sp"
 CHAIN = Problem(task="chain", block=0, last_block=3, rows=64, seed=21)
 BE = get_backend("torch")
 
@@ -88,7 +93,7 @@ def test_a_chain_that_keeps_its_forwards_gives_the_recomputing_chains_bytes():
         block_backward(kept0, batch.grad_out)
 
 
-def test_a_four_block_chain_is_bitwise_under_layouts_with_every_op_traced(tmp_path):
+def test_a_four_block_chain_is_bitwise_under_tp_cp_and_sp_with_every_op_traced(tmp_path):
     summary = run(RunRequest(layouts=tuple(parse_layouts(LAYOUTS)), problem=CHAIN, out=tmp_path / "run", trace=True))
     assert summary["status"] == "passed"
     for rec in summary["layouts"].values():
@@ -96,12 +101,12 @@ def test_a_four_block_chain_is_bitwise_under_layouts_with_every_op_traced(tmp_pa
         assert {"out", "dx", "block0.dtemb", "block3.dw.ff.net.2.weight"} <= names and len(names) == 2 + 4 * 13
         assert all(t["bitwise_equal"] for t in rec["tensors"].values())
         assert rec["first_divergence"] is None  # every op of every block, reassembled, equals the canonical one
-    _, order = load_trace(tmp_path / "run" / "layouts" / "tp4xcp2_sp.trace")
+    _, order = load_trace(tmp_path / "run" / "layouts" / "tp2xcp2_sp.trace")
     # 16 forward ops per block in block order, then 12 backward ops per block in reverse block order
     assert len(order) == 4 * 28 and order[0][0] == "block0.adaln.table" and order[-1][0] == "block0.dx"
 
 
-def test_a_two_step_trajectory_is_bitwise_under_layouts(tmp_path):
+def test_a_two_step_trajectory_is_bitwise_under_tp_cp_and_sp(tmp_path):
     p = Problem(task="trajectory", block=0, last_block=3, steps=2, seed=22)
     summary = run(RunRequest(layouts=tuple(parse_layouts(LAYOUTS)), problem=p, out=tmp_path / "run"))
     assert summary["status"] == "passed"

@@ -1,6 +1,6 @@
 """The notebooks run through papermill with CI parameters; their run directories hold what they claim.
 
-One reproduce sweep (tp2 and tp4xcp2+sp, 64 rows, deterministic and baseline) is shared by the
+One reproduce sweep (tp2 and tp2xcp2+sp, 64 rows, deterministic and baseline) is shared by the
 explore and report tests. Bitwise verdicts are checked exactly, against the tensors on disk.
 """
 
@@ -25,8 +25,8 @@ from h3lab.workbench.params import ExploreParams, ReportParams, ReproduceParams,
 from h3lab.workbench.publish import chromium
 
 pytestmark = pytest.mark.notebooks
-CI = {"layouts": ["tp2", "tp4xcp2+sp"], "rows": 64, "modes": ["deterministic", "baseline"], "seeds": [0]}
-SLUGS = {"tp2": "tp2", "tp4xcp2+sp": "tp4xcp2_sp"}
+CI = {"layouts": ["tp2", "tp2xcp2+sp"], "rows": 64, "modes": ["deterministic", "baseline"], "seeds": [0]}
+SLUGS = {"tp2": "tp2", "tp2xcp2+sp": "tp2xcp2_sp"}
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_reproduce_writes_the_run_directory_and_exact_verdicts(sweep_dir):
                 if mode == "deterministic":
                     assert c.bitwise_equal, (layout, name)
     ranks = pd.read_parquet(sweep_dir / "ranks.parquet")
-    assert sorted(ranks.groupby("layout")["rank"].nunique().items()) == [("tp2", 2), ("tp4xcp2+sp", 8)]
+    assert sorted(ranks.groupby("layout")["rank"].nunique().items()) == [("tp2", 2), ("tp2xcp2+sp", 4)]
     assert (ranks["forward_s"] > 0).all() and (ranks[ranks["layout"] == "tp2"]["bytes_sent"] > 0).all()
     acc = json.loads((sweep_dir / "accuracy.json").read_text())
     assert acc["determinism"]["bitwise_equal"] is True and acc["rows"] == 64
@@ -183,7 +183,7 @@ def test_reproduce_writes_the_run_directory_and_exact_verdicts(sweep_dir):
 # ---- explore --------------------------------------------------------------------------------------
 def test_explore_records_one_layout(sweep_dir, tmp_path):
     out = tmp_path / "explore.ipynb"
-    params = {"run_dir": str(sweep_dir), "layout": "tp4xcp2+sp", "mode": "baseline", "tensor": "dx"}
+    params = {"run_dir": str(sweep_dir), "layout": "tp2xcp2+sp", "mode": "baseline", "tensor": "dx"}
     nb = notebooks.execute("explore", out, params | {"record": str(tmp_path / "explore.json")})
     assert _errors(nb) == []
     pngs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
@@ -192,7 +192,7 @@ def test_explore_records_one_layout(sweep_dir, tmp_path):
     record = json.loads((tmp_path / "explore.json").read_text())
     summary = json.loads((sweep_dir / "baseline" / "seed0" / "summary.json").read_text())
     recorded = {r["tensor"]: r["bitwise_equal"] for r in record["tensors"]}
-    assert recorded == {k: t["bitwise_equal"] for k, t in summary["layouts"]["tp4xcp2+sp"]["tensors"].items()}
+    assert recorded == {k: t["bitwise_equal"] for k, t in summary["layouts"]["tp2xcp2+sp"]["tensors"].items()}
     assert {r["tensor"] for r in record["fp64"]} == set(recorded)
     assert all(0 < r["layout rel L2"] < 0.05 for r in record["fp64"])  # bf16 against FP64: ~1e-2 at most
     assert record["decisions"] and {"site", "op", "algorithm", "bytes_sent"} <= set(record["decisions"][0])
@@ -206,7 +206,7 @@ def test_report_is_self_contained_and_renders_in_chromium(sweep_dir, tmp_path, c
     text = page.read_text()
     assert "<script src=" not in text and 'src="http' not in text and "cdnjs" not in text  # opens offline
     assert text.count('src="data:image/png;base64,') >= 3  # heatmap + per-element maps of both modes
-    assert "<table" in text and "tp4xcp2+sp" in text and "from h3lab.workbench" not in text  # no code cells
+    assert "<table" in text and "tp2xcp2+sp" in text and "from h3lab.workbench" not in text  # no code cells
     assert "report.html" in (root / "index.html").read_text()
     assert json.loads((root / "cpu" / "report.json").read_text())["deterministic_passed"] == 2
     elsewhere = tmp_path / "mine"
