@@ -62,7 +62,7 @@ def _assert_all_bitwise(summary: dict, out: Path, layouts) -> None:
 def seven(tmp_path_factory) -> tuple[dict, Path]:
     """The seven layouts in one run, each layout node its own torchrun agent on 127.0.0.1 (tp8:2x4 as
     two agents of 4; every other layout is one node, one agent): (summary, run folder). tp8:2x4 under
-    one agent of 8 runs in tests/test_chain.py, tests/test_train_run.py and tests/test_compare.py."""
+    one agent of 8 runs in tests/test_train_run.py and tests/test_compare.py."""
     # 263 active + 4 padding rows = 267: not divisible by the 2 CP or 8 SP shards, so SeqShard pads too
     tmp = tmp_path_factory.mktemp("seven")
     summary = run(
