@@ -1,5 +1,5 @@
 """`h3lab publish`: the benchmark registry as data, resumable stages, the folder built beside and swapped
-in, and the whole path end to end on CPU (tiny config, two layouts, 32 rows) into a temporary folder.
+in, and the whole path end to end on CPU (tiny config, one layout, 32 rows) into a temporary folder.
 
 The end-to-end test shrinks the CPU plan (plans.SWEEPS, registry.BENCHMARKS) to one small sweep, the
 CPU block benchmark and one CUDA benchmark that must be skipped with its reason; everything else is
@@ -24,13 +24,15 @@ from h3lab.bench import registry
 from h3lab.cli import main
 from h3lab.io.env import REPO
 from h3lab.workbench import benchmarks, folder, plans
+from h3lab.workbench.params import ReproduceParams
 from h3lab.workbench.publish import chromium
 from h3lab.workbench.stages import StageBook, run_command
 
+# One layout: the sweep is publish's input; a report of several layouts is tests/test_notebooks.py's
 SMALL_SWEEP = {
     "device": "cpu",
     "config": "tiny",
-    "layouts": "tp1,tp2",
+    "layouts": "tp2",
     "rows": 32,
     "modes": ["deterministic", "baseline"],
 }
@@ -192,6 +194,8 @@ def published(tmp_path_factory):
 
 @pytest.mark.notebooks
 def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(published, monkeypatch):
+    # the plans name their layouts as comma-separated strings (SMALL_SWEEP names one)
+    assert ReproduceParams(layouts="tp1,tp2", rows=32, modes="deterministic").layouts == ["tp1", "tp2"]
     rc, reports, work, argv = published
     assert rc == 0
     out = reports / "cpu"
@@ -202,7 +206,7 @@ def test_publish_runs_end_to_end_on_cpu_into_a_temporary_folder(published, monke
     assert "h3lab publish --node cpu" in readme and "`gemm` (needs CUDA; this is a CPU node)" in readme
     assert len(readme.splitlines()) < 40  # about one screen
     record = json.loads((out / "report.json").read_text())
-    assert record["deterministic_passed"] == 2 and record["benchmarks"]["block_cpu"] == "ran"
+    assert record["deterministic_passed"] == 1 and record["benchmarks"]["block_cpu"] == "ran"
     page = (out / "report.html").read_text()
     assert "block_cpu: the block on CPU" in page and "Not run here: needs CUDA" in page
     assert "h3lab.bench.block_cpu --config tiny --rows 32 --repeats 2 --out block-cpu.json" in page
