@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,13 @@ def leftovers(token: str) -> list[int]:
     from h3lab.launch.launcher import processes_with_token
 
     return [p.pid for p in processes_with_token(token)]
+
+
+def sigint_at_default() -> None:
+    """`preexec_fn` of a command a test sends Ctrl-C (SIGINT): SIGINT at its default there, whatever this
+    process inherited. A shell's background job (`pytest &`, nohup) ignores SIGINT, an ignored signal
+    stays ignored across exec, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def random_diffusers_model(config: H3Config, seed: int):

@@ -27,6 +27,7 @@ from h3lab.workbench import benchmarks, folder, plans
 from h3lab.workbench.params import ReproduceParams
 from h3lab.workbench.publish import chromium
 from h3lab.workbench.stages import StageBook, run_command
+from tests.conftest import sigint_at_default
 
 # One layout: the sweep is publish's input; a report of several layouts is tests/test_notebooks.py's
 SMALL_SWEEP = {
@@ -319,13 +320,20 @@ def test_ctrl_c_of_h3lab_publish_is_one_line_and_an_interrupted_stage(tmp_path):
     started) says interrupted, the work folder is released, nothing is published, no traceback."""
     work, reports = tmp_path / "work", tmp_path / "reports"
     argv = [sys.executable, "-m", "h3lab", "publish", "--node", "cpu", "--work", str(work), "--reports", str(reports)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not (work / "sweep-1" / "owner.json").is_file():  # the stage claimed its run folder: the notebook starts
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=90) == 128 + signal.SIGINT
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=sigint_at_default
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (work / "sweep-1" / "owner.json").is_file():  # the stage claimed its run folder: the notebook starts
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=90) == 128 + signal.SIGINT
+    finally:  # a failed wait leaves no publish (and no sweep of the whole CPU plan) running after the test
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     err = proc.stderr.read().decode()
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "h3lab publish: interrupted (Ctrl-C)", err
     book = json.loads((work / "stages.json").read_text())

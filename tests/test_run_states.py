@@ -26,7 +26,7 @@ from h3lab.io.jsonfile import write_json
 from h3lab.parallel.layout import parse_layouts
 from h3lab.run.problem import Problem
 from h3lab.run.runner import RunRequest, run
-from tests.conftest import leftovers
+from tests.conftest import leftovers, sigint_at_default
 
 
 def _summary(out: Path) -> dict:
@@ -236,14 +236,24 @@ def test_ctrl_c_of_h3lab_run_is_one_line_and_an_interrupted_run(tmp_path):
     cmd = [sys.executable, "-m", "h3lab", "run", "--layout", "tp2", "--synthetic", "tiny", "--rows", "8"]
     env = {**os.environ, "H3LAB_FAULT": "hang:canonical"}
     proc = subprocess.Popen(
-        [*cmd, "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        [*cmd, "--out", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=sigint_at_default,
     )
-    deadline = time.monotonic() + 120
-    while "running" not in _read(out / "canonical.status.json") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    token = json.loads((out / "owner.json").read_text())["token"]
-    os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    try:
+        deadline = time.monotonic() + 120
+        while "running" not in _read(out / "canonical.status.json") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        token = json.loads((out / "owner.json").read_text())["token"]
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    finally:  # a failed wait leaves no run (and no hanging canonical process) behind
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     err = proc.stderr.read().decode()
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "h3lab run: interrupted (Ctrl-C)", err
     summary = _summary(out)
