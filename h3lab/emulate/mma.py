@@ -29,7 +29,7 @@ Dimension legend: M rows, K reduced, N columns, G the products of one step (<= g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -197,12 +197,14 @@ def chain_dot(
     *,
     model: MmaModel = SM90,
     block_k: int | None = None,
+    dot_fn: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """One FP32 chain over several (a [..., M, Kp], b [..., Kp, N]) pieces in order (a unit of the
-    unit-tree GEMM: each piece's K padded to block_k on its own, as its chunks restart at the piece)."""
-    acc = c_MN
+    unit-tree GEMM: each piece's K padded to block_k on its own, as its chunks restart at the piece);
+    each piece through `dot_fn` (default `dot`; h3lab.emulate.wgmma.dot has its bits, faster)."""
+    acc, step = c_MN, dot if dot_fn is None else dot_fn
     for a, b in pieces:
-        acc = dot(a, b, acc, model=model, block_k=block_k)
+        acc = step(a, b, acc, model=model, block_k=block_k)
     if acc is None:
         raise ValueError("chain_dot: no pieces and no accumulator; allowed: at least one piece")
     return acc

@@ -256,9 +256,4 @@ def chain_dot(
 ) -> Tensor:
     """Exactly `h3lab.emulate.mma.chain_dot`: one FP32 chain over the pieces in order, each piece's K
     padded to block_k on its own."""
-    acc = c_MN
-    for a, b in pieces:
-        acc = dot(a, b, acc, model=model, block_k=block_k)
-    if acc is None:
-        raise ValueError("chain_dot: no pieces and no accumulator; allowed: at least one piece")
-    return acc
+    return mma.chain_dot(pieces, c_MN, model=model, block_k=block_k, dot_fn=dot)
