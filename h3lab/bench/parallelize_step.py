@@ -448,7 +448,7 @@ def _site(frame: Any) -> str:
 
 def _cuda_reported(run: Callable[[], object]) -> int:
     """`run()` under torch's sync debug mode: the synchronisations it reports."""
-    import warnings
+    from h3lab.bench.sync_sites import under_sync_warnings
 
     count = 0
 
@@ -456,16 +456,7 @@ def _cuda_reported(run: Callable[[], object]) -> int:
         nonlocal count
         count += _SYNC_WARNING in str(message)
 
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():  # restores showwarning on exit
-            warnings.simplefilter("always")
-            warnings.showwarning = seen
-            run()
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
+    under_sync_warnings(run, seen)
     return count
 
 

@@ -12,6 +12,7 @@ import argparse
 import collections
 import traceback
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -29,22 +30,36 @@ def sync_sites(config: str, rows: int, backend: str) -> dict[str, int]:
     be = get_backend(backend, dev)
     canonical_block(w, b, backend=be)
     torch.cuda.synchronize()
+    return sites_of(lambda: canonical_block(w, b, backend=be), skip="sync_sites")
+
+
+def sites_of(run: Callable[[], object], skip: str) -> dict[str, int]:
+    """The host synchronisations of `run()` (CUDA), by the innermost three h3lab frames that are not
+    in a file whose path contains `skip` (the caller's own)."""
     sites: collections.Counter[str] = collections.Counter()
 
-    def record(message, category, filename, lineno, file=None, line=None) -> None:
-        stack = traceback.extract_stack()[:-1]
-        frames = [f for f in stack if "/h3lab/" in f.filename and "sync_sites" not in f.filename]
+    def record(message: object, *args: object, **kwargs: object) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "/h3lab/" in f.filename and skip not in f.filename]
         sites[" <- ".join(f"{f.filename.split('/h3lab/')[-1]}:{f.lineno}" for f in reversed(frames[-3:]))] += 1
 
+    under_sync_warnings(run, record)
+    return dict(sites)
+
+
+def under_sync_warnings(run: Callable[[], object], seen: Callable[..., None]) -> None:
+    """`run()` with torch.cuda's sync debug mode at "warn", every warning handed to `seen` (as
+    `warnings.showwarning` takes it); the device drained first, the mode and the warning filters
+    restored after."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():  # restores showwarning on exit
             warnings.simplefilter("always")
-            warnings.showwarning = record
-            canonical_block(w, b, backend=be)
+            warnings.showwarning = seen
+            run()
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return dict(sites)
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def main() -> None:

@@ -18,22 +18,19 @@ Each suspect of a late rank, run on the deterministic layout's own steps, every 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
 import tempfile
 import threading
 import time
-import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from h3lab.bench.sync_sites import sites_of
 from h3lab.parallel.distcomm import DistComm
 from h3lab.parallel.layout import Layout
 from h3lab.parallel.timed import CollectiveClock, TimedComm, now_ns
@@ -171,22 +168,7 @@ def triton_cache_misses() -> Iterator[list[str] | None]:
 
 def host_syncs(step: Callable[[], Any]) -> dict[str, int]:
     """Host synchronisations of one call of `step`, by its innermost three h3lab frames (CUDA only)."""
-    sites: collections.Counter[str] = collections.Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None) -> None:
-        frames = [f for f in traceback.extract_stack()[:-1] if "/h3lab/" in f.filename and "diagnose" not in f.filename]
-        sites[" <- ".join(f"{f.filename.split('/h3lab/')[-1]}:{f.lineno}" for f in reversed(frames[-3:]))] += 1
-
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():  # restores showwarning on exit
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return dict(sites)
+    return sites_of(step, skip="diagnose")
 
 
 def _runner_path(r: Any, layout: Layout, comm: DistComm, record: Record) -> dict:
