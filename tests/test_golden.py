@@ -21,12 +21,13 @@ from h3lab.cli.verify import UNPUBLISHED
 from h3lab.run import golden
 
 PUBLISHED = {p.stem: json.loads(p.read_text()) for p in golden.GOLDEN_DIR.glob("*.json")}
+TRAIN = len(PUBLISHED["torch"]["train"])  # the training gate's tensors: 2 steps x (scalars, dW, weights)
 
 
 @pytest.fixture(scope="module")
 def cpu_torch() -> dict[str, dict[str, str]]:
-    """This CPU's torch digests of the reference block and trajectory, computed once."""
-    return golden.compute("torch", "cpu", ["block", "trajectory"])
+    """This CPU's torch digests of the reference block, trajectory and training gate, computed once."""
+    return golden.compute("torch", "cpu", list(golden.CPU_PARTS))
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def flipped(digests: dict[str, dict[str, str]], part: str, tensor: str) -> dict[
 def test_this_cpu_reproduces_the_torch_set(capsys):
     assert main(["verify"]) == 0
     out = capsys.readouterr().out
-    assert "recorded on CPU; observed on CPU (block, trajectory), H200 (block, trajectory)" in out
+    assert "recorded on CPU; observed on CPU (block, trajectory, train), H200 (block, trajectory, train)" in out
     assert "expected, not yet observed on: H100, B200" in out
     assert f"ok   {'out':32s} {PUBLISHED['torch']['block']['out'][:16]}" in out
     assert "CPU / torch: reproduces the published bits of set torch" in out
@@ -66,8 +67,8 @@ def test_verify_names_every_tensor_of_the_set_in_its_recorded_order(monkeypatch,
     monkeypatch.setattr(golden, "compute", lambda backend, device, parts: {p: cpu_torch[p] for p in parts})
     res = golden.verify("torch", "cpu")
     assert res["set"] == "torch" and res["node_type"] == "CPU" and res["status"] == "match" and res["match"]
-    assert list(res["tensors"])[:3] == ["out", "dx", "dtemb"] and len(res["tensors"]) == 15 + 6  # + 3 steps x 2
-    assert list(res["tensors"])[15] == "trajectory.step0.video"
+    assert list(res["tensors"])[:3] == ["out", "dx", "dtemb"] and len(res["tensors"]) == 15 + 6 + TRAIN
+    assert list(res["tensors"])[15] == "trajectory.step0.video" and list(res["tensors"])[21] == "train.step1.loss"
     assert res["recorded_on"] == "CPU" and res["not_observed"] == [] and res["first_mismatch"] is None
 
 
@@ -101,12 +102,12 @@ def test_an_h100_checks_triton_against_the_sm90_set_recorded_on_the_h200(monkeyp
     play_gpu(monkeypatch, "H100", "sm90", {"triton": {p: sm90[p] for p in golden.PARTS}})
     res = golden.verify("triton", "cuda")
     assert res["set"] == "sm90" and res["match"] and res["recorded_on"] == "H200"
-    assert res["not_observed"] == ["block", "trajectory", "real"] and res["expected_not_observed"] == ["H100"]
-    assert len(res["tensors"]) == 15 + 6 + len(sm90["real"])
+    assert res["not_observed"] == ["block", "trajectory", "train", "real"] and res["expected_not_observed"] == ["H100"]
+    assert len(res["tensors"]) == 15 + 6 + TRAIN + len(sm90["real"])
     assert main(["verify", "--device", "cuda", "--backend", "triton"]) == 0
     out = capsys.readouterr().out
-    assert "set sm90 (" in out and "recorded on H200; observed on H200 (block, trajectory, real)" in out
-    assert "block, trajectory, real: expected, not yet observed on H100" in out
+    assert "set sm90 (" in out and "recorded on H200; observed on H200 (block, trajectory, train, real)" in out
+    assert "block, trajectory, train, real: expected, not yet observed on H100" in out
     assert "to add H100 to the set's observations: h3lab verify --device cuda --backend triton --record --real" in out
     # the same decision, with one tensor of the real-shape problem differing
     play_gpu(monkeypatch, "H100", "sm90", {"triton": flipped({p: sm90[p] for p in golden.PARTS}, "real", "dx")})
@@ -119,7 +120,7 @@ def test_gpus_check_torch_against_the_device_independent_set(monkeypatch, capsys
     assert main(["verify", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "set torch (" in out and "recorded on CPU" in out
-    assert "block, trajectory: expected, not yet observed on H100" in out
+    assert "block, trajectory, train: expected, not yet observed on H100" in out
     play_gpu(monkeypatch, "H200", "sm90", {"torch": cpu_torch})  # the H200 has reproduced both parts
     res = golden.verify("torch", "cuda")
     assert res["match"] and res["not_observed"] == []
@@ -142,7 +143,7 @@ def test_record_starts_a_set_and_adds_the_observations_of_equal_digests(monkeypa
     assert main(["verify", "--device", "cuda", "--backend", "triton", "--record"]) == 0
     sm100 = json.loads((sets / "sm100.json").read_text())
     assert sm100["set"] == "sm100" and sm100["backend"] == "triton" and sm100["recorded_on"] == "B200"
-    assert list(sm100["observations"]) == ["B200"] and sm100["observations"]["B200"]["parts"] == ["block", "trajectory"]
+    assert list(sm100["observations"]) == ["B200"] and sm100["observations"]["B200"]["parts"] == list(golden.CPU_PARTS)
     assert sm100["expected_not_observed"] == [] and sm100["block"] == cpu_torch["block"]
     assert golden.verify("triton", "cuda")["match"]
     # an H100 reproducing the torch set joins its observations; nothing else in the set moves
@@ -217,13 +218,13 @@ def unemulated(sets: Path) -> None:
     path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "emulated"}, indent=1))
 
 
-def test_the_emulator_checks_the_sm90_sets_block_and_trajectory_on_a_cpu(monkeypatch, capsys, sets):
+def test_the_emulator_checks_the_sm90_sets_cpu_parts_on_a_cpu(monkeypatch, capsys, sets):
     sm90 = PUBLISHED["sm90"]
     unemulated(sets)
     play_emulator(monkeypatch, sm90)
     res = golden.verify("emulate-sm90", "cpu")
     assert res["set"] == "sm90" and res["match"] and res["emulated"] == []
-    assert len(res["tensors"]) == 15 + 6 and res["not_observed"] == ["block", "trajectory"]  # real: spot checks
+    assert len(res["tensors"]) == 15 + 6 + TRAIN and res["not_observed"] == list(golden.CPU_PARTS)  # real: spot checks
     assert main(["verify", "--backend", "emulate-sm90"]) == 0
     out = capsys.readouterr().out
     assert "reproduced by emulate-sm90 before: nothing recorded" in out
@@ -243,7 +244,7 @@ def test_recording_the_emulator_adds_what_it_reproduced_and_never_digests(monkey
     play_emulator(monkeypatch, sm90)
     assert main(["verify", "--backend", "emulate-sm90", "--record"]) == 0
     after = json.loads((sets / "sm90.json").read_text())
-    assert after["emulated"]["parts"] == ["block", "trajectory"] and after["emulated"]["backend"] == "emulate-sm90"
+    assert after["emulated"]["parts"] == list(golden.CPU_PARTS) and after["emulated"]["backend"] == "emulate-sm90"
     assert {k: v for k, v in after.items() if k != "emulated"} == json.loads(before)
     assert golden.verify("emulate-sm90", "cpu")["not_observed"] == []
     for flags in (["--real"], ["--record", "--replace"], ["--device", "cuda"]):
@@ -257,5 +258,5 @@ def test_a_missing_model_is_one_line_that_names_it(monkeypatch, capsys, sets):
     play_emulator(monkeypatch, NotImplementedError("no exact model of ex2.approx.ftz.f32 yet"))
     assert main(["verify", "--backend", "emulate-sm90"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "cannot compute block/trajectory here: no exact model of ex2.approx.ftz.f32 yet" in err
+    assert "cannot compute block/trajectory/train here: no exact model of ex2.approx.ftz.f32 yet" in err
     assert len(err.splitlines()) == 1

@@ -8,7 +8,8 @@ A set is `kernels/golden/<set>.json`, named by what fixes its bits:
 
 A set holds the sha256 of the canonical block's out, dx, dtemb and every dW for the reference
 problem (tiny config, synthetic weights of seed 0, block 0, 264 packed rows of seed 0), of the
-reference trajectory's latents, and for GPU backends of the real-shape problem; and where it came
+reference trajectory's latents, of the training gate's every tensor (two Trainer steps of blocks
+0-1: losses, norms, gradients, weights), and for GPU backends of the real-shape problem; and where it came
 from: `recorded_on` (the node type that wrote it), `observations` (per node type, which parts it
 reproduced, when, on what software) and `expected_not_observed` (node types the set covers that
 have reproduced nothing yet). Digests are recorded outputs, re-recorded only when the arithmetic
@@ -20,8 +21,8 @@ also pin the real-shape problem `REAL` (real config, 520 rows of which 8 are pad
 tail, padding among the rows): out, dx, dtemb and every per-unit slice of every dW.
 
 An emulated backend (h3lab.backend.EMULATED: `emulate-sm90` on a CPU) is checked against the set
-of the architecture it emulates, for the parts a CPU can compute (the block and the trajectory;
-the real shapes are spot-checked from a GPU capture instead, h3lab.bench.spot_check). It never
+of the architecture it emulates, for the parts a CPU can compute (the block, the trajectory and
+the training gate; the real shapes are spot-checked from a GPU capture instead, h3lab.bench.spot_check). It never
 writes digests: recording adds the set's `emulated` field (the parts the emulator reproduced,
 when, on what software, and a spot check if one ran), and refuses where its digests differ.
 """
@@ -52,12 +53,17 @@ REFERENCE = Problem(synthetic="tiny", weights_seed=0, block=0, rows=264, padding
 TRAJECTORY = Problem(
     synthetic="tiny", task="trajectory", block=0, last_block=3, steps=2, seed=0, weights_generator="cpu"
 )
+# the training gate: 2 training steps (Trainer: forward, backward, clip, AdamW) of blocks 0-1 with the
+# embedders, refiner and heads, tiny config, seed 0, weights drawn by the CPU's generator
+TRAIN = Problem(synthetic="tiny", task="train", block=0, last_block=1, steps=2, seed=0, weights_generator="cpu")
 # the kernels at the real H3 shapes (GPU backends)
 REAL = Problem(synthetic="real", weights_seed=0, block=0, rows=520, padding=8, seed=0)
-# the parts of a set, in the order verify names tensors: the reference block, the trajectory, the real shapes
-PARTS = ("block", "trajectory", "real")
-EMULATED_PARTS = ("block", "trajectory")  # what a CPU computes of a set by emulation (real: spot checks)
-PROBLEM_KEYS = {"block": "block_problem", "trajectory": "trajectory_problem", "real": "real_problem"}
+# the parts of a set, in the order verify names tensors: the reference block, the trajectory, the
+# training steps, the real shapes
+PARTS = ("block", "trajectory", "train", "real")
+CPU_PARTS = ("block", "trajectory", "train")  # what every set holds (the real shapes: GPU sets only)
+EMULATED_PARTS = CPU_PARTS  # what a CPU computes of a set by emulation (real: spot checks)
+PROBLEM_KEYS = {p: f"{p}_problem" for p in PARTS}
 TORCH_SET = "torch"
 RECORD_FIELDS = ("torch", "triton", "cuda", "driver", "platform")
 
@@ -69,32 +75,42 @@ def reference_digests(be: Backend, device: str) -> dict[str, str]:
     return {k: sha256_tensor(v) for k, v in result.tensors().items()}
 
 
-def trajectory_digests(be: Backend, device: str) -> dict[str, str]:
-    """sha256 of the reference trajectory's latents after every step (`step{k}.video`, `step{k}.audio`)."""
+def _task_digests(problem: Problem, be: Backend, device: str) -> dict[str, str]:
     from h3lab.comm import LocalComm
     from h3lab.run import tasks
 
-    p = replace(TRAJECTORY, device=device, backend=be.name)
+    p = replace(problem, device=device, backend=be.name)
     tensors = tasks.compute(p, LocalComm(), torch.device(device), backend=be).tensors
     return {k: sha256_tensor(v) for k, v in tensors.items()}
+
+
+def trajectory_digests(be: Backend, device: str) -> dict[str, str]:
+    """sha256 of the reference trajectory's latents after every step (`step{k}.video`, `step{k}.audio`)."""
+    return _task_digests(TRAJECTORY, be, device)
+
+
+def train_digests(be: Backend, device: str) -> dict[str, str]:
+    """sha256 of the training gate's tensors after every step (`step{k}.loss`, `.grad_norm`, every dW
+    and every weight after the update), in the order the Trainer returns them."""
+    return _task_digests(TRAIN, be, device)
 
 
 def real_digests(be: Backend, device: str) -> dict[str, str]:
     """sha256 of the real-shape problem's tensors as one process computes them: out, dx, dtemb, the
     replicated dW and every per-unit dW slice (`dw.<grad>@u<u>`), in the order the block returns them."""
-    from h3lab.comm import LocalComm
-    from h3lab.run import tasks
-
-    p = replace(REAL, device=device, backend=be.name)
-    tensors = tasks.compute(p, LocalComm(), torch.device(device), backend=be).tensors
-    return {k: sha256_tensor(v) for k, v in tensors.items()}
+    return _task_digests(REAL, be, device)
 
 
 def compute(backend: str, device: str, parts: list[str]) -> dict[str, dict[str, str]]:
     """The digests of each named part (`PARTS`) computed here with the backend named `backend` on
     `device` (built once, for every part)."""
     be = get_backend(backend, device)
-    by_part = {"block": reference_digests, "trajectory": trajectory_digests, "real": real_digests}
+    by_part = {
+        "block": reference_digests,
+        "trajectory": trajectory_digests,
+        "train": train_digests,
+        "real": real_digests,
+    }
     return {part: by_part[part](be, device) for part in parts}
 
 
@@ -163,8 +179,8 @@ def verify(backend: str, device: str, *, real: bool = True) -> dict[str, Any]:
     """Recompute here the digests of the set that `backend` on `device` must give, and compare.
 
     Checks every part the set publishes (the real-shape problem only with `real`). Where nothing is
-    published for this backend and architecture, computes the reference block and trajectory and
-    returns them unchecked (status "unpublished"), with the command that publishes them.
+    published for this backend and architecture, computes the CPU_PARTS and returns them unchecked
+    (status "unpublished"), with the command that publishes them.
 
     Returns {"set", "path", "backend", "device", "node_type", "status": "match" | "mismatch" |
     "unpublished", "match", "first_mismatch", "tensors": {name: {"expected", "got"}}, "record_command"},
@@ -189,7 +205,7 @@ def verify(backend: str, device: str, *, real: bool = True) -> dict[str, Any]:
         "record_command": record_command(backend, device),
     }
     if published is None:
-        got = flatten(compute(backend, device, ["block", "trajectory"]))
+        got = flatten(compute(backend, device, list(CPU_PARTS)))
         tensors = {n: {"expected": None, "got": d} for n, d in got.items()}
         return out | {"status": "unpublished", "match": False, "first_mismatch": None, "tensors": tensors}
     parts = [p for p in PARTS if p in published and (real or p != "real")]
@@ -234,7 +250,7 @@ def emulated_digests(backend: str, parts: list[str]) -> dict[str, dict[str, str]
 
 
 def verify_emulated(backend: str, device: str) -> dict[str, Any]:
-    """`verify` for an emulated backend: the published set's block and trajectory recomputed here."""
+    """`verify` for an emulated backend: the published set's EMULATED_PARTS recomputed here."""
     published = _published_for_emulation(backend)
     parts = [p for p in EMULATED_PARTS if p in published]
     expected = flatten({p: published[p] for p in parts})
@@ -286,7 +302,7 @@ def record_emulated(backend: str, spot_check: dict[str, Any] | None = None) -> P
 
 
 def _problems(parts: list[str]) -> dict[str, dict[str, Any]]:
-    problem = {"block": REFERENCE, "trajectory": TRAJECTORY, "real": REAL}
+    problem = {"block": REFERENCE, "trajectory": TRAJECTORY, "train": TRAIN, "real": REAL}
     return {PROBLEM_KEYS[p]: problem[p].to_dict() | {"device": None, "backend": None} for p in parts}
 
 
@@ -333,7 +349,7 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
     if backend in EMULATED:
         raise ValueError(f"backend {backend!r} never writes digests; allowed: record_emulated (h3lab verify --record)")
     node = node_type(device)
-    parts = ["block", "trajectory"] + (["real"] if real else [])
+    parts = list(CPU_PARTS) + (["real"] if real else [])
     published = load_set(name)
     if replace_set and published is not None and "real" in published and not real:
         raise ValueError(
