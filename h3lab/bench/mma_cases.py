@@ -287,10 +287,12 @@ def _per(target: int, tile: Tile) -> int:
     return max(1, round(target / (tile.BM * tile.BN)))
 
 
-def probe_cases(node: str = "sm90") -> list[Case]:
-    """Every case of the probe, each with its own seed: >= 10^6 random dots over the kernels' tiles
-    (K of one chunk, five chunks and 2088 = 32 x 64 + a tail of 40), issue 31's tile in every
-    accumulator mode, fp16, the IEEE FP32 tiles, and each adversarial recipe on two tiles."""
+def probe_cases(node: str = "sm90", seed_base: int = 1000) -> list[Case]:
+    """Every case of the probe, each with its own seed (seed_base + its index: another base draws
+    fresh inputs for every case, a check of the model on data it was not fitted to): >= 10^6 random
+    dots over the kernels' tiles (K of one chunk, five chunks and 2088 = 32 x 64 + a tail of 40),
+    issue 31's tile in every accumulator mode, fp16, the IEEE FP32 tiles, and each adversarial
+    recipe on two tiles."""
     specs: list[tuple[str, Tile, str, str, int, int, str]] = []
     for tile in kernel_tiles(node):
         for K, target in ((tile.BK, 40_000), (5 * tile.BK, 40_000), (2088, 16_000)):
@@ -313,4 +315,4 @@ def probe_cases(node: str = "sm90") -> list[Case]:
         for acc in ACC_MODES:
             specs.append((f"{recipe}.issue.{acc}", ISSUE_TILE, "bf16", acc, 64, 1, recipe))
         specs.append((f"{recipe}.gemm.load", kernel_tiles(node)[0], "bf16", "load", 64, 1, recipe))
-    return [Case(n, t, d, a, K, T, r, seed=1000 + i) for i, (n, t, d, a, K, T, r) in enumerate(specs)]
+    return [Case(n, t, d, a, K, T, r, seed=seed_base + i) for i, (n, t, d, a, K, T, r) in enumerate(specs)]

@@ -268,10 +268,13 @@ def check(out_dir: Path, names: list[str] | None = None, model: MmaModel = SM90)
     return {"cases": len(rows), "inputs_reproduced": all(r["same_inputs"] for r in rows), "rows": rows}
 
 
-def probe(out_dir: Path, device: torch.device | str = "cuda", executor: Executor = gpu_executor) -> dict[str, Any]:
-    """Run every case on `device`, save the outputs under out_dir; the part's record for summary.json."""
+def probe(
+    out_dir: Path, device: torch.device | str = "cuda", executor: Executor = gpu_executor, seed_base: int = 1000
+) -> dict[str, Any]:
+    """Run every case (drawn from `seed_base`) on `device`, save the outputs under out_dir; the part's
+    record for summary.json."""
     t0 = time.perf_counter()
-    records, outputs = run(probe_cases(), executor, device)
+    records, outputs = run(probe_cases(seed_base=seed_base), executor, device)
     path = save(out_dir, outputs)
     seconds = round(time.perf_counter() - t0, 1)
     return {

@@ -36,12 +36,12 @@ LIMITS = {"files": 8, "file_bytes": 16 << 20, "total_bytes": 64 << 20}
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
-def _runners(device: torch.device) -> dict[str, Callable[[Path], dict[str, Any]]]:
+def _runners(device: torch.device, mma_seed_base: int = 1000) -> dict[str, Callable[[Path], dict[str, Any]]]:
     from h3lab.backend import get_backend
     from h3lab.bench import mma_probe, sfu_probe, sm90_capture, tree_probe
 
     return {
-        "mma": lambda out: mma_probe.probe(out, device),
+        "mma": lambda out: mma_probe.probe(out, device, seed_base=mma_seed_base),
         "tree": lambda out: tree_probe.probe(out, device),
         "sfu": lambda out: sfu_probe.probe(out, device),
         "sfu_model": lambda out: sfu_probe.model_check(sfu_probe.gpu_op, device),
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="run on this machine's GPU and write everything here")
     ap.add_argument("--parts", default=",".join(PARTS[:-1]), help=f"comma-separated, of {list(PARTS)}")
     ap.add_argument("--check", type=Path, help="check a folder's files on this CPU")
+    ap.add_argument("--mma-seed-base", type=int, default=1000, help="the mma cases' first seed (another: fresh draws)")
     args = ap.parse_args(argv)
     if args.check:
         import json
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = run(args.out, parts, _runners(device), capture(device))
+    summary = run(args.out, parts, _runners(device, args.mma_seed_base), capture(device))
     print(
         f"sm90_probe: {summary['status']}; "
         + ", ".join(f"{k} {v['status']} {v['seconds']} s" for k, v in summary["parts"].items())
