@@ -3,7 +3,8 @@
 A sampler per Backend method (`SAMPLERS`) picks a few output elements and records them with the
 slices of the inputs they depend on, so a CPU recomputes them from the sample alone (a real-shape
 GEMM output element costs one dot product): 32 rows x 32 columns of a GEMM output with those rows
-of a and columns of b (the few-row AdaLN GEMM: 8 columns, every row), 8 query (or key) rows of two
+of a and columns of b, and at least GEMM_ELEMENTS of every GEMM call (one of few rows, as the
+AdaLN GEMM's, takes every row and more columns), 8 query (or key) rows of two
 heads of an attention call with every key and value (or query, dO and statistic) of those heads,
 8 rows of a row-local op, 8 rows x 256 columns of an elementwise one, 16 columns of a row chain.
 Rows include the first two and the last two (GEMM row tails, padding); the rest come from probe_rng,
@@ -25,6 +26,7 @@ from h3lab.bench.capture import encode
 from h3lab.bench.probe_rng import Stream
 
 GEMM_ROWS, GEMM_COLS, FEW_COLS = 32, 32, 8
+GEMM_ELEMENTS = 1024  # at least this many elements of every GEMM call: a GEMM of few rows takes more columns
 ATT_ROWS, ATT_HEADS, ROW_ROWS, ELEM_COLS, CHAIN_COLS = 8, 2, 8, 256, 16
 
 
@@ -43,6 +45,11 @@ def choose(n: int, k: int, salt: int) -> Tensor:
     return torch.tensor(sorted(keep))
 
 
+def gemm_cols(num_rows: int, least: int = GEMM_COLS) -> int:
+    """How many columns a GEMM sample of `num_rows` rows takes: `least`, or more for GEMM_ELEMENTS."""
+    return max(least, -(-GEMM_ELEMENTS // max(num_rows, 1)))
+
+
 def _take(t: Tensor, dim: int, idx: Tensor) -> Tensor:
     return t.index_select(dim, idx.to(t.device))
 
@@ -56,13 +63,15 @@ def _gemm(store, a: Tensor, b: Tensor, out: Tensor, a_dim: int, rows: Tensor, co
 def mm(store, args, kwargs, out) -> dict[str, Any]:
     """mm(a_MK, b_KN, out_dtype) and chain_mm(a_MK, b_KN): out [M, N]."""
     a, b = args[0], args[1]
-    return _gemm(store, a, b, out, 0, choose(a.shape[0], GEMM_ROWS, 1), choose(b.shape[1], GEMM_COLS, 2))
+    rows = choose(a.shape[0], GEMM_ROWS, 1)
+    return _gemm(store, a, b, out, 0, rows, choose(b.shape[1], gemm_cols(len(rows)), 2))
 
 
 def mm_few_k(store, args, kwargs, out) -> dict[str, Any]:
     """mm_few_k(a_KM, b_KN, out_dtype): out [M, N] = a^T b."""
     a, b = args[0], args[1]
-    return _gemm(store, a, b, out, 1, choose(a.shape[1], GEMM_ROWS, 1), choose(b.shape[1], GEMM_COLS, 2))
+    rows = choose(a.shape[1], GEMM_ROWS, 1)
+    return _gemm(store, a, b, out, 1, rows, choose(b.shape[1], gemm_cols(len(rows)), 2))
 
 
 def row_mm(store, args, kwargs, out) -> dict[str, Any]:
@@ -84,7 +93,7 @@ def unit_reduce(store, args, kwargs, out) -> dict[str, Any]:
 def unit_reduce_few_rows(store, args, kwargs, out) -> dict[str, Any]:
     """unit_reduce_few_rows(a_TK, b_KN, num_units): out [T, N], every one of the few rows."""
     a, b = args[0], args[1]
-    cols = choose(b.shape[1], FEW_COLS, 2)
+    cols = choose(b.shape[1], gemm_cols(a.shape[0], FEW_COLS), 2)
     sample = {"cols": cols.tolist(), "num_units": args[2], "a": store.put(a), "b": store.sliced(b, 1, cols)}
     return sample | {"out": store.put(_take(out, 1, cols))}
 
