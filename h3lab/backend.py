@@ -34,6 +34,7 @@ from h3lab.emulate import gemm as emulated_gemm
 from h3lab.emulate.mma import SM90, MmaModel
 from h3lab.ops import adamw, ffn, norm, rows
 from h3lab.ops import attention as att
+from h3lab.ops.adamw import AdamWPiece
 from h3lab.ops.fixed import Pieces, chain_mm, round_to, sum_of_squares, unit_tree
 from h3lab.rowplan import RowPlan
 
@@ -58,11 +59,10 @@ class Backend(Protocol):
     # with h3lab.ops.fixed.chain_mm's bits on every backend and device
     def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor: ...
     # the training step, with the references' bits on every backend: each tensor's sum of squares
-    # (h3lab.ops.fixed.sum_of_squares) as one FP32 [P] tensor; AdamW on one piece (h3lab.ops.adamw)
+    # (h3lab.ops.fixed.sum_of_squares) as one FP32 [P] tensor; AdamW on many pieces (h3lab.ops.adamw),
+    # with a [P] bool of the pieces whose weights it left NaN or Inf
     def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor: ...
-    def adamw_update(
-        self, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, coef: Tensor, s: Tensor, weight: Tensor
-    ) -> None: ...
+    def adamw_updates(self, pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor) -> Tensor: ...
     # the canonical row order (h3lab.ops.rows.key_order), as a function to call when it is needed:
     # a GPU backend starts reading the metadata to the host now and checks every index its row
     # reductions and RoPE will read when called (a host sync mid-block drains the GPU's queue)
@@ -144,7 +144,7 @@ class TorchBackend:
     row_mm = staticmethod(rows.row_mm)
     row_sum = staticmethod(rows.row_sum)
     segment_sum = staticmethod(rows.segment_sum)
-    adamw_update = staticmethod(adamw.adamw_update)
+    adamw_updates = staticmethod(adamw.adamw_updates)
 
     def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
         return chain_mm(a_MK, b_KN)

@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from torch import Tensor
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -40,7 +41,7 @@ gpu = gpu_kernels(__file__)
 def _awkward(*shape: int, seed: int, dtype: torch.dtype = F32, device: str = "cpu", scale: float = 1.0):
     """Random values with signed zeros and values whose squares and products underflow to denormals."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g) * scale
+    x = torch.randn(shape, generator=g) * scale
     flat = x.view(-1)
     k = flat.numel()
     if k >= 8:
@@ -119,30 +120,57 @@ def test_sums_of_squares_refuse_bad_inputs():
 # ---- AdamW ------------------------------------------------------------------------------------
 
 
+def _piece(shape: tuple[int, ...], weight_dtype: torch.dtype, device: str, seed: int):
+    """(weight, the tensor it views, or None): a 2-D weight is the middle third of the columns of a
+    wider one, as a rank's units' columns are; a 1-D one of 299 elements starts one element into
+    its buffer (an address no vectorised load may assume); other shapes are whole."""
+    if len(shape) == 2:
+        full = _awkward(shape[0], 3 * shape[-1], seed=seed, dtype=weight_dtype, device=device)
+        return full[:, shape[-1] : 2 * shape[-1]], full
+    if shape == (299,):
+        full = _awkward(300, seed=seed, dtype=weight_dtype, device=device)
+        return full[1:], full
+    return _awkward(*shape, seed=seed, dtype=weight_dtype).to(device), None
+
+
 def _check_adamw(
     shape: tuple[int, ...], weight_dtype: torch.dtype, device: str, node: str | None, grad_case=(BF16, 1e-2)
 ) -> None:
+    """`shape` in one adamw_updates call with pieces of other shapes (0-d, 1-D, a contiguous 2-D) of
+    both weight dtypes (their gradients in `grad_case`'s dtype): three steps, every byte against the
+    reference's, the columns beside a view untouched, no piece flagged."""
     grad_dtype, grad_scale = grad_case
-    full = _awkward(shape[0], 3 * shape[-1], seed=5, dtype=weight_dtype, device=device) if len(shape) == 2 else None
-    weight = full[:, shape[-1] : 2 * shape[-1]] if full is not None else _awkward(*shape, seed=5, dtype=weight_dtype)
-    weight = weight.to(device)
-    ref_w, got_w = weight.clone(), weight.clone()  # contiguous copies of the strided view: the view below
-    ref_full, got_full = (full.clone(), full.clone()) if full is not None else (None, None)
-    if full is not None:  # update the view inside the full weight, as a rank updates its units' columns
-        ref_w, got_w = ref_full[:, shape[-1] : 2 * shape[-1]], got_full[:, shape[-1] : 2 * shape[-1]]
-    ref, got = PieceState.init(weight), PieceState.init(weight)
+    shapes = [(shape, weight_dtype), ((), F32), ((300,), BF16), ((299,), weight_dtype), ((7, 5), weight_dtype)]
+    shapes.append(((3, 1), F32))
+    refs, gots = [], []
+    for k, (sh, dt) in enumerate(shapes):
+        weight, full = _piece(sh, dt, device, seed=5 + k)
+        for out in (refs, gots):
+            f = None if full is None else full.clone()
+            w = weight.clone() if f is None else f[1:] if len(sh) == 1 else f[:, sh[-1] : 2 * sh[-1]]
+            out.append((PieceState.init(weight), w, f))
     hyper = AdamWHyper(lr=3e-3, weight_decay=0.05)
     for t in range(1, 4):
-        grad = _awkward(*shape, seed=10 + t, dtype=grad_dtype, device=device, scale=grad_scale)
+        grads = [
+            _awkward(*sh, seed=10 * t + k, dtype=grad_dtype, device=device, scale=grad_scale)
+            for k, (sh, _) in enumerate(shapes)
+        ]
         coef = torch.tensor(0.625, dtype=F32, device=device)
         s = step_scalars(hyper, 0.9**t, 0.999**t, torch.device(device))
-        ref_adamw.adamw_update(ref.master, ref.exp_avg, ref.exp_avg_sq, grad, coef, s, ref_w)
-        adamw.adamw_update(got.master, got.exp_avg, got.exp_avg_sq, grad, coef, s, got_w, node=node)
-        for field in ("master", "exp_avg", "exp_avg_sq"):
-            assert_bitwise(getattr(got, field), getattr(ref, field), f"step {t} {field}")
-        assert_bitwise(got_w, ref_w, f"step {t} weight")
-        if full is not None:
-            assert_bitwise(got_full, ref_full, f"step {t}: the columns beside the view are untouched")
+        ops = [
+            [(st.master, st.exp_avg, st.exp_avg_sq, g, w) for (st, w, _), g in zip(side, grads, strict=True)]
+            for side in (refs, gots)
+        ]
+        want = ref_adamw.adamw_updates(ops[0], coef, s)
+        got = adamw.adamw_updates(ops[1], coef, s, node=node)
+        assert not want.any(), "a finite update flagged"
+        assert_bitwise(got, want, f"step {t} flags")
+        for k, ((r, rw, rf), (g, gw, gf)) in enumerate(zip(refs, gots, strict=True)):
+            for field in ("master", "exp_avg", "exp_avg_sq"):
+                assert_bitwise(getattr(g, field), getattr(r, field), f"step {t} piece {k} {field}")
+            assert_bitwise(gw, rw, f"step {t} piece {k} weight")
+            if rf is not None:
+                assert_bitwise(gf, rf, f"step {t} piece {k}: the columns beside the view are untouched")
 
 
 # gradients: bf16 and fp32; scale 1e-20: g * g and the second moment below FP32's normal range
@@ -153,7 +181,7 @@ GRAD_CASES = [(BF16, 1e-2), (F32, 1e-2), (F32, 1e-20)]
 @pytest.mark.parametrize("shape", [(1000,), (37, 24)])
 @pytest.mark.parametrize("weight_dtype", [BF16, F32])
 @pytest.mark.parametrize("grad_case", GRAD_CASES)
-def test_adamw_update_is_the_reference(shape, weight_dtype, grad_case):
+def test_adamw_updates_are_the_reference(shape, weight_dtype, grad_case):
     _check_adamw(shape, weight_dtype, "cpu", NODE, grad_case)
 
 
@@ -161,20 +189,54 @@ def test_adamw_update_is_the_reference(shape, weight_dtype, grad_case):
 @pytest.mark.parametrize("shape", [(5376,), (5376, 672), (1792, 5376)])
 @pytest.mark.parametrize("weight_dtype", [BF16, F32])
 @pytest.mark.parametrize("grad_case", GRAD_CASES)
-def test_adamw_update_is_the_reference_on_gpu(shape, weight_dtype, grad_case):
+def test_adamw_updates_are_the_reference_on_gpu(shape, weight_dtype, grad_case):
     _check_adamw(shape, weight_dtype, "cuda", None, grad_case)
 
 
-def test_adamw_update_refuses_what_it_cannot_read():
+def _flags_of_overflow(device: str, node: str | None) -> tuple[Tensor, Tensor]:
+    """Masters at 3.3999e38 (finite in FP32, Inf once rounded to bf16) under a zero-lr update: the
+    reference's and the kernel's flags for a bf16 weight, an FP32 one and a finite bf16 one."""
+    hyper = AdamWHyper(lr=0.0, weight_decay=0.0)
+    s = step_scalars(hyper, 0.9, 0.999, torch.device(device))
+    coef = torch.tensor(1.0, dtype=F32, device=device)
+    out = []
+    for fn, kw in ((ref_adamw.adamw_updates, {}), (adamw.adamw_updates, {"node": node})):
+        pieces = []
+        for dtype, value in ((BF16, 3.3999e38), (F32, 3.3999e38), (BF16, 1.0)):
+            master = torch.full((70,), value, dtype=F32, device=device)
+            w = torch.zeros(70, dtype=dtype, device=device)
+            pieces.append((master, torch.zeros_like(master), torch.zeros_like(master), torch.zeros_like(w), w))
+        out.append(fn(pieces, coef, s, **kw))
+    return out[0], out[1]
+
+
+@interp
+def test_adamw_updates_flag_a_weight_that_overflowed_its_dtype():
+    want, got = _flags_of_overflow("cpu", NODE)
+    assert want.tolist() == [True, False, False]
+    assert_bitwise(got, want, "flags")
+
+
+@gpu
+def test_adamw_updates_flag_a_weight_that_overflowed_its_dtype_on_gpu():
+    want, got = _flags_of_overflow("cuda", None)
+    assert want.tolist() == [True, False, False]
+    assert_bitwise(got, want, "flags")
+
+
+def test_adamw_updates_refuse_what_they_cannot_read():
     m, coef = torch.zeros(4, 6)[:, :3], torch.tensor(1.0)
-    with pytest.raises(ValueError, match=r"adamw_update: master has strides \(6, 1\); allowed: contiguous"):
-        adamw.adamw_update(m, m, m, m, coef, torch.zeros(8), m, node=NODE)
+    with pytest.raises(
+        ValueError,
+        match=r"adamw_updates: piece 0: master is torch.float32 \[4, 3\] strides \(6, 1\); allowed: contiguous",
+    ):
+        adamw.adamw_updates([(m, m, m, m, m)], coef, torch.zeros(8), node=NODE)
     m = torch.zeros(4, 3)
-    with pytest.raises(ValueError, match=r"adamw_update: s has strides \(2,\); allowed: contiguous"):
-        adamw.adamw_update(m, m, m, m, coef, torch.zeros(16)[::2], m, node=NODE)
-    with pytest.raises(ValueError, match=r"adamw_update: a 3-D piece"):
+    with pytest.raises(ValueError, match=r"adamw_updates: s has strides \(2,\); allowed: contiguous"):
+        adamw.adamw_updates([(m, m, m, m, m)], coef, torch.zeros(16)[::2], node=NODE)
+    with pytest.raises(ValueError, match=r"adamw_updates: piece 1: a 3-D piece"):
         x = torch.zeros(2, 2, 2)
-        adamw.adamw_update(x, x, x, x, coef, torch.zeros(8), x, node=NODE)
+        adamw.adamw_updates([(m, m, m, m, m), (x, x, x, x, x)], coef, torch.zeros(8), node=NODE)
 
 
 def test_chain_mm_refuses_operands_its_offsets_cannot_reach():

@@ -12,10 +12,14 @@ bytes. torch's lerp_, addcmul_ and addcdiv_ may fuse a multiply-add on the vecto
 scalar tail, so they are not used; torch's FP32 sqrt on CPU is not correctly rounded either
 (`sqrt_f32` says how it is). Every scalar is an element of one FP32 tensor on the piece's
 device: CUDA turns a division by a host scalar into a multiply by its reciprocal (another rounding).
-h3lab.triton.adamw is this function as one kernel.
+`adamw_updates` is this update of many pieces with one clip coefficient and one set of scalars,
+and says which pieces' weights hold a NaN or Inf after it; h3lab.triton.adamw is `adamw_updates`
+as one kernel launch per dtype group.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +29,7 @@ from h3lab.ops.fixed import round_to, sqrt_f32
 # the order of the scalars in the FP32 tensor `s` every update reads
 ADAMW_SCALARS = ("decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "bias2_sqrt", "step_size", "eps")
 DECAY, BETA1, OMB1, BETA2, OMB2, BIAS2_SQRT, STEP_SIZE, EPS = range(len(ADAMW_SCALARS))
+AdamWPiece = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # (master, exp_avg, exp_avg_sq, grad, weight)
 
 
 def adamw_update(
@@ -43,3 +48,13 @@ def adamw_update(
     denom = sqrt_f32(exp_avg_sq).div_(s[BIAS2_SQRT]).add_(s[EPS])
     master.sub_(torch.div(exp_avg, denom).mul_(s[STEP_SIZE]))
     weight.copy_(round_to(master, weight.dtype))
+
+
+def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor) -> Tensor:
+    """`adamw_update` of every piece (master, exp_avg, exp_avg_sq, grad, weight) in order, each with
+    `coef` and `s`; [P] bool on the pieces' device: whether piece k's weight holds a NaN or Inf after it."""
+    for master, exp_avg, exp_avg_sq, grad, weight in pieces:
+        adamw_update(master, exp_avg, exp_avg_sq, grad, coef, s, weight)
+    if not pieces:
+        return torch.zeros(0, dtype=torch.bool, device=s.device)
+    return torch.stack([~torch.isfinite(w).all() for *_, w in pieces])

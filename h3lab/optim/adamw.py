@@ -1,7 +1,7 @@
 """`AdamW`: a `torch.optim.Optimizer` with the bits of h3lab's training step's update.
 
 The arithmetic is h3lab.train.adamw's: FP32 master weights and moments per parameter a rank holds
-(for a unit-sharded block weight, the shard of its units), the backend's `adamw_update` (separate
+(for a unit-sharded block weight, the shard of its units), the backend's `adamw_updates` (separate
 IEEE FP32 ops, elementwise, so a parameter updated whole gives the bytes of its pieces updated one
 by one), the step's scalars in float64 rounded once to FP32 (`step_scalars`) from running float64
 products beta^t (`next_beta_pows`), each weight written back with one rounding, and the clip
@@ -84,12 +84,14 @@ class AdamW(torch.optim.Optimizer):
         owner = self._owner
         assert owner is not None  # a torch optimizer has at least one parameter
         coef = self._clip_coefficient(owner)
-        scalars: dict[tuple, Tensor] = {}
+        by_scalars: dict[tuple, tuple[Tensor, list]] = {}  # the step's scalars -> (s, pieces), in order
         for group in self.param_groups:
             hyper = _hyper(group)
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, hyper, coef, scalars, owner)
+                    self._piece(p, hyper, by_scalars)
+        for s, pieces in by_scalars.values():  # each piece's own operands: the order changes no bit
+            owner.backend.adamw_updates(pieces, coef, s)
         owner.clip = None
         return loss
 
@@ -127,7 +129,9 @@ class AdamW(torch.optim.Optimizer):
             )
         return clip.coef
 
-    def _update(self, p: Tensor, hyper: AdamWHyper, coef: Tensor, scalars: dict, owner: ParallelState) -> None:
+    def _piece(self, p: Tensor, hyper: AdamWHyper, by_scalars: dict[tuple, tuple[Tensor, list]]) -> None:
+        """Parameter p's state (made at its first step) and step count advanced; its update operands
+        queued under the step's scalars."""
         g = p.grad
         if g.shape != p.shape or g.dtype not in _FLOAT_DTYPES or g.device != p.device:
             raise ValueError(
@@ -147,9 +151,9 @@ class AdamW(torch.optim.Optimizer):
             )
         pows = next_beta_pows(hyper, (st["beta1_pow"], st["beta2_pow"]))
         key = (hyper, pows, p.device)
-        if key not in scalars:
-            scalars[key] = step_scalars(hyper, *pows, p.device)
-        owner.backend.adamw_update(st["master"], st["exp_avg"], st["exp_avg_sq"], g, coef, scalars[key], p)
+        if key not in by_scalars:
+            by_scalars[key] = (step_scalars(hyper, *pows, p.device), [])
+        by_scalars[key][1].append((st["master"], st["exp_avg"], st["exp_avg_sq"], g, p))
         st["step"], st["beta1_pow"], st["beta2_pow"] = st["step"] + 1, *pows
 
 

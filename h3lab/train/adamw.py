@@ -1,7 +1,7 @@
 """AdamW on FP32 master weights, one state per piece a rank holds (h3lab.train.pieces).
 
 The algorithm is torch.optim.AdamW's (decoupled weight decay, bias corrections; no amsgrad, no
-maximize), each piece updated by the backend's `adamw_update` (reference: h3lab.ops.adamw, which
+maximize), every piece updated by the backend's `adamw_updates` (reference: h3lab.ops.adamw, which
 states the operations and why each is a separate IEEE FP32 op; the Triton kernel has its bits), the
 gradient scaled by the clip coefficient (h3lab.train.clip) and the weight written back with one
 rounding. The scalars are computed in float64 and rounded once to FP32, into one FP32 tensor on the
@@ -13,14 +13,15 @@ serves all pieces. A NaN or Inf in any gradient (or squares that overflow FP32) 
 non-finite; the step then raises `NonFiniteGradError` before it changes anything (catching it skips
 the step). The norm has the same bits on every rank, so every rank of a layout raises together.
 An update that leaves a NaN or Inf in a weight (finite gradients, an overflowing learning rate)
-raises `NonFiniteWeightError` naming the step and the pieces; the weights then hold those values.
+raises `NonFiniteWeightError` naming the step and the pieces (the update itself says which: no
+second pass over the weights); the weights then hold those values.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -186,8 +187,9 @@ class AdamW:
         self.step_count = 0
         self._beta_pows = (1.0, 1.0)  # beta1^t, beta2^t after step_count steps
 
-    def step(self, grads: Mapping[Piece, Tensor]) -> StepRecord:
-        """Clip by the global norm, update every piece, write the weights (module docstring).
+    def step(self, grads: Mapping[Piece, Tensor], mark: Callable[[str], None] | None = None) -> StepRecord:
+        """Clip by the global norm, update every piece, write the weights (module docstring); `mark(phase)`
+        is called as "clip" and "update" end (a profiler's or a timer's hook).
 
         Raises:
             ValueError: gradients that do not match the weights' pieces, shapes, device or float dtypes.
@@ -204,13 +206,15 @@ class AdamW:
             at=f"step {self.step_count + 1}",
         )
         clipped = time.perf_counter()
+        if mark is not None:
+            mark("clip")
         pows = next_beta_pows(self.hyper, self._beta_pows)
         s = step_scalars(self.hyper, *pows, self.device)
-        for p, w in self.weights.items():
-            st = self.state[p]
-            self.be.adamw_update(st.master, st.exp_avg, st.exp_avg_sq, grads[p], coef, s, w)
-        self._check_finite_weights()
+        pieces = [(st.master, st.exp_avg, st.exp_avg_sq, grads[p], self.weights[p]) for p, st in self.state.items()]
+        self._check_finite_weights(self.be.adamw_updates(pieces, coef, s))
         timings = {"clip_s": clipped - start, "update_s": time.perf_counter() - clipped}
+        if mark is not None:
+            mark("update")
         self.step_count, self._beta_pows = self.step_count + 1, pows
         return StepRecord(step=self.step_count, grad_norm=gn.norm, clip_coef=coef, timings=timings)
 
@@ -220,9 +224,10 @@ class AdamW:
         maxima = torch._foreach_norm(list(self.weights.values()), math.inf, dtype=torch.float32)
         return dict(zip(self.weights, torch.stack(maxima).tolist(), strict=True))
 
-    def _check_finite_weights(self) -> None:
-        """Raise NonFiniteWeightError naming the pieces the update left NaN or Inf in (waits for the update)."""
-        bad = [piece_label(p, "w") for p, m in self.largest_weights().items() if not math.isfinite(m)]
+    def _check_finite_weights(self, nonfinite: Tensor) -> None:
+        """Raise NonFiniteWeightError naming the pieces the update left NaN or Inf in (`nonfinite`, [P]
+        bool in the state's order, as the update says; one host sync: waits for the update)."""
+        bad = [piece_label(p, "w") for p, b in zip(self.state, nonfinite.tolist(), strict=True) if b]
         if bad:
             shown = f"{bad[:4]}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}"
             raise NonFiniteWeightError(

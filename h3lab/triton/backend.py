@@ -115,7 +115,7 @@ class TritonBackend:
     chain_sums = _on_node(rows.chain_sums)
     chain_mm = _on_node(chain.chain_mm)
     sums_of_squares = _on_node(squares.sums_of_squares)
-    adamw_update = _on_node(adamw.adamw_update)
+    adamw_updates = _on_node(adamw.adamw_updates)
     plan_rows = staticmethod(rowplan.plan_rows)
     round = staticmethod(elementwise.round)
 

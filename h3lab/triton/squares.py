@@ -27,6 +27,7 @@ from h3lab.ops.fixed import ROW_BLOCK, pair_sum
 from h3lab.triton import configs
 from h3lab.triton.gemm import check_device
 from h3lab.triton.norm import _pair_sum
+from h3lab.triton.tables import on_device
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
@@ -40,9 +41,16 @@ TABLE = ("address", "n", "C", "s_r", "s_c", "NB", "out")  # one int64 row per te
 
 @triton.jit
 def block_squares_kernel(
-    table_ptr, starts_ptr, out_ptr, T, DTYPE: tl.constexpr, SEARCH: tl.constexpr, BPP: tl.constexpr,
-    RB: tl.constexpr, LOG2_RB: tl.constexpr,
-):  # fmt: skip
+    table_ptr,
+    starts_ptr,
+    out_ptr,
+    T,
+    DTYPE: tl.constexpr,
+    SEARCH: tl.constexpr,
+    BPP: tl.constexpr,
+    RB: tl.constexpr,
+    LOG2_RB: tl.constexpr,
+):
     # tensor t's programs are [starts[t], starts[t + 1]); its table row (TABLE) says where it is and
     # where its NB block sums go: out[row.out + b] = pair_sum of the squares of its elements
     # [b * RB, (b + 1) * RB) in row-major order
@@ -78,7 +86,7 @@ def _block_sums(xs: list[Tensor], offsets: list[int], out: Tensor, cfg: dict) ->
         nb = _num_blocks(x2)
         rows.append([x2.data_ptr(), x2.numel(), max(x2.shape[1], 1), x2.stride(0), x2.stride(1), nb, off])
         starts.append(starts[-1] + configs.cdiv(nb, bpp))
-    table, programs = _on_device(rows, out.device), _on_device(starts, out.device)
+    table, programs = on_device(rows, out.device), on_device(starts, out.device)
     dtype = tl.bfloat16 if xs[0].dtype == torch.bfloat16 else tl.float32
     block_squares_kernel[(starts[-1],)](
         table,
@@ -95,15 +103,6 @@ def _block_sums(xs: list[Tensor], offsets: list[int], out: Tensor, cfg: dict) ->
     )
     # `views` (copies of non-2-D tensors among them) lived until the launch was queued: stream order
     # keeps their memory from reuse until the kernel has read it
-
-
-def _on_device(values: list, device: torch.device) -> Tensor:
-    """An int64 tensor of `values` on `device`; on CUDA through pinned memory, so the copy waits
-    for neither the host nor the work queued before it."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sums_of_squares(xs: Sequence[Tensor], *, node: str | None = None) -> Tensor:
@@ -139,7 +138,7 @@ def sums_of_squares(xs: Sequence[Tensor], *, node: str | None = None) -> Tensor:
     where = [0] * len(xs)
     for pos, k in enumerate(order):
         where[k] = pos
-    return torch.cat(sums).index_select(0, _on_device(where, device))
+    return torch.cat(sums).index_select(0, on_device(where, device))
 
 
 def variants(node: str) -> list[Variant]:
