@@ -147,6 +147,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         },
     ),
     Benchmark(
+        "train_profile",
+        "h3lab.bench.train_profile",
+        "train-profile.json",
+        "the training step's GPU time, launches and host time by part (embed, stack, heads, their "
+        "backwards, clip, update) against the eager step's, under torch.profiler",
+        {"gpu": ("--config", "real", "--blocks", "0-3", "--rows", "4096", "--device", "cuda", "--backend", "triton")},
+        needs_cuda=True,
+    ),
+    Benchmark(
         "parallelize_step",
         "h3lab.bench.parallelize_step",
         "parallelize-step.json",

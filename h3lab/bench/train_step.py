@@ -206,21 +206,24 @@ def canonical_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: Mod
     return out | {"repeat": repeat | {"bitwise": again == first["digest"] == other}}
 
 
+def make_eager(a: argparse.Namespace, weights: SyntheticWeights) -> EagerTrainer:
+    """The eager side's trainer: diffusers' model of the depth `a.blocks` from `weights`, torch's AdamW."""
+    h = a.hyper
+    return EagerTrainer(
+        weights.config.replace(num_layers=len(a.blocks)),
+        depth_state(weights, a.blocks),
+        lr=h.lr,
+        betas=h.betas,
+        eps=h.eps,
+        weight_decay=h.weight_decay,
+        max_grad_norm=h.max_grad_norm,
+        loss_weights=FlowObjective().weights,
+    )
+
+
 def eager_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: ModelInputs) -> dict[str, Any]:
     """`EagerTrainer.step` on `FlowObjective.sample` of each step's seed, timed phase by phase."""
-    objective, h = FlowObjective(), a.hyper
-
-    def make() -> EagerTrainer:
-        return EagerTrainer(
-            weights.config.replace(num_layers=len(a.blocks)),
-            depth_state(weights, a.blocks),
-            lr=h.lr,
-            betas=h.betas,
-            eps=h.eps,
-            weight_decay=h.weight_decay,
-            max_grad_norm=h.max_grad_norm,
-            loss_weights=objective.weights,
-        )
+    objective = FlowObjective()
 
     def step(trainer: EagerTrainer, k: int, clock: StepClock) -> dict[str, Any]:
         clock.start()
@@ -231,7 +234,7 @@ def eager_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: ModelIn
         assert tuple(phases) == ("sample", *EAGER_PHASES), phases
         return {"step": k, "seconds": total, "phases": phases} | _losses(r.loss, r.loss_per_modality, r.grad_norm)
 
-    out = built_and_run(make, step, a)
+    out = built_and_run(lambda: make_eager(a, weights), step, a)
     _free(a.device)
     return out
 

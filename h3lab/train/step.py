@@ -16,7 +16,7 @@ the update (the same names with `w.` for `dw.`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,12 +120,13 @@ class Trainer:
             f"; after step {k - 1}'s update (lr {lr:g}) the weights hold {_largest(self.optimizer.largest_weights())}"
         )
 
-    def step(self, k: int, trace: Trace | None = None) -> TrainStep:
+    def step(self, k: int, trace: Trace | None = None, mark: Callable[[str], None] | None = None) -> TrainStep:
         """Training step `k`, which must be the next one (module docstring).
 
         `trace` sees, under `step{k}.`, every op of `model_grads` in execution order, then every
         gradient the optimizer reads, in canonical order (`_traced_grads`); the optimizer reads what it
-        returns.
+        returns. `mark(phase)` is called as "backward" (the gradients), "clip" and "update" end (a
+        profiler's hook, h3lab.bench.train_profile).
 
         Raises:
             ValueError: `k` is not the next step.
@@ -153,11 +154,13 @@ class Trainer:
             )
         except ValueError as err:  # e.g. a NaN or Inf the updated weights' forward produced
             raise ValueError(f"step {k}: {err}{self._grown(k)}") from err
+        if mark is not None:
+            mark("backward")
         pieces = g.pieces()  # canonical order; AdamW.step names any piece missing or unexpected
         grads = {p: pieces[p] for p in self.optimizer.order if p in pieces} | pieces
         if tr is not None:
             grads = _traced_grads(grads, self.comm.units, tr)
-        record = self.optimizer.step(grads)
+        record = self.optimizer.step(grads, mark)
         self.steps_taken = k
         timings = {"forward_s": g.timings["forward_s"], "backward_s": g.timings["backward_s"], **record.timings}
         return TrainStep(

@@ -268,6 +268,22 @@ def train_step(record: dict) -> pd.DataFrame:
     return df
 
 
+def train_profile(record: dict) -> pd.DataFrame:
+    """Per part of the step: both sides' GPU ms and their ratio, then each side's launches and host ms
+    (the profiled step's: a part whose host ms exceed its GPU ms waits for the host)."""
+    parts = record["parts"]
+    rows = []
+    for row in record["side_by_side"]:
+        c, e = parts["canonical"].get(row["part"], {}), parts["eager"].get(row["part"], {})
+        rows.append(
+            {"part": row["part"], "canonical GPU ms": row["canonical_ms"], "eager GPU ms": row["eager_ms"]}
+            | {"canonical / eager": row["ratio"]}
+            | {"canonical launches": c.get("launches"), "eager launches": e.get("launches")}
+            | {"canonical host ms": c.get("host_ms"), "eager host ms": e.get("host_ms")}
+        )
+    return pd.DataFrame(rows).set_index("part")
+
+
 def parallelize_step(record: dict) -> pd.DataFrame:
     """Per layout, rank and side (tp1: parallelize_flow, trainer, eager, parallelize_custom; tp2: each
     rank's parallelize_custom): the step's median, min and max ms, peak GiB on CUDA, the median against
@@ -293,6 +309,7 @@ def parallelize_step(record: dict) -> pd.DataFrame:
 
 TABLES: dict[str, Callable[[Any], pd.DataFrame]] = {
     "train_step": train_step,
+    "train_profile": train_profile,
     "parallelize_step": parallelize_step,
     "block": block_gpu,
     "block_long": block_gpu,
