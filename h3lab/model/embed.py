@@ -19,6 +19,7 @@ text rows in logical-key order, so permuting rows permutes its output and nothin
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,6 @@ from h3lab.contract import check_device, strict_mode
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.refiner import token_refiner
 from h3lab.model.weights import ModelWeights, refiner_tensors
-from h3lab.ops.ffn import silu
 from h3lab.ops.fixed import cos_sin, exp, round_to
 
 MAX_PERIOD = 10_000  # diffusers `Timesteps` default, as MiniMaxH3Transformer3DModel builds it
@@ -46,11 +46,17 @@ class Embedded:
     inputs: ModelInputs
 
 
+@functools.lru_cache(maxsize=8)
+def _sinusoid_freqs(half: int, device: torch.device) -> Tensor:
+    """[half] float32 exp(-ln(1e4) k / half), k = 0..half-1 (fp32 ops as diffusers', h3lab.ops.fixed.exp):
+    a constant of the config, made once per device (callers only read it)."""
+    exponent = -math.log(MAX_PERIOD) * torch.arange(half, dtype=F32, device=device)
+    return exp(exponent / half)
+
+
 def timestep_sinusoid(t_T: Tensor, freq_dim: int) -> Tensor:
     """[T, Fq] float32 [cos | sin] of t * exp(-ln(1e4) k / (Fq/2)), k = 0..Fq/2-1 (diffusers' Timesteps)."""
-    half = freq_dim // 2
-    exponent = -math.log(MAX_PERIOD) * torch.arange(half, dtype=F32, device=t_T.device)  # fp32 ops as diffusers'
-    freqs = exp(exponent / half)
+    freqs = _sinusoid_freqs(freq_dim // 2, t_T.device)
     cos, sin = cos_sin(t_T.to(F32)[:, None] * freqs[None, :])
     return torch.cat([cos, sin], dim=-1)  # flip_sin_to_cos=True
 
@@ -73,7 +79,7 @@ def time_embedding(weights: ModelWeights, t_T: Tensor, be: Backend) -> Tensor:
     """temb [T, E] float32: the sinusoid, then linear_1 -> SiLU -> linear_2 (float32 `time_embedder`)."""
     w = lambda n: weights.tensor(f"time_embedder.{n}").to(t_T.device)  # noqa: E731
     h = linear_f32(timestep_sinusoid(t_T, weights.config.freq_dim), w("linear_1.weight"), w("linear_1.bias"), be)
-    return linear_f32(silu(h), w("linear_2.weight"), w("linear_2.bias"), be)
+    return linear_f32(be.silu(h, F32), w("linear_2.weight"), w("linear_2.bias"), be)
 
 
 def project_rows(weights: ModelWeights, module: str, rows: Tensor, act: torch.dtype, be: Backend) -> Tensor:
@@ -98,10 +104,13 @@ def refiner_weights(weights: ModelWeights, device: torch.device) -> tuple[list[d
     return blocks, weights.tensor("token_refiner.final_norm.weight").to(device)
 
 
-def text_stream(weights: ModelWeights, text_rows: Tensor, keys_R2: Tensor, be: Backend) -> Tensor:
+def text_stream(
+    weights: ModelWeights, text_rows: Tensor, keys_R2: Tensor, be: Backend, *, order: Tensor | None = None
+) -> Tensor:
     """`context_embedder` (its dtype sets the sequence's), then the token refiner and its final norm."""
     blocks, final = refiner_weights(weights, text_rows.device)
-    return token_refiner(blocks, final, context_rows(weights, text_rows, be), keys_R2, weights.config, be)
+    x_RD = context_rows(weights, text_rows, be)
+    return token_refiner(blocks, final, x_RD, keys_R2, weights.config, be, order=order)
 
 
 def embed(weights: ModelWeights, inputs: ModelInputs, *, backend: Backend) -> Embedded:
@@ -114,7 +123,8 @@ def embed(weights: ModelWeights, inputs: ModelInputs, *, backend: Backend) -> Em
     check_device(inputs.device)
     be = backend
     with strict_mode(), torch.no_grad():
-        text = text_stream(weights, inputs.text_rows, inputs.logical_keys[inputs.text_indices], be)
+        keys = inputs.logical_keys[inputs.text_indices]
+        text = text_stream(weights, inputs.text_rows, keys, be, order=inputs.key_order("text"))
         act, (S, D) = text.dtype, (inputs.num_rows, weights.config.hidden_size)
         x_SD = torch.zeros(S, D, dtype=act, device=inputs.device)
         x_SD[inputs.text_indices] = text

@@ -30,7 +30,6 @@ from h3lab.model.embed import context_rows, f32_row_mm, linear_f32, refiner_weig
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.refiner_grad import token_refiner_backward
 from h3lab.model.weights import ModelWeights
-from h3lab.ops.ffn import silu, silu_bwd
 from h3lab.ops.rows import key_order
 
 F32 = torch.float32
@@ -62,29 +61,37 @@ def embed_backward(
     be, keys = backend, inputs.logical_keys
     with strict_mode(), torch.no_grad():
         grads = {}
-        for module, rows, idx in (
-            ("proj_in", inputs.video_rows, inputs.video_indices),
-            ("audio_proj_in", inputs.audio_rows, inputs.audio_indices),
+        for module, rows, idx, part in (
+            ("proj_in", inputs.video_rows, inputs.video_indices, "video"),
+            ("audio_proj_in", inputs.audio_rows, inputs.audio_indices, "audio"),
         ):
-            order = key_order(keys[idx])
+            order = inputs.key_order(part)
             d_RD = d_hidden_SD[idx]
             grads[f"{module}.weight"] = f32_row_mm(be, d_RD, rows, order)  # [D, C] FP32
             grads[f"{module}.bias"] = be.row_sum(d_RD, order)
         ti = inputs.text_indices
-        grads |= text_stream_backward(weights, inputs.text_rows, keys[ti], d_hidden_SD[ti], be)
+        order = inputs.key_order("text")
+        grads |= text_stream_backward(weights, inputs.text_rows, keys[ti], d_hidden_SD[ti], be, order=order)
         grads |= time_embedding_backward(weights, inputs.timestep, dtemb_TE, be)
     return grads
 
 
 def text_stream_backward(
-    weights: ModelWeights, text_rows_RC: Tensor, keys_R2: Tensor, d_RD: Tensor, be: Backend
+    weights: ModelWeights,
+    text_rows_RC: Tensor,
+    keys_R2: Tensor,
+    d_RD: Tensor,
+    be: Backend,
+    *,
+    order: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """`context_embedder` and the token refiner's gradients, given d of `text_stream`'s output."""
+    """`context_embedder` and the token refiner's gradients, given d of `text_stream`'s output
+    (`order`: key_order(keys_R2) where the caller holds it already)."""
+    order = key_order(keys_R2) if order is None else order
     w, b = (weights.tensor(f"context_embedder.{n}").to(d_RD.device) for n in ("weight", "bias"))
     blocks, final = refiner_weights(weights, d_RD.device)
     x_RD = context_rows(weights, text_rows_RC, be)  # the refiner's input, as the forward made it
-    dx_RD, refiner = token_refiner_backward(blocks, final, x_RD, keys_R2, d_RD, weights.config, be)
-    order = key_order(keys_R2)
+    dx_RD, refiner = token_refiner_backward(blocks, final, x_RD, keys_R2, d_RD, weights.config, be, order=order)
     grads = {f"token_refiner.{k}": v for k, v in refiner.items()}
     grads["context_embedder.weight"] = be.row_mm(dx_RD, text_rows_RC.to(w.dtype), order, w.dtype)  # [D, Ct]
     grads["context_embedder.bias"] = be.round(be.row_sum(dx_RD, order), b.dtype)
@@ -98,10 +105,10 @@ def time_embedding_backward(weights: ModelWeights, t_T: Tensor, dtemb_TE: Tensor
     h_TH = linear_f32(sinusoid_TF, w("linear_1.weight"), w("linear_1.bias"), be)
     steps = torch.arange(t_T.shape[0], device=t_T.device)  # the rows of these chains: timesteps in index order
     grads = {
-        "time_embedder.linear_2.weight": f32_row_mm(be, dtemb_TE, silu(h_TH), steps),  # [E, H]
+        "time_embedder.linear_2.weight": f32_row_mm(be, dtemb_TE, be.silu(h_TH, F32), steps),  # [E, H]
         "time_embedder.linear_2.bias": be.row_sum(dtemb_TE, steps),
     }
-    dh_TH = silu_bwd(be.chain_mm(dtemb_TE, w("linear_2.weight")), h_TH)  # k = E ascending
+    dh_TH = be.silu_bwd(be.chain_mm(dtemb_TE, w("linear_2.weight")), h_TH)  # k = E ascending
     grads["time_embedder.linear_1.weight"] = f32_row_mm(be, dh_TH, sinusoid_TF, steps)  # [H, F]
     grads["time_embedder.linear_1.bias"] = be.row_sum(dh_TH, steps)
     return grads

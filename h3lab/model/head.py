@@ -22,7 +22,6 @@ from h3lab.backend import Backend
 from h3lab.contract import strict_mode
 from h3lab.model.embed import Embedded, linear_f32
 from h3lab.model.weights import ModelWeights
-from h3lab.ops.ffn import silu
 from h3lab.ops.fixed import round_to
 
 
@@ -38,7 +37,7 @@ def norm_out_table(weights: ModelWeights, temb_TE: Tensor, backend: Backend) -> 
     """(shift [T, D], scale [T, D]) in `norm_out.linear`'s dtype: silu in FP32, one cast, one FP32 chain."""
     be = backend
     w, b = (weights.tensor(f"norm_out.linear.{n}").to(temb_TE.device) for n in ("weight", "bias"))
-    st = round_to(silu(temb_TE), w.dtype)
+    st = be.silu(temb_TE, w.dtype)
     table = round_to(be.mm(st, w.t()) + b.to(torch.float32), w.dtype)
     D = weights.config.hidden_size
     return table[:, :D], table[:, D:]  # shift first, then scale (diffusers' chunk order)

@@ -33,9 +33,7 @@ from h3lab.contract import strict_mode
 from h3lab.model.embed import Embedded, f32_row_mm
 from h3lab.model.head import ModelOutput, norm_out_table
 from h3lab.model.weights import ModelWeights
-from h3lab.ops.ffn import silu
-from h3lab.ops.fixed import chain_sum, round_to
-from h3lab.ops.rows import key_order
+from h3lab.ops.fixed import chain_sum
 
 F32 = torch.float32
 
@@ -72,18 +70,19 @@ def head_backward(
     with strict_mode(), torch.no_grad():
         shift_TD, scale_TD = norm_out_table(weights, emb.batch.temb, backend)
         d_hidden, grads, shares = torch.zeros_like(hidden_SD), {}, []
-        for module, idx, d in (
-            ("proj_out", inputs.video_indices, d_out.video),
-            ("audio_proj_out", inputs.audio_indices, d_out.audio),
+        for module, idx, d, part in (
+            ("proj_out", inputs.video_indices, d_out.video, "video"),
+            ("audio_proj_out", inputs.audio_indices, d_out.audio, "audio"),
         ):
-            t, keys = inputs.timestep_indices[idx], inputs.logical_keys[idx]
+            t, order = inputs.timestep_indices[idx], inputs.key_order(part)
             dx, share, module_grads = _rows_backward(
-                weights, module, hidden_SD[idx], shift_TD[t], scale_TD[t], keys, d, be
+                weights, module, hidden_SD[idx], shift_TD[t], scale_TD[t], order, d, be
             )
             d_hidden[idx] = dx
             grads |= module_grads
-            shares.append((share, t, keys))
-        norm_grads, dtemb = _norm_out_backward(weights, emb.batch.temb, shares, be)
+            shares.append((share, t))
+        order = inputs.key_order("video+audio")  # video and audio rows together, ascending keys
+        norm_grads, dtemb = _norm_out_backward(weights, emb.batch.temb, shares, order, be)
     return HeadGrads(d_hidden=d_hidden, grads=grads | norm_grads, dtemb=dtemb)
 
 
@@ -93,17 +92,17 @@ def _rows_backward(
     x_RD: Tensor,
     shift_RD: Tensor,
     scale_RD: Tensor,
-    keys_R2: Tensor,
+    order_R: Tensor,
     d_RC: Tensor,
     be: Backend,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], dict[str, Tensor]]:
-    """One head and norm_out's RMSNorm on its rows: (d x [R, D] in the stack's dtype, norm_out's per-row
-    shares (weight, shift, scale: FP32 [R, D] each), the head's weight and bias gradients)."""
+    """One head and norm_out's RMSNorm on its rows (`order_R`: the rows in ascending key order): (d x
+    [R, D] in the stack's dtype, norm_out's per-row shares (weight, shift, scale: FP32 [R, D] each),
+    the head's weight and bias gradients)."""
     w = lambda n: weights.tensor(n).to(x_RD.device)  # noqa: E731
     act, eps, wn = x_RD.dtype, weights.config.final_norm_eps, w("norm_out.norm.weight")
     n_RD = be.rms_modulate_fwd(x_RD, wn, scale_RD, shift_RD, eps, act)  # the head's input, as the forward made it
-    order = key_order(keys_R2)
-    grads = {f"{module}.weight": f32_row_mm(be, d_RC, n_RD, order), f"{module}.bias": be.row_sum(d_RC, order)}
+    grads = {f"{module}.weight": f32_row_mm(be, d_RC, n_RD, order_R), f"{module}.bias": be.row_sum(d_RC, order_R)}
     dn = be.round(be.chain_mm(d_RC, w(f"{module}.weight")), act)  # [R, D]: k = C ascending, one rounding
     dx, dwn_rows, d_scale, d_shift = be.rms_modulate_bwd(dn, x_RD, wn, scale_RD, eps)
     return be.round(dx, act), (dwn_rows, d_shift, d_scale), grads
@@ -112,21 +111,22 @@ def _rows_backward(
 def _norm_out_backward(
     weights: ModelWeights,
     temb_TE: Tensor,
-    shares: list[tuple[tuple[Tensor, Tensor, Tensor], Tensor, Tensor]],
+    shares: list[tuple[tuple[Tensor, Tensor, Tensor], Tensor]],
+    order: Tensor,
     be: Backend,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """norm_out's weight and AdaLN linear from the per-row shares of both heads' rows (each with its
-    timestep indices and keys): (their gradients, norm_out's share of d temb [T, E] FP32)."""
+    timestep indices; `order`: their rows together in ascending key order): (their gradients,
+    norm_out's share of d temb [T, E] FP32)."""
     dev, T = temb_TE.device, temb_TE.shape[0]
     wn, w_lin, b_lin = (
         weights.tensor(f"norm_out.{n}").to(dev) for n in ("norm.weight", "linear.weight", "linear.bias")
     )
-    cat = lambda j: torch.cat([s[j] for s, _, _ in shares])  # noqa: E731
-    segments, keys = torch.cat([t for _, t, _ in shares]), torch.cat([k for _, _, k in shares])
-    order = key_order(keys)  # video and audio rows together, ascending keys
+    cat = lambda j: torch.cat([s[j] for s, _ in shares])  # noqa: E731
+    segments = torch.cat([t for _, t in shares])
     (dwn,), (d_shift, d_scale) = be.chain_sums([cat(0)], [cat(1), cat(2)], segments, T, order)
     d_table = torch.cat([d_shift, d_scale], dim=1)  # [T, 2D]: shift first, as the table is laid out
-    st = round_to(silu(temb_TE), w_lin.dtype)  # the table's input, as norm_out_table made it
+    st = be.silu(temb_TE, w_lin.dtype)  # the table's input, as norm_out_table made it
     grads = {
         "norm_out.norm.weight": be.round(dwn, wn.dtype),
         "norm_out.linear.weight": be.mm_few_k(d_table, st, w_lin.dtype),  # [2D, E]: timesteps in index order

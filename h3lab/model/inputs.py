@@ -21,6 +21,14 @@ from torch import Tensor
 
 from h3lab.batch import POSITION_DTYPES
 from h3lab.config import NUM_MODALITIES, H3Config
+from h3lab.ops.rows import key_order
+
+KEY_PARTS = ("video", "audio", "text", "video+audio", "video.generated", "audio.generated")
+# the fields a part's key order reads (ModelInputs.key_order)
+KEY_FIELDS = frozenset(
+    {"logical_keys", "video_indices", "audio_indices", "text_indices"}
+    | {"num_condition_video_rows", "num_condition_audio_rows"}
+)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -110,6 +118,30 @@ class ModelInputs:
         devices = {f.device for f in self.tensors().values()}
         _expect(len(devices) == 1, "ModelInputs", f"tensors on several devices {sorted(map(str, devices))}")
 
+    def key_order(self, part: str) -> Tensor:
+        """`h3lab.ops.rows.key_order` of one part's logical keys (KEY_PARTS: "video", "audio", "text",
+        "video+audio" (video's keys, then audio's), "video.generated" and "audio.generated" (the rows
+        after the conditioning ones)): indices into that part's rows in ascending key order. Computed
+        once per request: a copy by `replace` that keeps the keys, indices and conditioning counts
+        (a noised sample, say) shares them, so a training step sorts no keys after its first.
+
+        Raises:
+            ValueError: a part outside KEY_PARTS; duplicate active keys (as key_order).
+        """
+        if part not in KEY_PARTS:
+            raise ValueError(f"key_order part {part!r}; allowed: {list(KEY_PARTS)}")
+        orders = self.__dict__.setdefault("_key_orders", {})  # frozen: the cache is not a field
+        if part not in orders:
+            keys = self.logical_keys
+            if part == "video+audio":
+                sub = torch.cat([keys[self.video_indices], keys[self.audio_indices]])
+            else:
+                modality, _, generated = part.partition(".")
+                idx = getattr(self, f"{modality}_indices")
+                sub = keys[idx[getattr(self, f"num_condition_{modality}_rows") :] if generated else idx]
+            orders[part] = key_order(sub)
+        return orders[part]
+
     @property
     def num_rows(self) -> int:
         return self.position_ids.shape[0]
@@ -129,8 +161,12 @@ class ModelInputs:
         }
 
     def replace(self, **changes: object) -> ModelInputs:
-        """A copy with some fields replaced (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields replaced (validated again); it shares the key orders (`key_order`)
+        when none of KEY_FIELDS changes."""
+        new = dataclasses.replace(self, **changes)
+        if "_key_orders" in self.__dict__ and not KEY_FIELDS & changes.keys():
+            new.__dict__["_key_orders"] = self.__dict__["_key_orders"]
+        return new
 
     def to(self, device: torch.device | str) -> ModelInputs:
         return self.replace(**{k: v.to(device) for k, v in self.tensors().items()})

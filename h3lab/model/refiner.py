@@ -89,10 +89,18 @@ def refiner_block_forward(
 
 
 def token_refiner(
-    blocks: list[dict[str, Tensor]], final_norm_w: Tensor, x_RD: Tensor, keys_R2: Tensor, config: H3Config, be: Backend
+    blocks: list[dict[str, Tensor]],
+    final_norm_w: Tensor,
+    x_RD: Tensor,
+    keys_R2: Tensor,
+    config: H3Config,
+    be: Backend,
+    *,
+    order: Tensor | None = None,
 ) -> Tensor:
-    """The refiner blocks in order, then `final_norm` (eps = final_norm_eps); rows keep their order."""
-    order = key_order(keys_R2)
+    """The refiner blocks in order, then `final_norm` (eps = final_norm_eps); rows keep their order
+    (`order`: key_order(keys_R2) where the caller holds it already)."""
+    order = key_order(keys_R2) if order is None else order
     assert order.numel() == x_RD.shape[0], "text rows are never padding"
     for p in blocks:
         x_RD = refiner_block(p, x_RD, order, config, be)

@@ -38,8 +38,11 @@ def token_refiner_backward(
     d_out_RD: Tensor,
     config: H3Config,
     be: Backend,
+    *,
+    order: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Backward of `token_refiner(blocks, final_norm_w, x_RD, keys_R2, config, be)` given d out.
+    """Backward of `token_refiner(blocks, final_norm_w, x_RD, keys_R2, config, be)` given d out
+    (`order`: key_order(keys_R2) where the caller holds it already).
 
     Args:
         blocks: each refiner block's ten tensors, keyed without `token_refiner.refiner_blocks.{j}.`.
@@ -52,7 +55,7 @@ def token_refiner_backward(
         (the gradient at `x_RD` in its dtype, gradients keyed `refiner_blocks.{j}.<name>` and
         `final_norm.weight`, each in its weight's dtype).
     """
-    order = key_order(keys_R2)
+    order = key_order(keys_R2) if order is None else order
     assert order.numel() == x_RD.shape[0], "text rows are never padding"
     saved = []
     for p in blocks:

@@ -50,7 +50,6 @@ from h3lab.model.inputs import ModelInputs
 from h3lab.model.packing import row_timesteps
 from h3lab.model.trajectory import AUDIO_SHIFT, VIDEO_SHIFT
 from h3lab.ops.fixed import pair_sum
-from h3lab.ops.rows import key_order
 
 MODALITIES = ("video", "audio")  # the scored outputs, in the loss's order
 F32 = torch.float32
@@ -158,8 +157,7 @@ def _generated(inputs: ModelInputs, modality: str) -> tuple[Tensor, int, Tensor]
     rows' indices in ascending logical-key order)."""
     nc = getattr(inputs, f"num_condition_{modality}_rows")
     data = getattr(inputs, f"{modality}_rows")[nc:]
-    keys = inputs.logical_keys[getattr(inputs, f"{modality}_indices")[nc:]]
-    return data, nc, key_order(keys)
+    return data, nc, inputs.key_order(f"{modality}.generated")
 
 
 def _finite_number(x: object) -> bool:
