@@ -21,7 +21,7 @@ from torch import Tensor
 
 from h3lab.ops.adamw import ADAMW_SCALARS
 from h3lab.triton import configs
-from h3lab.triton.gemm import check_device
+from h3lab.triton.gemm_host import check_device
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32

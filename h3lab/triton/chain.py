@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.triton import configs
-from h3lab.triton.gemm import check_device, check_operand
+from h3lab.triton.gemm_host import check_device, check_operand
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32

@@ -32,7 +32,7 @@ from torch import Tensor
 from h3lab.ops.fixed import unit_tree
 from h3lab.triton import configs
 from h3lab.triton.chain import chain_kernel, launch_chain
-from h3lab.triton.gemm import OPERAND_DTYPES, OUT_DTYPES, check_device
+from h3lab.triton.gemm_host import OPERAND_DTYPES, OUT_DTYPES, check_device
 from h3lab.triton.variant import Variant, options
 
 UNIT_COUNTS = (1, 2, 4, 8)

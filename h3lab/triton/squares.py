@@ -25,7 +25,7 @@ from torch import Tensor
 
 from h3lab.ops.fixed import ROW_BLOCK, pair_sum
 from h3lab.triton import configs
-from h3lab.triton.gemm import check_device
+from h3lab.triton.gemm_host import check_device
 from h3lab.triton.norm import _pair_sum
 from h3lab.triton.variant import Variant, options
 

@@ -36,20 +36,16 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3lab.triton import configs
-from h3lab.triton.gemm import (
+from h3lab.triton.gemm import load_a, load_b, mac, store_tile, tile_coords
+from h3lab.triton.gemm_host import (
     check_config,
     check_device,
     check_operand,
     grid_size,
     kernel_config,
-    load_a,
-    load_b,
-    mac,
     operand_a,
     operand_b,
     output_desc,
-    store_tile,
-    tile_coords,
 )
 from h3lab.triton.variant import Variant, options
 

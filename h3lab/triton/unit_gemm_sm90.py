@@ -47,7 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3lab.triton import configs
-from h3lab.triton.gemm import a_mode, b_mode, tile_coords  # tile_coords: scalar-only @triton.jit, callable from Gluon
+from h3lab.triton.gemm import tile_coords  # a scalar-only @triton.jit, callable from Gluon
+from h3lab.triton.gemm_host import a_mode, b_mode
 from h3lab.triton.variant import Variant
 
 # Triton 3.6 (torch 2.11's) names the TMA copies async_copy_global_to_shared / _shared_to_global
