@@ -1,3 +1,4 @@
+# Whole on purpose: one kernel, its jit helpers, its launcher and its builds read together.
 """Unit-tree GEMM: per-unit FP32 chains, then the contract's balanced tree, inside one kernel.
 
 Reference: h3lab.backend.TorchBackend.unit_reduce (chain_mm per unit, then h3lab.ops.fixed.unit_tree).

@@ -1,3 +1,4 @@
+# Whole on purpose: one Gluon kernel, its pipeline helpers, its launch and its builds read together.
 """Unit-tree GEMM for Hopper in Gluon: the bits of `unit_gemm.unit_mm_kernel`, one pipeline across units.
 
 Reference: h3lab.triton.unit_gemm.unit_mm_kernel (Triton, runs in the interpreter too), and behind
