@@ -464,7 +464,7 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
 
 
 def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_metadata_again():
-    """decide_rows (what a CUDA graph capture is given: h3lab.graph) then plan_rows(decided=...) gives
+    """decide_rows (what a CUDA graph capture is given: h3lab.block.graph) then plan_rows(decided=...) gives
     the order and facts plan_rows gives, computes nothing again, and refuses metadata it was not
     decided from or that was written since."""
     R, G = 41, 5
@@ -508,7 +508,7 @@ def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_meta
 
 def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
     """The Triton backend's whole block step (the interpreter here, compiled on a GPU) with its row plan
-    decided beforehand, as h3lab.graph captures it, equals the step that plans for itself byte for
+    decided beforehand, as h3lab.block.graph captures it, equals the step that plans for itself byte for
     byte, and decides nothing again: rows out of key order, padding among them."""
     from h3lab import H3Config, packed_batch, synthetic_block
     from h3lab.block import block_step
