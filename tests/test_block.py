@@ -11,7 +11,8 @@ from h3lab import H3Config, PackedBatch, canonical_block, packed_batch, syntheti
 from h3lab.batch import ROW_FIELDS
 from h3lab.comm import LocalComm
 from h3lab.contract import strict_mode
-from h3lab.ops.fixed import chain_mm, unit_tree
+from h3lab.ops.chain import chain_mm
+from h3lab.ops.fixed import unit_tree
 from h3lab.units import join, unit_weights
 from tests.conftest import assert_bitwise
 

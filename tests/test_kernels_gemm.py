@@ -28,7 +28,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the GEMM kernels are Triton kernels)")
 
 from h3lab.backend import TorchBackend
-from h3lab.ops.fixed import chain_mm, round_to, unit_tree
+from h3lab.ops.chain import chain_mm
+from h3lab.ops.fixed import round_to, unit_tree
 from h3lab.triton import configs, gemm, gemm_host, unit_gemm
 from tests.conftest import assert_bitwise, gpu_kernels
 

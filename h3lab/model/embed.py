@@ -31,7 +31,7 @@ from h3lab.contract import check_device, strict_mode
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.refiner import token_refiner
 from h3lab.model.weights import ModelWeights, refiner_tensors
-from h3lab.ops.ffn import silu
+from h3lab.ops.elementwise import silu
 from h3lab.ops.fixed import cos_sin, exp, round_to
 
 MAX_PERIOD = 10_000  # diffusers `Timesteps` default, as MiniMaxH3Transformer3DModel builds it

@@ -30,7 +30,7 @@ from h3lab.model.embed import context_rows, f32_row_mm, linear_f32, refiner_weig
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.refiner_grad import token_refiner_backward
 from h3lab.model.weights import ModelWeights
-from h3lab.ops.ffn import silu, silu_bwd
+from h3lab.ops.elementwise import silu, silu_bwd
 from h3lab.ops.rows import key_order
 
 F32 = torch.float32

@@ -22,7 +22,7 @@ from h3lab.backend import Backend
 from h3lab.contract import strict_mode
 from h3lab.model.embed import Embedded, linear_f32
 from h3lab.model.weights import ModelWeights
-from h3lab.ops.ffn import silu
+from h3lab.ops.elementwise import silu
 from h3lab.ops.fixed import round_to
 
 

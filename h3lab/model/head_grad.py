@@ -33,7 +33,7 @@ from h3lab.contract import strict_mode
 from h3lab.model.embed import Embedded, f32_row_mm
 from h3lab.model.head import ModelOutput, norm_out_table
 from h3lab.model.weights import ModelWeights
-from h3lab.ops.ffn import silu
+from h3lab.ops.elementwise import silu
 from h3lab.ops.fixed import chain_sum, round_to
 from h3lab.ops.rows import key_order
 

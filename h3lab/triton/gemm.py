@@ -1,6 +1,6 @@
 """Fixed-order GEMM: c = a @ b, FP32 accumulation over K in BLOCK_K chunks, ascending, one rounding.
 
-Reference: h3lab.ops.fixed.chain_mm (the torch backend's chain). Launcher: `mm`.
+Reference: h3lab.ops.gemm.mm (the torch backend's chains). Launcher: `mm`.
 
 Why a row's bits never depend on M and a column's never on N: every output element is the chain
 acc = dot(a[m, k0:k0+BK], b[k0:k0+BK, n]) + acc over k0 = 0, BK, 2*BK, ... with one pinned config

@@ -2,7 +2,7 @@
 """Unit-tree GEMM for Hopper in Gluon: the bits of `unit_gemm.unit_mm_kernel`, one pipeline across units.
 
 Reference: h3lab.triton.unit_gemm.unit_mm_kernel (Triton, runs in the interpreter too), and behind
-it h3lab.backend.TorchBackend.unit_reduce. Launcher: h3lab.triton.unit_gemm.unit_mm, when the
+it h3lab.ops.unit_gemm.unit_mm. Launcher: h3lab.triton.unit_gemm.unit_mm, when the
 pinned config says "IMPL": "gluon" and the operands allow TMA (see `supports`).
 
 Why a second kernel. The Triton kernel computes each unit's chain in its own software-pipelined
