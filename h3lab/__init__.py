@@ -7,10 +7,9 @@ imported on first use.
 """
 
 from h3lab.batch import PackedBatch, packed_batch
-from h3lab.block import canonical_block
+from h3lab.block import BlockResult, canonical_block
 from h3lab.config import H3Config
 from h3lab.contract import CONTRACT_ID, strict_mode
-from h3lab.result import BlockResult
 from h3lab.weights import BlockWeights, synthetic_block
 
 __all__ = [

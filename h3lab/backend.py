@@ -32,10 +32,11 @@ from torch import Tensor
 from h3lab.emulate import attention as emulated_attention
 from h3lab.emulate import gemm as emulated_gemm
 from h3lab.emulate.mma import SM90, MmaModel
-from h3lab.ops import adamw, ffn, norm, rows
+from h3lab.ops import adamw, chain, elementwise, gemm, norm, rope, rows, squares, unit_gemm
 from h3lab.ops import attention as att
 from h3lab.ops.adamw import AdamWPiece
-from h3lab.ops.fixed import Pieces, chain_mm, round_to, sum_of_squares, unit_tree
+from h3lab.ops.fixed import round_to
+from h3lab.ops.unit_gemm import Pieces
 from h3lab.rowplan import RowPlan
 
 EMULATED = {"emulate-sm90": "sm90"}  # CPU backends that give a GPU architecture's triton bits
@@ -56,10 +57,10 @@ class Backend(Protocol):
     def mm_few_k(self, a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor: ...
     def row_sum(self, x_R: Tensor, order: Tensor) -> Tensor: ...
     # the float32 modules' GEMM (embedders, heads, time embedder, their weight gradients): FP32 [M, N]
-    # with h3lab.ops.fixed.chain_mm's bits on every backend and device
+    # with h3lab.ops.chain.chain_mm's bits on every backend and device
     def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor: ...
     # the training step, with the references' bits on every backend: each tensor's sum of squares
-    # (h3lab.ops.fixed.sum_of_squares) as one FP32 [P] tensor; AdamW on many pieces (h3lab.ops.adamw),
+    # (h3lab.ops.squares.sum_of_squares) as one FP32 [P] tensor; AdamW on many pieces (h3lab.ops.adamw),
     # with a [P] bool of the pieces whose weights it left NaN or Inf
     def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor: ...
     def adamw_updates(self, pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor) -> Tensor: ...
@@ -122,18 +123,8 @@ class TorchBackend:
 
     name = "torch"
 
-    def mm(self, a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype = F32) -> Tensor:
-        return round_to(chain_mm(a_MK, b_KN), out_dtype)
-
-    def unit_reduce(self, pieces: Pieces, num_units: int) -> Tensor:
-        partials = []
-        for i in range(num_units):
-            acc = None
-            for a, b in pieces:
-                kp = a.shape[1] // num_units
-                acc = chain_mm(a[:, i * kp : (i + 1) * kp], b[i * kp : (i + 1) * kp], acc)
-            partials.append(acc)
-        return unit_tree(partials)
+    mm = staticmethod(gemm.mm)
+    unit_reduce = staticmethod(unit_gemm.unit_mm)
 
     def unit_reduce_few_rows(self, a_TK: Tensor, b_KN: Tensor, num_units: int) -> Tensor:
         return self.unit_reduce([(a_TK, b_KN)], num_units)  # the chains have no tile size: any M is few
@@ -147,10 +138,9 @@ class TorchBackend:
     adamw_updates = staticmethod(adamw.adamw_updates)
 
     def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor:
-        return chain_mm(a_MK, b_KN)
+        return chain.chain_mm(a_MK, b_KN)
 
-    def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor:
-        return torch.stack([sum_of_squares(x) for x in xs])
+    sums_of_squares = staticmethod(squares.sums_of_squares)
 
     def chain_sums(
         self, row_xs: list[Tensor], segment_xs: list[Tensor], segment_R: Tensor, num_segments: int, order: Tensor
@@ -190,20 +180,20 @@ class TorchBackend:
         return round_to(dq, out_dtype), dw_rows
 
     def swiglu_fwd(self, h, g, out_dtype):
-        return round_to(ffn.swiglu_fwd(h, g), out_dtype)
+        return round_to(elementwise.swiglu_fwd(h, g), out_dtype)
 
     def swiglu_bwd(self, da, h, g, out_dtype):
-        dh, dg = ffn.swiglu_bwd(da, h, g)
+        dh, dg = elementwise.swiglu_bwd(da, h, g)
         return round_to(dh, out_dtype), round_to(dg, out_dtype)
 
     def gated_residual(self, x, gate, y, out_dtype):
-        return round_to(ffn.gated_residual(x, gate, y), out_dtype)
+        return round_to(elementwise.gated_residual(x, gate, y), out_dtype)
 
     def silu(self, x, out_dtype):
-        return round_to(ffn.silu(x), out_dtype)
+        return round_to(elementwise.silu(x), out_dtype)
 
-    silu_bwd = staticmethod(ffn.silu_bwd)
-    rope_tables = staticmethod(norm.rope_tables)
+    silu_bwd = staticmethod(elementwise.silu_bwd)
+    rope_tables = staticmethod(rope.rope_tables)
 
     def attention_fwd(self, q, k, v, scale, out_dtype):
         o32, rowmax, denom = att.attention_fwd(q, k, v, scale)

@@ -12,7 +12,7 @@ metadata is small (R x 3 int64 and one float), so `plan_rows` queues one copy of
 memory and returns; the block launches its first GEMMs; the returned function then waits for that
 copy alone (queued before the GEMMs), decides everything on the host and seeds the step's index
 cache, so the row kernels and RoPE that follow check nothing again. `decide_rows` decides the same
-beforehand (a CUDA graph capture may not wait for the host: h3lab.graph).
+beforehand (a CUDA graph capture may not wait for the host: h3lab.block.graph).
 
 The index cache. The block passes one `order` to ~20 row reductions, and every check of it is a
 host synchronisation that drains the GPU's queue (python -m h3lab.bench.sync_sites). Facts are
@@ -210,7 +210,7 @@ def checked_max_abs_position(pos: Tensor) -> float:
 @dataclass(frozen=True, eq=False)
 class RowPlan:
     """Everything `plan_rows` decides for one block step's metadata, decided once beforehand: a CUDA
-    graph captures the block with it, since a capture may not wait for the host (h3lab.graph).
+    graph captures the block with it, since a capture may not wait for the host (h3lab.block.graph).
 
     Holds the metadata tensors it was decided from; `plan_rows(..., decided=plan)` checks that the
     block passes these very tensors, unwritten since (torch's version counters), or raises.
@@ -235,7 +235,7 @@ class RowPlan:
         for their copy (the plan may have been decided on another stream) and the allocator keeps
         their memory until this stream is done with them."""
         tensors = (self.order, *self.layout)
-        # a capture may not wait on an event recorded outside it: h3lab.graph captures after a device
+        # a capture may not wait on an event recorded outside it: h3lab.block.graph captures after a device
         # synchronisation, so the copy is done by then
         if self.ready is not None and not torch.cuda.is_current_stream_capturing():
             stream = torch.cuda.current_stream(self.order.device)

@@ -101,7 +101,7 @@ def chain_dot_f32(a_MK: np.ndarray, b_KN: np.ndarray, acc_MN: np.ndarray) -> np.
     function of its acc, its row of a and its column of b alone: not of M, N, the element's place in
     the tile or the CPU. The chain starts from acc (the GPU's IEEE tl.dot is an FMA chain from the
     accumulator too), so a kernel's loop acc = dot(a_chunk, b_chunk, acc) is one chain over all of
-    K whatever BLOCK_K is, and an FP32 GEMM equals h3lab.ops.fixed.chain_mm bit for bit. Leading
+    K whatever BLOCK_K is, and an FP32 GEMM equals h3lab.ops.chain.chain_mm bit for bit. Leading
     batch dims (3-D tl.dot) broadcast.
     """
     out = acc_MN.astype(np.float32, copy=True)

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "h3lab"
 
-CORE = "core"  # the flat modules of h3lab/, the torch references (ops), the GPU kernels (triton), their emulation
+CORE = "core"  # the flat modules of h3lab/, the block, the torch references (ops), the kernels (triton), emulate
 MAY_IMPORT: dict[str, set[str]] = {
     CORE: set(),
     "io": {CORE},
@@ -46,6 +46,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "facade": {CORE, "io", "nn", "optim"},  # h3lab/__init__.py: the public surface (nn, optim on first use)
 }
 PACKAGES = {
+    "block": CORE,
     "ops": CORE,
     "triton": CORE,
     "emulate": CORE,

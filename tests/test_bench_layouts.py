@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from h3lab.bench.collectives import run_collectives_bench
-from h3lab.bench.layouts import first_large_skew, run_layout_bench, split_calls, spread
+from h3lab.bench.layout_stats import first_large_skew, split_calls, spread
+from h3lab.bench.layouts import run_layout_bench
 
 LAYOUTS = ("tp1", "tp2+sp", "cp2")
 

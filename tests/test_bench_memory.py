@@ -30,15 +30,15 @@ def _frames(*calls: tuple[str, str, str]) -> list[dict]:
     return [{"filename": str(ROOT / f), "name": fn, "line": _line_of(f, text)} for f, fn, text in reversed(calls)]
 
 
-BF, BB = "h3lab/block_forward.py", "h3lab/block_backward.py"
+BF, BB = "h3lab/block/forward.py", "h3lab/block/backward.py"
 ATT_FWD = _frames(
-    ("h3lab/block.py", "_block_step", "= forward(step, b, decided_rows)"),
+    ("h3lab/block/step.py", "_block_step", "= forward(step, b, decided_rows)"),
     (BF, "forward", "attn, order = _attention_forward("),
     (BF, "_attention_forward", "be.attention_fwd(qr, k_c, v_c"),
 )
 FFN_FWD = _frames((BF, "forward", "out = _ffn_forward("), (BF, "_ffn_forward", 'h = tr("ff.hidden"'))
 SWIGLU_BWD = _frames(
-    ("h3lab/block.py", "_block_step", "= run_backward(step, b, rows"),
+    ("h3lab/block/step.py", "_block_step", "= run_backward(step, b, rows"),
     (BB, "backward", "_ffn_backward(step, rows"),
     (BB, "_ffn_backward", "dh, dg = be.swiglu_bwd("),
     ("h3lab/triton/backend.py", "method", "return launcher(*args, **kwargs, node=self.node)"),
@@ -101,7 +101,7 @@ def test_the_record_names_the_peak_and_the_largest_tensors_alive_at_it():
     assert rec["peak"] == {
         "event": 8,
         "part": "_ffn_backward",
-        "site": f"_ffn_backward (block_backward.py:{line}): {code}",
+        "site": f"_ffn_backward (block/backward.py:{line}): {code}",
         "op": "",
         "alloc_bytes": 80,
     }
@@ -124,7 +124,7 @@ def test_sites_name_the_part_the_step_called():
         (BF, "_table_rows", "return table[segment_R, column]"),
     )
     assert bm.site(helper)[0] == "_adaln_table"
-    entry = _frames(("h3lab/block.py", "canonical_block", "dw = assemble_unit_grads("))
+    entry = _frames(("h3lab/block/step.py", "canonical_block", "dw = assemble_unit_grads("))
     assert bm.site(entry)[0] == "canonical_block"
     line = _line_of("h3lab/reference/eager.py", "grads = torch.autograd.grad(")
     part, where = bm.site(_frames(("h3lab/reference/eager.py", "eager_block", "grads = torch.autograd.grad(")))

@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-from h3lab.bench.parallelize_step import BENCH_FORMAT, context, flow_step, host_syncs, main, trainer_step
+from h3lab.bench.host_syncs import host_syncs
+from h3lab.bench.parallelize_sides import context, flow_step, trainer_step
+from h3lab.bench.parallelize_step import BENCH_FORMAT, main
 from h3lab.workbench.benchmarks import table
 
 SIDES = ["parallelize_flow", "trainer", "eager", "parallelize_custom"]

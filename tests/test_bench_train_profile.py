@@ -74,10 +74,8 @@ def test_a_trace_without_gpu_events_is_named(tmp_path):
 
 
 def test_both_sides_mark_the_steps_parts_in_order(tmp_path):
-    a = train_step.parse_args(
-        ["--out", str(tmp_path / "r.json"), "--config", "tiny", "--blocks", "0-1", "--rows", "400", "--device", "cpu"]
-        + ["--steps", "1", "--warmup", "1"]
-    )
+    args = ["--config", "tiny", "--blocks", "0-1", "--rows", "400", "--device", "cpu", "--steps", "1", "--warmup", "1"]
+    a = train_step.parse_args(["--out", str(tmp_path / "r.json"), *args])
     config = H3Config.named("tiny")
     weights = SyntheticWeights(config, seed=0, device=a.device, generator=a.device)
     inputs = request_of_rows(config, a.rows, 1)

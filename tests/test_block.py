@@ -11,7 +11,8 @@ from h3lab import H3Config, PackedBatch, canonical_block, packed_batch, syntheti
 from h3lab.batch import ROW_FIELDS
 from h3lab.comm import LocalComm
 from h3lab.contract import strict_mode
-from h3lab.ops.fixed import chain_mm, unit_tree
+from h3lab.ops.chain import chain_mm
+from h3lab.ops.fixed import unit_tree
 from h3lab.units import join, unit_weights
 from tests.conftest import assert_bitwise
 
@@ -198,7 +199,7 @@ def test_chain_sets_gathered_by_copy_are_summed_one_at_a_time():
     gathered copy is alive at a time; sets used in place go side by side in one call; the bytes are
     the single calls' either way."""
     from h3lab.backend import TorchBackend
-    from h3lab.rowspace import sum_chain_sets
+    from h3lab.block.rowspace import sum_chain_sets
 
     calls = []
 
@@ -274,14 +275,14 @@ class _CopyingComm(LocalComm):
 @pytest.mark.parametrize("comm", [LocalComm(), _CopyingComm()], ids=["local", "gathers-copy"])
 def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_returns(tiny, comm, monkeypatch):
     """The block's peak memory is in its backward, so each tensor goes when the part that reads it
-    last is done with it (h3lab.block_forward: lifetimes): which outputs of earlier backend and comm
+    last is done with it (h3lab.block.forward: lifetimes): which outputs of earlier backend and comm
     calls, and of the AdaLN rows' gathers (table_rows 0-5: shift, scale, gate of msa, then of mlp),
     are freed when each part of the backward, or a GEMM inside it, starts. Calls are named by their
     order in the step (mm 0: the AdaLN table, 4 and 5: ff.net.0's hidden and gate, 6: d SwiGLU, 7: d
     attention; gather_seq_rows 4-7: the FFN backward's)."""
-    from h3lab import block_forward
     from h3lab.backend import TorchBackend
     from h3lab.block import block_step
+    from h3lab.block import forward as block_forward
 
     log: list[_Call] = []
     monkeypatch.setattr(block_forward, "_table_rows", _logged("table_rows", block_forward._table_rows, log))

@@ -1,7 +1,8 @@
 """CI's check of the H200's bits: the tiny reference block, the golden trajectory and the training
-gate (two Trainer steps of blocks 0-1) through the sm90 emulator, on this CPU, give the digests of kernels/golden/sm90.json (recorded on an H200's triton
-backend). A kernel change that moves one GPU bit of any makes this fail (or the set is
-re-recorded on a GPU); a model the emulation lacks raises NotImplementedError, a failure too.
+gate (two Trainer steps of blocks 0-1) through the sm90 emulator, on this CPU, give the digests of
+kernels/golden/sm90.json (recorded on an H200's triton backend). A kernel change that moves one GPU
+bit of any makes this fail (or the set is re-recorded on a GPU); a model the emulation lacks raises
+NotImplementedError, a failure too.
 """
 
 from __future__ import annotations

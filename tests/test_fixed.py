@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from h3lab.ops.fixed import chain_bmm, chain_mm, cos_sin, exp, pair_sum, round_to, sigmoid, unit_tree
+from h3lab.ops.chain import chain_bmm, chain_mm
+from h3lab.ops.fixed import cos_sin, exp, pair_sum, round_to, sigmoid, unit_tree
 from tests.conftest import assert_bitwise
 
 

@@ -1,4 +1,4 @@
-"""h3lab.graph: the canonical block captured in a CUDA graph gives the eager step's bytes.
+"""h3lab.block.graph: the canonical block captured in a CUDA graph gives the eager step's bytes.
 
 The capture needs a GPU and compiled kernels (`gpu` tests, skipped without CUDA and under the
 Triton interpreter); the refusals that need no GPU run everywhere.
@@ -12,7 +12,7 @@ import torch
 from h3lab import H3Config, canonical_block, packed_batch, synthetic_block
 from h3lab.backend import get_backend
 from h3lab.batch import FIELDS, PackedBatch
-from h3lab.graph import GraphedBlock, capture
+from h3lab.block.graph import GraphedBlock, capture
 from h3lab.triton import configs
 from tests.conftest import assert_bitwise
 

@@ -28,8 +28,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the GEMM kernels are Triton kernels)")
 
 from h3lab.backend import TorchBackend
-from h3lab.ops.fixed import chain_mm, round_to, unit_tree
-from h3lab.triton import configs, gemm, unit_gemm
+from h3lab.ops.chain import chain_mm
+from h3lab.ops.fixed import round_to, unit_tree
+from h3lab.triton import configs, gemm, gemm_host, unit_gemm
 from tests.conftest import assert_bitwise, gpu_kernels
 
 # tl.dot under the interpreter: our FP32 chain, not the host BLAS (tests/conftest.py chain_dot)
@@ -54,7 +55,7 @@ REL_FP32 = 2e-6
 
 def _tc(kernel: str) -> dict:
     """The pinned tensor-core configuration (bf16 tiles, TMA) of `kernel`, run here on fp32 operands."""
-    return gemm.kernel_config(kernel, NODE, ieee=False)
+    return gemm_host.kernel_config(kernel, NODE, ieee=False)
 
 
 def _randn(*shape: int, seed: int, device: str = "cpu", dtype: torch.dtype = F32) -> torch.Tensor:
@@ -161,9 +162,11 @@ def test_mm_row_tail_rides_on_row_tiles():
     for plain, M, rides in cases:
         cfg = plain | tail
         a = _randn(M, K, seed=41 + M)
-        rode = gemm.tail_operands(a, w.t(), 1, 1, cfg, gemm.programs("cpu"), BF16)[2] is not None
+        rode = gemm_host.tail_operands(a, w.t(), 1, 1, cfg, gemm_host.programs("cpu"), BF16)[2] is not None
         assert rode == rides, f"M={M}: the tail rides: {rode}, expected {rides}"
-        assert gemm.tail_operands(a, w.t(), 1, 1, cfg, gemm.programs("cpu"), F32)[2] is None, "fp32 out: no tail"
+        assert gemm_host.tail_operands(a, w.t(), 1, 1, cfg, gemm_host.programs("cpu"), F32)[2] is None, (
+            "fp32 out: no tail"
+        )
         ref = gemm.mm(a, w.t(), BF16, node=NODE, config=plain)  # the interpreter's bf16 cast truncates: same in both
         got = gemm.mm(a, w.t(), BF16, node=NODE, config=cfg)
         assert_bitwise(got, ref, f"M={M} tail")
@@ -386,8 +389,8 @@ def test_gpu_mm_row_tail_bitwise():
     a = _randn(4111, 5376, seed=63, device=dev, dtype=BF16)
     w = _randn(7168, 5376, seed=64, device=dev, dtype=BF16)
     full = gemm.mm(a, w.t(), BF16)
-    pinned = gemm.kernel_config("gemm", configs.node_of(dev), ieee=False, rows=264)
-    sms = gemm.programs(dev)
+    pinned = gemm_host.kernel_config("gemm", configs.node_of(dev), ieee=False, rows=264)
+    sms = gemm_host.programs(dev)
     # 273 rows: a tail of 17; N = 5376 or 4900: 105 or 100 plain tiles, one round of 132 SMs
     cases = (
         (0, 264, 7168, True),
@@ -400,7 +403,7 @@ def test_gpu_mm_row_tail_bitwise():
     )
     for lo, m, n, rides in cases:
         part, b = a[lo : lo + m], w.t()[:, :n]
-        rode = gemm.tail_operands(part, b, 1, 1, pinned, sms, BF16)[2] is not None
+        rode = gemm_host.tail_operands(part, b, 1, 1, pinned, sms, BF16)[2] is not None
         assert rode == rides, f"rows {lo}+{m}, N={n}: the tail rides: {rode}, expected {rides}"
         assert_bitwise(gemm.mm(part, b, BF16), full[lo : lo + m, :n], f"rows {lo}+{m}, N={n} (tail rides: {rides})")
         assert_bitwise(gemm.mm(part, b[:, 100:], BF16), full[lo : lo + m, 100:n], f"rows {lo}+{m} columns from 100")
@@ -411,7 +414,7 @@ def test_gpu_mm_paths_agree_and_match_chain():
     dev = "cuda"
     a = _randn(264, 5376, seed=62, device=dev, dtype=BF16)
     w = _randn(1000, 5376, seed=63, device=dev, dtype=BF16)
-    pinned = gemm.kernel_config("gemm", configs.node_of(dev), ieee=False)
+    pinned = gemm_host.kernel_config("gemm", configs.node_of(dev), ieee=False)
     ref = gemm.mm(a, w.t(), config=pinned)
     for tma in (True, False):
         for a_ in (a, a.t().contiguous().t()):
@@ -443,9 +446,9 @@ def test_gpu_unit_mm_is_the_tree_of_mm_partials():
     pieces = _pieces(264, (896,), 5376, 8, seed=80, device="cuda", dtype=BF16)
     (a, b) = pieces[0]
     node = configs.node_of("cuda")
-    unit_cfg = gemm.kernel_config("unit_gemm", node, ieee=False)
+    unit_cfg = gemm_host.kernel_config("unit_gemm", node, ieee=False)
     tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-    cfg = gemm.kernel_config("gemm", node, ieee=False) | {k: unit_cfg[k] for k in tiles}  # mm with the unit tiles
+    cfg = gemm_host.kernel_config("gemm", node, ieee=False) | {k: unit_cfg[k] for k in tiles}  # mm with the unit tiles
     parts = [gemm.mm(a[:, u * 896 : (u + 1) * 896], b[u * 896 : (u + 1) * 896], config=cfg) for u in range(8)]
     assert_bitwise(unit_gemm.unit_mm(pieces, 8), unit_tree(parts), "tree of mm partials")
 
@@ -456,7 +459,7 @@ def test_gpu_unit_mm_scratch_modes_agree():
     bit (against the pinned kernel, which is the Gluon one on sm90: the same bits)."""
     pieces = _pieces(264, (896, 896, 896), 5376, 8, seed=85, device="cuda", dtype=BF16, w_major=False)
     ref = unit_gemm.unit_mm(pieces, 8)
-    pinned = gemm.kernel_config("unit_gemm", configs.node_of("cuda"), ieee=False) | {"IMPL": "triton"}
+    pinned = gemm_host.kernel_config("unit_gemm", configs.node_of("cuda"), ieee=False) | {"IMPL": "triton"}
     # a TMA store's 64 KiB buffer beside the pinned 4 stages (128 KiB) and the TMA scratch (64 KiB)
     # needs 256 KiB of shared memory, past the H200's 227 KiB: that variant runs 2 stages, which
     # moves no bit either (the K order is the chunk order, whatever the pipeline depth)
@@ -511,7 +514,7 @@ def test_unit_mm_gluon_config_errors_name_the_allowed_set():
     """An explicit IMPL that cannot be honoured raises (never a silent fallback): wrong device, tiles, stages."""
     from h3lab.triton import unit_gemm_sm90
 
-    cfg = gemm.kernel_config("unit_gemm", NODE, ieee=False) | {"IMPL": "gluon"}
+    cfg = gemm_host.kernel_config("unit_gemm", NODE, ieee=False) | {"IMPL": "gluon"}
     unit_gemm_sm90.check_config(cfg, (9, 0))  # the pinned sm90 config passes
     cases = [
         ({}, (10, 0), r"capability \(10, 0\); allowed: \(9, 0\)"),
@@ -538,7 +541,7 @@ def test_unit_mm_runs_gluon_only_where_it_can_and_checks_the_config_there(monkey
     a = _randn(5, 8 * 64, seed=4, dtype=BF16)
     w = _randn(16, 8 * 64, seed=5, dtype=BF16)
     dev = torch.device("cpu")
-    bf16, ieee = (gemm.kernel_config("unit_gemm", NODE, ieee=flag) for flag in (False, True))
+    bf16, ieee = (gemm_host.kernel_config("unit_gemm", NODE, ieee=flag) for flag in (False, True))
     assert unit_gemm.runs_gluon([(a, w.t())], 8, bf16, dev)
     assert ieee["IMPL"] == "triton" and not unit_gemm.runs_gluon([(a.float(), w.t())], 8, ieee, dev)
     bad = bf16 | {"num_stages": 1}
@@ -587,7 +590,7 @@ def test_gpu_unit_mm_gluon_equals_triton(name):
 
     kps, N, w_major = REAL[name]
     pieces = _pieces(4111, kps, N, 8, seed=75, device="cuda", dtype=BF16, w_major=w_major)
-    base = gemm.kernel_config("unit_gemm", "sm90", ieee=False)
+    base = gemm_host.kernel_config("unit_gemm", "sm90", ieee=False)
     variants = {
         "gluon_s4_l2": base | {"IMPL": "gluon", "num_stages": 4, "LVL2_SMEM": False},
         "gluon_s3_smem": base | {"IMPL": "gluon", "num_stages": 3, "LVL2_SMEM": True},
@@ -614,7 +617,7 @@ def test_gpu_unit_mm_gluon_edges():
         pytest.skip("the Gluon unit-tree kernel is written for sm90 (wgmma, TMA)")
     from h3lab.triton import unit_gemm_sm90
 
-    base = gemm.kernel_config("unit_gemm", "sm90", ieee=False)
+    base = gemm_host.kernel_config("unit_gemm", "sm90", ieee=False)
     gluon_cfg, triton_cfg = base | {"IMPL": "gluon"}, base | {"IMPL": "triton"}
     ragged = _pieces(300, (896,), 300, 8, seed=110, device="cuda", dtype=BF16)
     mixed = _pieces(264, (896, 1792), 5376, 8, seed=111, device="cuda", dtype=BF16, w_major=False)

@@ -44,8 +44,9 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from h3lab import rowplan  # noqa: E402
 from h3lab.backend import Backend, get_backend  # noqa: E402
 from h3lab.metrics import bit_pattern  # noqa: E402
-from h3lab.ops import ffn as ref_ffn  # noqa: E402
+from h3lab.ops import elementwise as ref_elementwise  # noqa: E402
 from h3lab.ops import norm as ref_norm  # noqa: E402
+from h3lab.ops import rope as ref_rope  # noqa: E402
 from h3lab.ops import rows as ref_rows  # noqa: E402
 from h3lab.ops.fixed import cos_sin, round_to  # noqa: E402
 from h3lab.rowplan import index_cache  # noqa: E402
@@ -160,15 +161,19 @@ def test_swiglu_and_gated_residual_equal_reference(R, N):
     g[0, : len(_EDGES)] = torch.tensor(_EDGES[:N])
     h, g, da, y = (t.to(DEV) for t in (h, g, da, y))
     _, _, gate = _table_rows(R, N, seed=14)
-    ref_dh, ref_dg = ref_ffn.swiglu_bwd(*_cpu(da, h, g))
-    _same(elementwise.swiglu_fwd(h, g, F32, node=NODE), ref_ffn.swiglu_fwd(*_cpu(h, g)), "swiglu")
+    ref_dh, ref_dg = ref_elementwise.swiglu_bwd(*_cpu(da, h, g))
+    _same(elementwise.swiglu_fwd(h, g, F32, node=NODE), ref_elementwise.swiglu_fwd(*_cpu(h, g)), "swiglu")
     dh, dg = elementwise.swiglu_bwd(da, h, g, F32, node=NODE)
     _same(dh, ref_dh, "dh")
     _same(dg, ref_dg, "dg")
     dhg = join([dh, dg], dim=1)  # side by side in one buffer: the block's ff.net.0 dW reads them without a copy
     assert dhg.data_ptr() == dh.data_ptr() and dhg.untyped_storage().data_ptr() == dg.untyped_storage().data_ptr()
     _same(dhg, torch.cat([ref_dh, ref_dg], dim=1), "[dh | dg]")
-    _same(elementwise.gated_residual(h, gate, y, F32, node=NODE), ref_ffn.gated_residual(*_cpu(h, gate, y)), "residual")
+    _same(
+        elementwise.gated_residual(h, gate, y, F32, node=NODE),
+        ref_elementwise.gated_residual(*_cpu(h, gate, y)),
+        "residual",
+    )
 
 
 @pytest.mark.parametrize(("T", "E"), [(1, 100), (3, 192)])
@@ -177,10 +182,10 @@ def test_silu_and_its_backward_equal_reference(T, E):
     x[0, : len(_EDGES)] = torch.tensor(_EDGES[:E])
     dy = _randn(T, E, seed=16, scale=3.0)
     x, dy = x.to(DEV), dy.to(DEV)
-    _same(elementwise.silu(x, F32, node=NODE), ref_ffn.silu(x.cpu()), "silu")
-    _same(elementwise.silu_bwd(dy, x, node=NODE), ref_ffn.silu_bwd(*_cpu(dy, x)), "silu_bwd")
+    _same(elementwise.silu(x, F32, node=NODE), ref_elementwise.silu(x.cpu()), "silu")
+    _same(elementwise.silu_bwd(dy, x, node=NODE), ref_elementwise.silu_bwd(*_cpu(dy, x)), "silu_bwd")
     if CUDA:  # the interpreter's bf16 casts are not RNE (module docstring); CUDA's are
-        _same(elementwise.silu(x, BF16, node=NODE), round_to(ref_ffn.silu(x.cpu()), BF16), "silu bf16")
+        _same(elementwise.silu(x, BF16, node=NODE), round_to(ref_elementwise.silu(x.cpu()), BF16), "silu bf16")
 
 
 @pytest.mark.parametrize("R", [1, 3, 37])
@@ -194,7 +199,7 @@ def test_rope_tables_equal_reference(R, f, theta):
     frac[-1] = torch.tensor([-0.0, -1e-60, -0.2])  # signed zeros: torch.round(-0.2) is -0, sin(-0) is -0
     for p in (pos, frac, pos.t().contiguous().t()):  # int64, float64, a column-major [R, 3] view
         cos, sin = rope.rope_tables(p.to(DEV), f, theta, node=NODE)
-        want_cos, want_sin = ref_norm.rope_tables(p, f, theta)
+        want_cos, want_sin = ref_rope.rope_tables(p, f, theta)
         _same(cos, want_cos, f"cos {p.dtype}")
         _same(sin, want_sin, f"sin {p.dtype}")
 
@@ -202,7 +207,7 @@ def test_rope_tables_equal_reference(R, f, theta):
 def test_rope_tables_refuse_what_the_reference_refuses():
     pos = torch.tensor([[1_000_000, 0, 0]])
     with pytest.raises(ValueError, match="allowed below 1e6"):
-        ref_norm.rope_tables(pos, 4, 10000.0)
+        ref_rope.rope_tables(pos, 4, 10000.0)
     for p, match in (
         (pos, "allowed below 1e6"),
         (-pos, "allowed below 1e6"),
@@ -443,7 +448,7 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
             got_cos, _ = rope.rope_tables(pos, 4, 10000.0, node=NODE)
     _same(got_seg, rows.segment_sum(x, segment, G, order, node=NODE).cpu(), "segment_sum")
     _same(got_sum, rows.row_sum(x, order, node=NODE).cpu(), "row_sum")
-    _same(got_cos, ref_norm.rope_tables(pos.cpu(), 4, 10000.0)[0], "rope")
+    _same(got_cos, ref_rope.rope_tables(pos.cpu(), 4, 10000.0)[0], "rope")
     dup = keys.clone()
     dup[1] = dup[0] = torch.tensor([2, 7])
     for call, match in (
@@ -464,7 +469,7 @@ def test_the_plan_decides_on_the_host_and_leaves_no_sync_for_the_reductions():
 
 
 def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_metadata_again():
-    """decide_rows (what a CUDA graph capture is given: h3lab.graph) then plan_rows(decided=...) gives
+    """decide_rows (what a CUDA graph capture is given: h3lab.block.graph) then plan_rows(decided=...) gives
     the order and facts plan_rows gives, computes nothing again, and refuses metadata it was not
     decided from or that was written since."""
     R, G = 41, 5
@@ -508,7 +513,7 @@ def test_a_plan_decided_beforehand_seeds_the_same_facts_without_reading_the_meta
 
 def test_a_block_step_with_its_rows_decided_ahead_gives_the_same_bytes():
     """The Triton backend's whole block step (the interpreter here, compiled on a GPU) with its row plan
-    decided beforehand, as h3lab.graph captures it, equals the step that plans for itself byte for
+    decided beforehand, as h3lab.block.graph captures it, equals the step that plans for itself byte for
     byte, and decides nothing again: rows out of key order, padding among them."""
     from h3lab import H3Config, packed_batch, synthetic_block
     from h3lab.block import block_step
@@ -603,7 +608,7 @@ def test_gpu_row_local_ops_bf16_real_widths_equal_reference():
     shift, scale, gate = _table_rows(R, D, seed=63, dtype=BF16)
     assert gate.stride(0) == 6 * D
     pos = torch.randint(0, 64, (R, 3), generator=torch.Generator().manual_seed(64))
-    cos, sin = (t.to(DEV) for t in ref_norm.rope_tables(pos, 16, 10000.0))  # C = 96
+    cos, sin = (t.to(DEV) for t in ref_rope.rope_tables(pos, 16, 10000.0))  # C = 96
     q, dq = _randn(R, H, Dh, seed=65).to(DEV, BF16), _randn(R, H, Dh, seed=66).to(DEV)  # dq: attention's FP32
     wq = (1 + _randn(Dh, seed=67, scale=0.1)).to(DEV, BF16)
     h, g, da = (_randn(R, F8, seed=s, scale=3.0).to(DEV, BF16) for s in (68, 69, 70))
@@ -626,14 +631,14 @@ def test_gpu_row_local_ops_bf16_real_widths_equal_reference():
         want_dq, want_dw = ref_norm.qk_norm_rope_bwd(*_cpu(dq, q, wq, cos, sin), EPS)
         _same(got_dq, round_to(want_dq, BF16), "qk bwd dq")
         _same(got_dw, want_dw, "qk bwd dw")
-    _same(elementwise.swiglu_fwd(h, g, BF16), round_to(ref_ffn.swiglu_fwd(*_cpu(h, g)), BF16), "swiglu fwd")
+    _same(elementwise.swiglu_fwd(h, g, BF16), round_to(ref_elementwise.swiglu_fwd(*_cpu(h, g)), BF16), "swiglu fwd")
     for name, got, want in zip(
-        ("dh", "dg"), elementwise.swiglu_bwd(da, h, g, BF16), ref_ffn.swiglu_bwd(*_cpu(da, h, g)), strict=True
+        ("dh", "dg"), elementwise.swiglu_bwd(da, h, g, BF16), ref_elementwise.swiglu_bwd(*_cpu(da, h, g)), strict=True
     ):
         _same(got, round_to(want, BF16), f"swiglu bwd {name}")
     _same(
         elementwise.gated_residual(x, gate, dm, BF16),
-        round_to(ref_ffn.gated_residual(*_cpu(x, gate, dm)), BF16),
+        round_to(ref_elementwise.gated_residual(*_cpu(x, gate, dm)), BF16),
         "residual",
     )
     # rows that share a call never change each other's bits, at the real widths too

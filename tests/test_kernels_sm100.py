@@ -22,7 +22,7 @@ TENSOR_CORE = {"gemm": "bf16", "unit_gemm": "bf16", "attention_fwd": "", "attent
 
 
 def test_sm100_pins_every_kernel_sm90_pins_and_says_it_is_not_verified():
-    from h3lab.triton import gemm
+    from h3lab.triton import gemm_host
 
     assert SM100["verified"] is False and SM90["verified"] is True
     assert not configs.verified("sm100") and configs.verified("sm90")
@@ -31,8 +31,8 @@ def test_sm100_pins_every_kernel_sm90_pins_and_says_it_is_not_verified():
     for kernel in ("gemm", "unit_gemm"):  # the keys each launcher accepts, every bucket, both dtypes
         for ieee in (False, True):
             for rows in (264, 4096):
-                cfg = gemm.kernel_config(kernel, "sm100", ieee, rows=rows)
-                assert cfg["BLOCK_K"] == gemm.kernel_config(kernel, "sm90", ieee, rows=rows)["BLOCK_K"]
+                cfg = gemm_host.kernel_config(kernel, "sm100", ieee, rows=rows)
+                assert cfg["BLOCK_K"] == gemm_host.kernel_config(kernel, "sm90", ieee, rows=rows)["BLOCK_K"]
     assert SM100["kernels"]["unit_gemm"]["IMPL"] == "triton"  # the Gluon kernel is written for wgmma (sm90)
     for name, entry in SM100["kernels"].items():  # one line each: the rule and the pinned choice
         assert "\n" not in entry["comment"] and len(entry["comment"]) <= 200, name

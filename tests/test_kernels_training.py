@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the kernels are Triton kernels)")
 
 from h3lab.ops import adamw as ref_adamw
-from h3lab.ops.fixed import chain_mm as ref_chain_mm
-from h3lab.ops.fixed import sum_of_squares
+from h3lab.ops.chain import chain_mm as ref_chain_mm
+from h3lab.ops.squares import sum_of_squares
 from h3lab.train.adamw import AdamWHyper, PieceState, step_scalars
 from h3lab.triton import adamw, chain, configs, squares
 from tests.conftest import assert_bitwise, gpu_kernels

@@ -15,10 +15,10 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed, MiniMaxH3TransformerBlock
 
 from h3lab.batch import PackedBatch, packed_batch
+from h3lab.block.result import BlockResult
 from h3lab.config import H3Config, block_param_shapes
 from h3lab.metrics import bitwise_equal, error_stats
 from h3lab.reference.oracle import oracle_block, rope_cos_sin
-from h3lab.result import BlockResult
 from h3lab.weights import BlockWeights, synthetic_block
 
 # tiny, and a second shape with 16 x 24 heads (A=384 != D=64), 18 of 24 channels rotated, and eps /

@@ -366,7 +366,7 @@ def _fields(inputs) -> dict:
 def test_a_handed_out_request_is_read_as_it_is_without_a_host_sync(keys):
     """The tensors `diffusers_kwargs` handed out give the request a fresh check would make, field for field,
     with no host sync (the request checked its values when it was made); copies of them are checked."""
-    from h3lab.bench.parallelize_step import host_syncs
+    from h3lab.bench.host_syncs import host_syncs
     from h3lab.nn.inputs import model_inputs_of
 
     inputs = shuffle_rows(model_inputs(ONE, seed=3, num_text=5), 4)

@@ -12,8 +12,9 @@ import torch
 from h3lab.backend import get_backend
 from h3lab.comm import LocalComm
 from h3lab.config import NUM_UNITS, H3Config
-from h3lab.ops import fixed
-from h3lab.ops.fixed import sqrt_f32, sum_of_squares
+from h3lab.ops import squares
+from h3lab.ops.fixed import sqrt_f32
+from h3lab.ops.squares import sum_of_squares
 from h3lab.train.clip import clip_coefficient, global_grad_norm, to_f32
 from h3lab.train.pieces import Piece, canonical_pieces, piece_label, rank_pieces
 from tests.conftest import assert_bitwise
@@ -43,7 +44,7 @@ def test_sum_of_squares_matches_float64(shape, dtype):
 def test_sum_of_squares_chunks_and_strides_change_no_bit(monkeypatch):
     g = torch.randn(517, 301, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     whole = sum_of_squares(g)
-    monkeypatch.setattr(fixed, "_SQUARES_CHUNK", 3)  # chunks bound memory; each row block's tree is its own
+    monkeypatch.setattr(squares, "_SQUARES_CHUNK", 3)  # chunks bound memory; each row block's tree is its own
     assert_bitwise(sum_of_squares(g), whole, "chunked")
     wide = torch.randn(301, 2000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     cols = wide[:, 700:1217]  # a unit's columns: a strided view, read in row-major order

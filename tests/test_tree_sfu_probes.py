@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from h3lab.bench import mufu_fit, sfu_probe, tree_probe
+from h3lab.bench import mufu_fit, sfu_probe, sfu_sweeps, tree_probe
 from h3lab.emulate import floats, mufu, sfu
 from h3lab.emulate import tree as trees
 from h3lab.emulate.sfu_ref import exp2_ref
@@ -40,7 +40,7 @@ def _fake_ex2(x, bits=23):
     x64 = torch.where(torch.isfinite(x), x, 0.0).double()
     n = torch.floor(x64)
     q = (torch.round((x64 - n) * 2.0**bits) / 2.0**bits).float()
-    y = sfu_probe._ftz((exp2_ref(q).double() * sfu_probe._pow2(n)).float())
+    y = sfu_sweeps._ftz((exp2_ref(q).double() * sfu_sweeps._pow2(n)).float())
     return torch.where(torch.isfinite(x), y, exp2_ref(x))
 
 
@@ -48,8 +48,8 @@ def _fake_op(op, x, y=None):
     if op == "ex2":
         return _fake_ex2(x)
     if op == "div":
-        return sfu_probe.reference("div", x, y)
-    return sfu_probe.reference(op, x)
+        return sfu_sweeps.reference("div", x, y)
+    return sfu_sweeps.reference(op, x)
 
 
 def test_sfu_sets_are_rebuilt_from_their_residuals(tmp_path):
@@ -76,7 +76,7 @@ def test_the_ex2_hypotheses_find_the_rule_of_a_fake_unit():
     lo, hi = int(0.299 * 2**24), int(0.303 * 2**24)
     table[lo:hi] = _fake_ex2(sfu_probe.grid(1.0, "cpu")[lo:hi])
     tables = {"ex2": table, "rcp": torch.ones(1 << 23)}
-    counts = sfu_probe.hypotheses(_fake_op, tables, "cpu", span, pairs=1 << 10)
+    counts = sfu_sweeps.hypotheses(_fake_op, tables, "cpu", span, pairs=1 << 10)
     assert counts["ex2.floor_round23"].sum() == 0 and counts["ex2.floor_trunc23"].sum() > 0
     assert counts["ex2.histogram"].sum() == 1 << 16
 
@@ -85,26 +85,26 @@ def _model_op(op, x, y=None):
     """A fake unit that is the model but for one wrong output bit: of ex2 at 1.5, and of every div."""
     if op == "div":
         return floats.fp32_from_bits(floats.bits(sfu.div_full(x, y)) ^ 1)
-    out = sfu_probe.MODELS[op](x)
+    out = sfu_sweeps.MODELS[op](x)
     return torch.where(x == 1.5, floats.fp32_from_bits(floats.bits(out) ^ 1), out) if op == "ex2" else out
 
 
 def test_the_model_check_counts_every_differing_output_and_keeps_examples():
     mid = floats.bits(torch.tensor([1.5])).item()
     span = (mid - (1 << 15), mid + (1 << 15))  # 2^16 patterns around 1.5
-    record = sfu_probe.model_check(_model_op, "cpu", span, pairs=1 << 10)
+    record = sfu_sweeps.model_check(_model_op, "cpu", span, pairs=1 << 10)
     assert record["mismatches"] == {"ex2": 1, "rcp": 0, "log2": 0, "div.random": 1 << 10, "div.attention": 1 << 10}
     assert record["examples"]["ex2"] == [["0x3fc00000", "0x403504f2", "0x403504f3"]]
     assert record["inputs"]["ex2"] == 1 << 16 and record["buckets"]["ex2"] == {127: 1}
-    assert len(record["examples"]["div.random"]) == sfu_probe.EXAMPLES
+    assert len(record["examples"]["div.random"]) == sfu_sweeps.EXAMPLES
 
 
 def test_the_references_of_nans_are_the_canonical_nan():
     # torch keeps a NaN's payload on the CPU; the GPU's residuals were taken against 0x7FFFFFFF
     x = floats.fp32_from_bits(torch.tensor([0x7F800369, 0x7FC00001, 0xFFC12345]))
     for op in ("ex2", "rcp", "log2"):
-        assert floats.bits(sfu_probe.reference(op, x)).tolist() == [0x7FFFFFFF] * 3
-    assert floats.bits(sfu_probe.reference("div", x, torch.ones(3))).tolist() == [0x7FFFFFFF] * 3
+        assert floats.bits(sfu_sweeps.reference(op, x)).tolist() == [0x7FFFFFFF] * 3
+    assert floats.bits(sfu_sweeps.reference("div", x, torch.ones(3))).tolist() == [0x7FFFFFFF] * 3
 
 
 def test_the_fit_finds_the_interpolators_coefficients_from_their_outputs():

@@ -12,7 +12,7 @@ each block also runs at the SM clock the other leaves behind (on the H200 the ea
 power-bound at a lower clock than the canonical one), so the sequential medians are the figure of
 a model that runs one kind of block back to back.
 
-Both blocks are also timed captured in CUDA graphs (h3lab.graph: the canonical block as a
+Both blocks are also timed captured in CUDA graphs (h3lab.block.graph: the canonical block as a
 `GraphedBlock`, the eager one's autograd step captured whole), which takes the host's launch cost
 out of the step: `canonical_graph_*` against eager as people run it (`ratio_graph_vs_eager`) and
 against eager captured too (`ratio_graph_vs_eager_graph`), with the row plan decided ahead, and
@@ -36,8 +36,8 @@ import torch
 from h3lab.backend import get_backend
 from h3lab.batch import PackedBatch, packed_batch
 from h3lab.block import canonical_block
+from h3lab.block.graph import GraphedBlock, capture
 from h3lab.config import H3Config
-from h3lab.graph import GraphedBlock, capture
 from h3lab.io.env import capture as capture_env
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import bitwise_equal, error_stats

@@ -7,7 +7,7 @@ history (`torch.cuda.memory._record_memory_history`, Python stacks). Replaying t
 allocations and frees gives the bytes allocated over the step's start after every event; the first
 maximum is the peak (`replay`; the same figure as `torch.cuda.max_memory_allocated` over the step's
 start, recorded beside it as `stats_peak_extra_bytes`). Each allocation is named by its stack
-(`site`): the block part it was made in (a part function of h3lab.block_forward / block_backward,
+(`site`): the block part it was made in (a part function of h3lab.block.forward / backward,
 e.g. `_ffn_backward`; a source line of the eager block) with that part's line and code, and by the
 op the host had last passed where torch can record it (`_set_memory_metadata`, torch >= 2.10): the
 canonical block's trace hook names each op ("after attn.sdpa"), a dispatch mode names the eager
@@ -44,9 +44,9 @@ BENCH_FORMAT = "h3lab-bench-block-memory-v1"
 # "entry": the canonical block's entry points (what they allocate themselves, e.g. the assembly of
 # the weight gradients); "line": the eager block's one function, a part per source line
 PART_FILES = {
-    "h3lab/block_forward.py": "step",
-    "h3lab/block_backward.py": "step",
-    "h3lab/block.py": "entry",
+    "h3lab/block/forward.py": "step",
+    "h3lab/block/backward.py": "step",
+    "h3lab/block/step.py": "entry",
     "h3lab/reference/eager.py": "line",
 }
 NO_PART = "(no frame in a block part)"

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from h3lab.io.jsonfile import write_json
 from h3lab.ops.fixed import round_to, unit_tree
-from h3lab.triton import gemm, unit_gemm
+from h3lab.triton import gemm, gemm_host, unit_gemm
 from h3lab.triton.configs import node_of
 
 BENCH_FORMAT = "h3lab-bench-gemm-v1"
@@ -257,7 +257,7 @@ def _kernel_resources(fn: Any) -> list[dict[str, Any]]:
 
 def bench(names: set[str] | None, ms_list: list[int]) -> dict[str, Any]:
     node = node_of(DEV)
-    mm_pin, unit_pin = gemm.kernel_config("gemm", node, False), gemm.kernel_config("unit_gemm", node, False)
+    mm_pin, unit_pin = gemm_host.kernel_config("gemm", node, False), gemm_host.kernel_config("unit_gemm", node, False)
     mm_c = {"pinned": mm_pin, **{n: c for n, c in MM_CANDIDATES.items() if c != mm_pin}}
     unit_c = {"pinned": unit_pin, **{n: c for n, c in UNIT_CANDIDATES.items() if c != unit_pin}}
     if names:

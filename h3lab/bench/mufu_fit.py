@@ -32,7 +32,7 @@ UNIT = 1 << mufu.ACC_SHIFT
 
 def outputs(probe_dir: Path) -> dict[str, Tensor]:
     """{function: int64 [2^23]} the unit's results at every 23-bit fraction, rebuilt from the saved sets."""
-    from h3lab.bench import sfu_probe
+    from h3lab.bench import sfu_probe, sfu_sweeps
 
     part = json.loads((probe_dir / "summary.json").read_text())["parts"]["sfu"]
     saved, sets = sfu_probe.load(probe_dir), sfu_probe.sample_sets("cpu", part["grid_bits"], part["samples"])
@@ -40,7 +40,7 @@ def outputs(probe_dir: Path) -> dict[str, Tensor]:
     for name in ("ex2.grid_pos", "rcp.mantissas"):
         op, x, y = sets[name]
         arrays = {k: saved[f"{name}.{k}"] for k in ("r", "ex_idx", "ex_bits")}
-        got[name] = floats.bits(sfu_probe.decode(arrays, part["sets"][name]["form"], sfu_probe.reference(op, x, y)))
+        got[name] = floats.bits(sfu_probe.decode(arrays, part["sets"][name]["form"], sfu_sweeps.reference(op, x, y)))
     ex2 = (got["ex2.grid_pos"][0::2] & 0x7FFFFF) | (1 << 23)  # [1, 2): the significand
     rcp_field = (got["rcp.mantissas"] >> 23) & 0xFF
     rcp = ((got["rcp.mantissas"] & 0x7FFFFF) | (1 << 23)) << (rcp_field - 126)  # units of 2^-24: 2^24 for 1

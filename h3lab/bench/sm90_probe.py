@@ -6,7 +6,7 @@
 Parts, in order: `mma` (h3lab.bench.mma_probe: the tensor cores' addition, ~2 x 10^6 dots through
 the kernels' tl.dot tiles, compared in place with h3lab.emulate.mma), `tree` (tree_probe: tl.sum's
 order in attention's layouts), `sfu` (sfu_probe: ex2.approx, MUFU.RCP under div.full, libdevice's
-log2), `sfu_model` (sfu_probe.model_check: h3lab.emulate.sfu against the unit over every 2^32
+log2), `sfu_model` (sfu_sweeps.model_check: h3lab.emulate.sfu against the unit over every 2^32
 input, mismatches counted in place), `capture` (sm90_capture: the tiny reference block with every
 backend call's tensors, and spot samples of every call of the real-shape block, with their digests
 against kernels/golden/sm90.json), `capture_trajectory` (sm90_capture: the golden trajectory with
@@ -38,13 +38,13 @@ NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 def _runners(device: torch.device, mma_seed_base: int = 1000) -> dict[str, Callable[[Path], dict[str, Any]]]:
     from h3lab.backend import get_backend
-    from h3lab.bench import mma_probe, sfu_probe, sm90_capture, tree_probe
+    from h3lab.bench import mma_probe, sfu_probe, sfu_sweeps, sm90_capture, tree_probe
 
     return {
         "mma": lambda out: mma_probe.probe(out, device, seed_base=mma_seed_base),
         "tree": lambda out: tree_probe.probe(out, device),
         "sfu": lambda out: sfu_probe.probe(out, device),
-        "sfu_model": lambda out: sfu_probe.model_check(sfu_probe.gpu_op, device),
+        "sfu_model": lambda out: sfu_sweeps.model_check(sfu_probe.gpu_op, device),
         "capture": lambda out: sm90_capture.probe(out, get_backend("triton", device), device),
         "capture_trajectory": lambda out: sm90_capture.probe(
             out, get_backend("triton", device), device, captures=("trajectory",)

@@ -2,7 +2,7 @@
 
 Dimension legend: R text rows, D hidden, A attention width, F SwiGLU width, H heads, Dh head_dim.
 
-It runs through the backend methods the block's backward runs (h3lab.block_backward), op for op,
+It runs through the backend methods the block's backward runs (h3lab.block.backward), op for op,
 with the identities the refiner's forward documents (h3lab.model.refiner), each exact:
 - no modulation (scale = +0): d n = d m * (1 + 0) = d m; d scale and d shift are dropped;
 - no RoPE (cos = 1, sin = 0): the rotary backward gives d q * 1 + rot^T(d q * 0) = d q;
@@ -130,6 +130,6 @@ def _attention_backward(
 
 def _qk_norm_grad(per_head_HD: Tensor, config: H3Config) -> Tensor:
     """A q/k-norm weight's gradient from its per-head sums: each unit's heads ascending, then the unit tree
-    (the block's order, h3lab.block_backward)."""
+    (the block's order, h3lab.block.backward)."""
     per_unit = chain_sum(per_head_HD.view(NUM_UNITS, config.heads_per_unit, -1).transpose(0, 1))  # [U, Dh]
     return unit_tree(list(per_unit.unbind(0)))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from h3lab.ops.fixed import chain_bmm, exp, pair_sum
+from h3lab.ops.chain import chain_bmm
+from h3lab.ops.fixed import exp, pair_sum
 
 
 def scores(q_QHD: Tensor, k_KHD: Tensor, scale: float) -> Tensor:

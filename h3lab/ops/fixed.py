@@ -20,11 +20,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-# Operands of a unit-tree GEMM: pieces (a [M, U*Kp], b [U*Kp, N]); unit i is column block i of
-# every piece's a and row block i of its b. Each unit is one chain over its blocks, pieces in order
-# (q,k,v / hidden,gate), then the balanced tree over the U units.
-Pieces = Sequence[tuple[Tensor, Tensor]]
-
 # ---- rounding to the storage dtype ------------------------------------------------------------
 
 
@@ -87,30 +82,6 @@ def pair_sum(x: Tensor, dim: int = -1) -> Tensor:
     return x[..., 0]
 
 
-ROW_BLOCK = 1024  # elements per row block of `sum_of_squares`; a power of two: a block's tree needs no padding
-_SQUARES_CHUNK = 4096  # row blocks squared at once: 16 MiB of FP32 temporaries whatever the tensor's size
-
-
-def sum_of_squares(g: Tensor) -> Tensor:
-    """The sum of squares of every element (0-d float32), a fixed function of the elements alone.
-
-    FP32 squares of the elements in row-major order (a strided view is read in that order), in row
-    blocks of ROW_BLOCK elements (the last padded with +0), each block summed by `pair_sum`, then the
-    blocks' sums by `pair_sum`. h3lab.triton.squares computes the block sums as one kernel.
-    """
-    flat = g.reshape(-1)
-    num_blocks = max(1, -(-flat.numel() // ROW_BLOCK))
-    block_sums = []
-    for b0 in range(0, num_blocks, _SQUARES_CHUNK):
-        x = flat[b0 * ROW_BLOCK : (b0 + _SQUARES_CHUNK) * ROW_BLOCK].to(torch.float32)
-        sq = x * x
-        pad = -sq.numel() % ROW_BLOCK
-        if pad or not sq.numel():
-            sq = torch.cat([sq, sq.new_zeros(pad or ROW_BLOCK)])
-        block_sums.append(pair_sum(sq.view(-1, ROW_BLOCK)))  # each row's tree depends on that row alone
-    return pair_sum(torch.cat(block_sums))
-
-
 def balanced_tree(parts: Sequence[Tensor]) -> Tensor:
     """Sum `parts` (in order) by recursive halving, left half = the first ceil(n/2), lower half first.
 
@@ -134,42 +105,6 @@ def unit_tree(partials: Sequence[Tensor]) -> Tensor:
     if not partials or len(partials) & (len(partials) - 1):
         raise ValueError(f"unit_tree needs a power-of-two number of partials, got {len(partials)}")
     return balanced_tree(partials)
-
-
-# Columns per step of the chain on CPU: a [264, 2048] fp32 accumulator (2.1 MB) stays in L2;
-# measured 34 GFLOP/s at M=264, K=5376 on 2 cores against 11 GFLOP/s with 256-wide tiles.
-_CPU_TILE_N = 2048
-
-
-def chain_mm(a_MK: Tensor, b_KN: Tensor, acc_MN: Tensor | None = None) -> Tensor:
-    """a @ b in float32 as one left-to-right chain over k: acc = acc + a[:, k] * b[k, :].
-
-    Row m of the result depends only on a[m] and b (never on M), column n only on b[:, n]; the
-    order over k is ascending. bf16 (and fp16) products are exact in fp32 unless they fall below its
-    normal range (|a b| < 2^-126), so fusing the multiply and add changes no bit above it; fp32
-    operands take a separate multiply and add. `acc_MN`
-    continues an earlier chain (the q,k,v and hidden,gate pieces of one canonical unit).
-    """
-    M, K = a_MK.shape
-    K2, N = b_KN.shape
-    assert K == K2, (a_MK.shape, b_KN.shape)
-    exact_products = a_MK.dtype in (torch.bfloat16, torch.float16) and b_KN.dtype in (torch.bfloat16, torch.float16)
-    a_KM = a_MK.to(torch.float32).t().contiguous()
-    b_KN = b_KN.to(torch.float32).contiguous()
-    out = torch.zeros(M, N, dtype=torch.float32, device=a_MK.device) if acc_MN is None else acc_MN
-    tile = _CPU_TILE_N if a_MK.device.type == "cpu" else N
-    for n0 in range(0, N, max(tile, 1)):
-        acc = out[:, n0 : n0 + tile]
-        acc = acc.contiguous() if not acc.is_contiguous() else acc
-        b_tile = b_KN[:, n0 : n0 + tile]
-        for k in range(K):
-            if exact_products:
-                acc.addcmul_(a_KM[k].unsqueeze(1), b_tile[k].unsqueeze(0))
-            else:
-                acc.add_(a_KM[k].unsqueeze(1) * b_tile[k].unsqueeze(0))
-        if acc.data_ptr() != out[:, n0 : n0 + tile].data_ptr():
-            out[:, n0 : n0 + tile] = acc
-    return out
 
 
 def chain_sum(x_KN: Tensor) -> Tensor:
@@ -245,19 +180,3 @@ def cos_sin(angle: Tensor) -> tuple[Tensor, Tensor]:
     cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
     sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
     return cos.to(torch.float32), sin.to(torch.float32)
-
-
-def chain_bmm(a_BMK: Tensor, b_BKN: Tensor) -> Tensor:
-    """Batched `chain_mm`: for every b, a[b] @ b[b] as one FP32 chain over k ascending."""
-    B, M, K = a_BMK.shape
-    assert b_BKN.shape[:2] == (B, K), (a_BMK.shape, b_BKN.shape)
-    exact_products = a_BMK.dtype in (torch.bfloat16, torch.float16) and b_BKN.dtype in (torch.bfloat16, torch.float16)
-    a_KBM = a_BMK.to(torch.float32).permute(2, 0, 1).contiguous()
-    b_KBN = b_BKN.to(torch.float32).permute(1, 0, 2).contiguous()
-    acc = torch.zeros(B, M, b_BKN.shape[2], dtype=torch.float32, device=a_BMK.device)
-    for k in range(K):
-        if exact_products:
-            acc.addcmul_(a_KBM[k].unsqueeze(2), b_KBN[k].unsqueeze(1))
-        else:
-            acc.add_(a_KBM[k].unsqueeze(2) * b_KBN[k].unsqueeze(1))
-    return acc

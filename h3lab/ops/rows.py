@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from h3lab.ops.fixed import chain_mm, round_to
+from h3lab.ops.chain import chain_mm
+from h3lab.ops.fixed import round_to
 
 
 def key_order(keys_R2: Tensor) -> Tensor:

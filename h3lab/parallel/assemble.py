@@ -1,7 +1,7 @@
 """Which ranks own each part of a layout's result, and the ranks' shards put back into the full tensor.
 
 A tensor a rank holds sits in the canonical one in one of these spaces (the block's trace names
-them, h3lab.block_forward.Trace):
+them, h3lab.block.forward.Trace):
   local       this rank's local rows (its row shard, `SeqShard.local_rows`): padded rows, row order
   tp_units    its CP group's rows x its units' columns, unit-major
   units       a stack [U_local, ...] of its canonical units

@@ -31,7 +31,6 @@ bf16 result. None of these changes which adds run in which order: the bits are t
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -41,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from h3lab.ops.fixed import balanced_tree
 from h3lab.parallel.algorithms import (
     ALGORITHMS,
     CollectiveDecision,
@@ -50,24 +48,8 @@ from h3lab.parallel.algorithms import (
     hierarchical_tree_string,
     tree_string,
 )
-from h3lab.parallel.transport import (
-    SHM_DIR,
-    Bytes,
-    Finish,
-    Group,
-    SharedFrames,
-    all_to_all,
-    chunk_numels,
-    gather_rows,
-    pipelined_scatter_all_reduce,
-    start_all_to_all,
-    start_gather_rows,
-    transport_of,
-)
-
-REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_WIRE_DTYPES = (*REDUCE_DTYPES, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-_MAX_NDIM = 10  # shape signatures carry up to 10 dims; the block's tensors have at most 4
+from h3lab.parallel.reduction import REDUCE_DTYPES, WIRE_DTYPES, Members, gather, signatures, start_reduce
+from h3lab.parallel.transport import Bytes, Finish, Group, transport_of
 
 
 def _keep(t: Tensor) -> Tensor:
@@ -104,12 +86,18 @@ class DeterministicCollective:
         gather_group: Group | None = None,
     ) -> None:
         self.members, self.rank, self.algorithm = list(members), rank, algorithm
-        self.segment_bytes, self._gather_group = segment_bytes, gather_group
-        self.local_size, self.device = local_size, device
+        self.segment_bytes, self.local_size, self.device = segment_bytes, local_size, device
         self.index = self.members.index(rank) if rank in self.members else None
-        self._hier_L = local_size if hierarchical else None  # None: the hierarchical tree is not allowed
-        self._flat, self._intra, self._lane = flat_group, intra_group, lane_group
-        self._shm: SharedFrames | None = None
+        self._m = Members(
+            members=self.members,
+            index=self.index,
+            flat=flat_group,
+            intra=intra_group,
+            lane=lane_group,
+            nested_size=local_size if hierarchical else None,  # None: the hierarchical tree is not allowed
+            segment_bytes=segment_bytes,
+            gather_group=gather_group,
+        )
         self._sites: dict[tuple[str, str], _SiteStats] = {}
         self._total = Bytes()
         self._closed = False
@@ -167,13 +155,13 @@ class DeterministicCollective:
     @property
     def shared_memory_token(self) -> str | None:
         """The name token of this member's /dev/shm frames (files h3lab-<token>-*), None if none were made."""
-        return self._shm.token if self._shm is not None else None
+        return self._m.shm.token if self._m.shm is not None else None
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The torch process group of all members (None for one member): for callers that time or
         synchronise around this collective's calls on the same communicator."""
-        return self._flat.pg if self._flat is not None else None
+        return self._m.flat.pg if self._m.flat is not None else None
 
     def bytes_total(self) -> tuple[int, int, int]:
         """(sent, received, local) bytes of every call so far, as the decision records count them."""
@@ -197,9 +185,9 @@ class DeterministicCollective:
 
     def close(self) -> None:
         """Release the shared-memory frames; the collective is unusable afterwards."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        if self._m.shm is not None:
+            self._m.shm.close()
+            self._m.shm = None
         self._closed = True
 
     # ---- dispatch and records -----------------------------------------------------------------
@@ -217,13 +205,13 @@ class DeterministicCollective:
     ) -> Tensor | Callable[[], Tensor]:
         self._check_usable(x, op, site)
         began = time.perf_counter()
-        transport = transport_of(x.device, self._flat) if self._flat is not None else "none"
+        transport = transport_of(x.device, self._m.flat) if self._m.flat is not None else "none"
         key = (op, site)
         first = key not in self._sites
         if first and op != "all_gather" and len(self.members) > 1:
             self._check_signatures(x, op, site, transport)
         nbytes = x.numel() * x.element_size()
-        hier_L = self._hier_L if self._hier_L is not None and self.algorithm in ("auto", "hierarchical") else None
+        hier_L = self._m.nested_size if self.algorithm in ("auto", "hierarchical") else None
         alg, reason = choose_algorithm(
             op,
             self.algorithm,
@@ -235,11 +223,11 @@ class DeterministicCollective:
         )
         moved = Bytes()
         if op == "all_gather":
-            out, used_transport = self._gather(x, dim, sizes, moved, transport)
+            out, used_transport = gather(self._m, x, dim, sizes, moved, transport)
             finish = lambda: out  # noqa: E731
         else:
-            finish, used_transport = self._start_reduce(
-                x, alg, moved, transport, scatter=op == "reduce_scatter", then=then or _keep
+            finish, used_transport = start_reduce(
+                self._m, x, alg, moved, transport, scatter=op == "reduce_scatter", then=then or _keep
             )
         started = time.perf_counter() - began
 
@@ -283,148 +271,15 @@ class DeterministicCollective:
             raise ValueError(f"{op} at {site!r}: rank {self.rank} is not a member; allowed ranks: {self.members}")
         if self.device is not None and x.device.type != self.device.type:
             raise ValueError(f"{op} at {site!r}: x on {x.device}; allowed: {self.device} (the collective's device)")
-        allowed = _WIRE_DTYPES if op == "all_gather" else REDUCE_DTYPES
+        allowed = WIRE_DTYPES if op == "all_gather" else REDUCE_DTYPES
         if x.dtype not in allowed:
             raise ValueError(f"{op} at {site!r}: dtype {x.dtype}; allowed: {list(allowed)}")
 
-    def _signatures(self, x: Tensor, transport: str) -> list[tuple[str, tuple[int, ...]]]:
-        """(dtype, shape) of every member, by one small all-gather."""
-        if x.dim() > _MAX_NDIM:
-            raise ValueError(f"x has {x.dim()} dims; allowed: at most {_MAX_NDIM}")
-        sig = torch.full((2 + _MAX_NDIM,), -1, dtype=torch.int64, device=x.device)
-        sig[0], sig[1] = _WIRE_DTYPES.index(x.dtype), x.dim()
-        sig[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-        rows = gather_rows(self._flat, sig, transport, Bytes()).cpu().tolist()
-        return [(str(_WIRE_DTYPES[r[0]]), tuple(r[2 : 2 + r[1]])) for r in rows]
-
     def _check_signatures(self, x: Tensor, op: str, site: str, transport: str) -> None:
-        sigs = self._signatures(x, transport)
+        sigs = signatures(self._m, x, transport)
         if len(set(sigs)) > 1:  # every member sees the same list, so every member raises
             by_rank = dict(zip(self.members, sigs, strict=True))
             raise ValueError(f"{op} at {site!r}: members disagree on (dtype, shape): {by_rank}")
-
-    # ---- algorithms ---------------------------------------------------------------------------
-
-    def _start_reduce(
-        self, x: Tensor, alg: str, moved: Bytes, transport: str, *, scatter: bool, then: Finish
-    ) -> tuple[Callable[[], Tensor], str]:
-        """The reduction begun: the first backend call is queued, the returned function finishes it
-        (`then` on the reduced values: before the gather where one follows)."""
-        P, me = len(self.members), self.index
-        done = lambda out: lambda: out  # noqa: E731
-        if alg == "identity" or x.numel() == 0:  # nothing to add (numel agrees on all members)
-            return done(then(torch.tensor_split(x, P, dim=0)[me].clone() if scatter else x.clone())), "none"
-        if alg == "hierarchical":
-            out, used = self._hierarchical(x, moved, transport, scatter=scatter)
-            return done(then(out)), used
-        if alg == "gather_tree":
-            gathered = start_gather_rows(self._flat, x, transport, moved)
-
-            def tree() -> Tensor:
-                out = balanced_tree(list(gathered().unbind(0))).view(x.shape)
-                return then(torch.tensor_split(out, P, dim=0)[me].clone() if scatter else out)
-
-            return tree, transport
-        assert alg == "scatter_tree", alg
-        if scatter:  # the owner of chunk j (dim-0 rows, tensor_split) receives chunk j of every member
-            rows = chunk_numels(x.shape[0], P)
-            numels = [r * (x.numel() // x.shape[0]) for r in rows]
-            got = start_all_to_all(self._flat, x.reshape(-1), numels, [numels[me]] * P, transport, moved)
-
-            def owner_tree() -> Tensor:
-                return then(balanced_tree(list(got().view(P, numels[me]).unbind(0))).view(rows[me], *x.shape[1:]))
-
-            return owner_tree, transport
-        seg = self._segment_numel(x)
-        if seg:
-            group = self._gather_group or self._flat
-            return done(pipelined_scatter_all_reduce(self._flat, group, x, seg, transport, moved, then)), transport
-        # all_reduce: any chunking of the flat tensor gives the same elementwise tree; equal chunks of
-        # c = ceil(numel/P) elements (zero padding) let both steps use even splits
-        c = -(-x.numel() // P)
-        flat = x.reshape(-1)
-        if P * c != flat.numel():
-            flat = torch.cat([flat, flat.new_zeros(P * c - flat.numel())])
-        got = start_all_to_all(self._flat, flat, [c] * P, [c] * P, transport, moved)
-
-        def finish() -> Tensor:
-            mine = then(balanced_tree(list(got().view(P, c).unbind(0))))
-            out = gather_rows(self._flat, mine, transport, moved).reshape(-1)[: x.numel()]
-            return out.view(x.shape)
-
-        return finish, transport
-
-    def _segment_numel(self, x: Tensor) -> int:
-        """Elements per segment of a pipelined scatter_tree all_reduce, 0 for the plain one: segments
-        need `segment_bytes`, a message of at least two segments, and members in group-rank order."""
-        if not self.segment_bytes or self._flat is None or not self._flat.identity:
-            return 0
-        P = len(self.members)
-        seg = self.segment_bytes // x.element_size() // P * P
-        return seg if seg and x.numel() >= 2 * seg else 0
-
-    def _hierarchical(self, x: Tensor, moved: Bytes, transport: str, *, scatter: bool) -> tuple[Tensor, str]:
-        P, me = len(self.members), self.index
-        L = self._hier_L
-        G, local_index, group_id = P // L, me % L, me // L
-        if L == 1:
-            part, intra = x, "none"
-        elif x.device.type == "cpu" and SHM_DIR.is_dir():
-            if self._shm is None:
-                first = self.members[group_id * L]
-                self._shm = SharedFrames(self._intra, L, group_id, first)
-            part, intra = self._shm.tree(x, moved), f"{SHM_DIR} frames"
-        else:
-            part = balanced_tree(list(gather_rows(self._intra, x, transport, moved).unbind(0))).view(x.shape)
-            intra = transport
-        lanes = "none" if G == 1 else transport
-        used = f"intra-group: {intra}; lanes: {lanes}"
-        if not scatter:
-            if G == 1:
-                return (part.clone() if L == 1 else part), used
-            out = balanced_tree(list(gather_rows(self._lane, part, transport, moved).unbind(0)))
-            return out.view(x.shape), used
-        rows = chunk_numels(x.shape[0], P)
-        row_numel = x.numel() // x.shape[0]
-        numels = [r * row_numel for r in rows]
-        offsets = [sum(numels[:j]) for j in range(P)]
-        flat = part.reshape(-1)
-        if G == 1:
-            return flat[offsets[me] : offsets[me] + numels[me]].clone().view(rows[me], *x.shape[1:]), used
-        # lane member g (member g*L + local_index) owns chunk g*L + local_index of every group partial
-        owned = [g * L + local_index for g in range(G)]
-        send = torch.cat([flat[offsets[j] : offsets[j] + numels[j]] for j in owned])
-        got = all_to_all(self._lane, send, [numels[j] for j in owned], [numels[me]] * G, transport, moved)
-        out = balanced_tree(list(got.view(G, numels[me]).unbind(0)))
-        return out.view(rows[me], *x.shape[1:]), used
-
-    def _gather(self, x: Tensor, dim: int, sizes: Sequence[int] | None, moved: Bytes, transport: str):
-        P = len(self.members)
-        if P == 1:
-            return x.clone(), "none"
-        if sizes is None:
-            sigs = self._signatures(x, transport)
-            rest = {(dt, s[:dim] + s[dim + 1 :], len(s)) for dt, s in sigs}
-            if len(rest) > 1:
-                raise ValueError(
-                    f"all_gather along dim {dim}: members disagree on dtype or other dims: "
-                    f"{dict(zip(self.members, sigs, strict=True))}"
-                )
-            sizes = [s[dim] for _, s in sigs]
-        elif len(sizes) != P:
-            raise ValueError(f"all_gather: {len(sizes)} sizes given; allowed: one per member ({P})")
-        top = max(sizes)
-        out_shape = [*x.shape[:dim], sum(sizes), *x.shape[dim + 1 :]]
-        if math.prod(out_shape) == 0:  # nothing to move (and gloo refuses empty all-gathers)
-            return x.new_empty(out_shape), "none"
-        padded = x
-        if x.shape[dim] < top:  # gloo's all-gather needs equal sizes: pad to the largest, trim after
-            pad_shape = list(x.shape)
-            pad_shape[dim] = top - x.shape[dim]
-            padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-        rows = gather_rows(self._flat, padded, transport, moved)
-        pieces = [rows[j].view(padded.shape).narrow(dim, 0, sizes[j]) for j in range(P)]
-        return torch.cat(pieces, dim=dim), transport
 
 
 def new_collective(
@@ -440,7 +295,7 @@ def new_collective(
     Every rank of the world must call this, in the same order with the same arguments: it creates
     the process groups (flat, and for hierarchical the node groups and lanes). Non-members get an
     object that raises ValueError when used. `segment_bytes` pipelines scatter_tree's all_reduce of
-    messages of at least two segments (the same bits, see `pipelined_scatter_all_reduce`).
+    messages of at least two segments (the same bits, see transport.pipelined_scatter_all_reduce).
 
     Raises:
         ValueError: unknown algorithm, bad ranks, a local size that does not divide the members or

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from h3lab.batch import PackedBatch
+from h3lab.block.result import BlockResult
 from h3lab.config import NUM_ADALN_CHUNKS, H3Config
-from h3lab.result import BlockResult
 from h3lab.weights import BlockWeights
 
 f64 = torch.float64

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from h3lab.batch import PackedBatch
+from h3lab.block.result import BlockResult
 from h3lab.model.inputs import ModelInputs
-from h3lab.result import BlockResult
 from h3lab.weights import BlockWeights
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float64)

@@ -2,7 +2,7 @@
 
 norm = sqrt(total), total = the sum of squares of every gradient element of the model:
 1. each piece's own sum (h3lab.train.pieces) is a fixed function of its elements alone,
-   h3lab.ops.fixed.sum_of_squares (FP32 squares in row-major order, in row blocks of ROW_BLOCK
+   h3lab.ops.squares.sum_of_squares (FP32 squares in row-major order, in row blocks of ROW_BLOCK
    elements, each block summed by a balanced tree, then the blocks' sums by one), computed by the
    backend's `sums_of_squares` (the Triton kernel has the reference's bits);
 2. a rank sums the pieces it holds; the unit pieces' sums of the other TP positions arrive through

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from h3lab.ops.adamw import ADAMW_SCALARS, AdamWPiece
 from h3lab.triton import configs
-from h3lab.triton.gemm import check_device
+from h3lab.triton.gemm_host import check_device
 from h3lab.triton.tables import on_device
 from h3lab.triton.variant import Variant, options
 

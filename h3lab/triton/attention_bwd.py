@@ -1,3 +1,4 @@
+# Whole on purpose: three kernels that share their tile loads and step functions, and their builds.
 """Attention backward kernels: delta = rowsum(dO * O), dq per query block, dk/dv per key block.
 
 References: h3lab.ops.attention.attention_delta / attention_bwd_q / attention_bwd_kv.

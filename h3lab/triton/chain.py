@@ -1,6 +1,6 @@
 """The FP32 chain GEMM of the model's float32 modules and their weight gradients, as one Triton kernel.
 
-Reference: h3lab.ops.fixed.chain_mm, bit for bit. Each output element is the chain
+Reference: h3lab.ops.chain.chain_mm, bit for bit. Each output element is the chain
 ((0 + a[m,0] b[0,n]) + a[m,1] b[1,n]) + ..., k ascending, each product and each sum one IEEE FP32
 operation (launched with `enable_fp_fusion=False`). Where both operands are bf16 the reference
 uses `addcmul_`, which may fuse: the bits agree wherever the product is exact in FP32, i.e. not
@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from h3lab.triton import configs
-from h3lab.triton.gemm import check_device, check_operand
+from h3lab.triton.gemm_host import check_device, check_operand
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
@@ -47,7 +47,7 @@ def chain_kernel(
 
 
 def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None) -> Tensor:
-    """FP32 [M, N] = a @ b as h3lab.ops.fixed.chain_mm computes it (module docstring).
+    """FP32 [M, N] = a @ b as h3lab.ops.chain.chain_mm computes it (module docstring).
 
     Args:
         a_MK, b_KN: 2-D bf16 or fp32 tensors, any strides (copied so that each k step reads

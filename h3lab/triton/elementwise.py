@@ -1,6 +1,6 @@
 """SwiGLU forward/backward, silu, the gated residual and the storage rounding as Triton kernels.
 
-Reference: h3lab.ops.ffn, bit for bit. Every result depends on its own operands only (one element,
+Reference: h3lab.ops.elementwise, bit for bit. Every result depends on its own operands only (one element,
 one chain of IEEE operations), never on its position, the tensor's size or the launch config.
 
 sigmoid uses the reference's own exp (h3lab.ops.fixed.exp), ported operation by operation: float64

@@ -1,6 +1,6 @@
 """The AdaLN projection's two GEMMs that have a handful of rows (T timesteps) or of K (T again).
 
-References: h3lab.backend.TorchBackend.unit_reduce_few_rows and mm_few_k (the torch chains).
+References: h3lab.ops.unit_gemm.unit_mm and h3lab.ops.gemm.mm (the torch chains, at any row count).
 Launchers: `unit_mm_few_rows`, `mm_few_k`. The tiled GEMMs (h3lab.triton.gemm, unit_gemm) are
 built for hundreds of rows; at real H3 shapes they spent a large share of the block's kernel time
 on these two (`python -m h3lab.bench.block_profile` names each kernel's share), so each gets its own kernel:
@@ -32,7 +32,7 @@ from torch import Tensor
 from h3lab.ops.fixed import unit_tree
 from h3lab.triton import configs
 from h3lab.triton.chain import chain_kernel, launch_chain
-from h3lab.triton.gemm import OPERAND_DTYPES, OUT_DTYPES, check_device
+from h3lab.triton.gemm_host import OPERAND_DTYPES, OUT_DTYPES, check_device
 from h3lab.triton.variant import Variant, options
 
 UNIT_COUNTS = (1, 2, 4, 8)

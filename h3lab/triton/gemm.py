@@ -1,6 +1,6 @@
 """Fixed-order GEMM: c = a @ b, FP32 accumulation over K in BLOCK_K chunks, ascending, one rounding.
 
-Reference: h3lab.ops.fixed.chain_mm (the torch backend's chain). Launcher: `mm`.
+Reference: h3lab.ops.gemm.mm (the torch backend's chains). Launcher: `mm`.
 
 Why a row's bits never depend on M and a column's never on N: every output element is the chain
 acc = dot(a[m, k0:k0+BK], b[k0:k0+BK, n]) + acc over k0 = 0, BK, 2*BK, ... with one pinned config
@@ -11,40 +11,43 @@ K tail is read as zeros, and a zero product added to a chain leaves it unchanged
 grid of one program per SM walking tiles in grouped order) only decides which SM computes a tile.
 
 A row tail (the last M % BLOCK_M rows, a few) can ride on the full row tiles instead of taking row
-tiles of its own (`tail_operands`, config keys TAIL_M/TAIL_N): the same chunks in the same order,
-so the same bits; at M = 264 it turns two rounds of tiles into one for q, k, v, hidden and gate.
+tiles of its own (h3lab.triton.gemm_host.tail_operands, config keys TAIL_M/TAIL_N): the same chunks
+in the same order, so the same bits; at M = 264 it turns two rounds of tiles into one for q, k, v,
+hidden and gate.
 
 Operands come through TMA tensor descriptors where their layout allows (16-byte aligned base and
 strides, one unit stride) and through masked pointer loads otherwise; both feed the same dot with
 the same values. bf16 x bf16 runs on the tensor cores (wgmma on sm90); an fp32 operand makes the
 product an IEEE FP32 one (`input_precision="ieee"`, never TF32), with its own pinned tile shape.
 The device helpers here (tile order, operand loads, the multiply-accumulate) are shared with the
-unit-tree GEMM (h3lab.triton.unit_gemm).
+unit-tree GEMM (h3lab.triton.unit_gemm); the host side (configurations, operand checks, TMA modes
+and descriptors, grids) is h3lab.triton.gemm_host.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3lab.triton import configs
+from h3lab.triton.gemm_host import (
+    OUT_DTYPES,
+    check_config,
+    check_device,
+    check_operand,
+    grid_size,
+    kernel_config,
+    operand_a,
+    operand_b,
+    output_desc,
+    programs,
+    tail_operands,
+)
 from h3lab.triton.variant import Variant, options
-
-OPERAND_DTYPES = (torch.bfloat16, torch.float32)
-OUT_DTYPES = (torch.bfloat16, torch.float32)
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "TMA")  # required
-OPTIONAL_KEYS = {  # per kernel: a key another kernel reads (IMPL for mm, say) is a mistake, not a no-op
-    "gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "FLATTEN", "WARP_SPECIALIZE", "TAIL_M", "TAIL_N"),
-    "unit_gemm": ("TMA_STORE", "EPILOGUE_SPLIT", "PENDING_IN_REGS", "SCRATCH_TMA", "IMPL", "LVL2_SMEM"),
-}
-INTERPRETER_PROGRAMS = 3  # fewer programs than tiles in the tests, so the persistent loop is exercised
-
 
 # ---- device helpers (shared with unit_gemm) ------------------------------------------------------
 
@@ -246,189 +249,6 @@ def mm_kernel(
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         store_tile(c_ptr, c_desc, acc, m0, n0, M, N, c_strides, BLOCK_M, BLOCK_N, OUT_TMA, SPLIT)
-
-
-# ---- host helpers (shared with unit_gemm) ---------------------------------------------------------
-
-
-def check_config(what: str, cfg: dict[str, Any], kernel: str) -> dict[str, Any]:
-    """A configuration of `kernel` ("gemm" or "unit_gemm") must name every required key and nothing
-    that kernel does not read (typos, or another kernel's keys, would pass silently)."""
-    if kernel not in OPTIONAL_KEYS:
-        raise ValueError(f"{what}: kernel {kernel!r}; allowed: {sorted(OPTIONAL_KEYS)}")
-    optional = OPTIONAL_KEYS[kernel]
-    missing = [k for k in CONFIG_KEYS if k not in cfg]
-    unknown = [k for k in cfg if k not in CONFIG_KEYS + optional]
-    if missing or unknown:
-        raise ValueError(
-            f"{what} config: missing {missing}, unknown {unknown}; required {list(CONFIG_KEYS)}, "
-            f"optional {list(optional)}"
-        )
-    if "TAIL_M" in cfg or "TAIL_N" in cfg:
-        _check_tail(what, cfg)
-    return cfg
-
-
-def _check_tail(what: str, cfg: dict[str, Any]) -> None:
-    """TAIL_M/TAIL_N (see tail_operands): both set, tl.dot-sized, fitting the row tile, without the
-    loop forms the tail branch does not have."""
-    tail_m, tail_n, BM, BN = cfg.get("TAIL_M"), cfg.get("TAIL_N"), cfg["BLOCK_M"], cfg["BLOCK_N"]
-    pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731  (tl.dot's smallest side)
-    if not (pow2(tail_m) and pow2(tail_n) and tail_m <= BM and BN % tail_n == 0):
-        raise ValueError(
-            f"{what} config TAIL_M={tail_m}, TAIL_N={tail_n} with BLOCK_M={BM}, BLOCK_N={BN}; allowed: both set, "
-            "powers of two >= 16, TAIL_M <= BLOCK_M, TAIL_N dividing BLOCK_N"
-        )
-    if cfg.get("FLATTEN") or cfg.get("WARP_SPECIALIZE"):
-        raise ValueError(
-            f"{what} config TAIL_M={tail_m}, TAIL_N={tail_n} with FLATTEN={cfg.get('FLATTEN')}, "
-            f"WARP_SPECIALIZE={cfg.get('WARP_SPECIALIZE')}; allowed: both false (or absent) with the tail"
-        )
-
-
-def kernel_config(kernel: str, node: str, ieee: bool, rows: int | None = None) -> dict[str, Any]:
-    """The pinned configuration of `kernel` on `node`; its "fp32" entries apply when an operand is fp32.
-
-    A `by_rows` list ({"max_rows": n or null, ...overrides}) picks tile shapes by the row count M,
-    as vLLM's batch-invariant tables do. Only BLOCK_M/N, warps, stages and the row tail (TAIL_M/N)
-    may differ: BLOCK_K (the K order) must be the same in every bucket, and h3lab.bench.gemm_bench
-    checks on the GPU that all pinned shapes give identical bits (one bit class) — the row-slice
-    tests cross the bucket edge, and the tail's GPU test compares it with rows of a 4111-row call.
-    """
-    cfg = configs.pinned(kernel, node)
-    fp32 = cfg.pop("fp32", {})
-    buckets = cfg.pop("by_rows", [])
-    cfg.pop("comment", None)
-    if ieee:
-        cfg.update(fp32)
-    elif buckets and rows is not None:
-        bucket = next(b for b in buckets if b["max_rows"] is None or rows <= b["max_rows"])
-        if bucket.get("BLOCK_K", cfg["BLOCK_K"]) != cfg["BLOCK_K"]:
-            raise ValueError(f"{node}.json {kernel!r}: a by_rows bucket changes BLOCK_K; allowed: {cfg['BLOCK_K']}")
-        cfg.update({k: v for k, v in bucket.items() if k != "max_rows"})
-    return check_config(f"{node}.json {kernel!r}", cfg, kernel)
-
-
-def check_device(fn: str, *tensors: Tensor) -> torch.device:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"{fn}: operands on {sorted(map(str, devices))}; allowed: all on one device")
-    device = devices.pop()
-    if device.type != "cuda" and not (device.type == "cpu" and configs.interpreting()):
-        raise ValueError(f"{fn}: operands on {device}; allowed: cuda (or cpu under TRITON_INTERPRET=1)")
-    return device
-
-
-def check_operand(fn: str, name: str, t: Tensor) -> None:
-    if not isinstance(t, Tensor) or t.dim() != 2:
-        raise ValueError(f"{fn}: {name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-    if t.dtype not in OPERAND_DTYPES:
-        raise ValueError(f"{fn}: {name} has dtype {t.dtype}; allowed: {list(OPERAND_DTYPES)}")
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def programs(device: torch.device | str) -> int:
-    """Programs a persistent grid may hold at once: the SMs (INTERPRETER_PROGRAMS in the interpreter)."""
-    device = torch.device(device)
-    return INTERPRETER_PROGRAMS if device.type == "cpu" else _sm_count(device)
-
-
-def grid_size(device: torch.device, num_tiles: int) -> int:
-    """A persistent grid: one program per SM (fewer when there are fewer tiles)."""
-    return max(1, min(programs(device), num_tiles))
-
-
-def tma_aligned(t: Tensor, major_stride: int) -> bool:
-    """A TMA descriptor can walk t: 16-byte aligned base and major stride."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and (major_stride * size) % 16 == 0 and major_stride > 0
-
-
-def a_mode(a_MK: Tensor) -> int:
-    """How TMA can walk a: 1 = rows contiguous in K, 2 = columns contiguous in M, 0 = it cannot."""
-    if a_MK.stride(1) == 1 and tma_aligned(a_MK, a_MK.stride(0)):
-        return 1
-    if a_MK.stride(0) == 1 and tma_aligned(a_MK, a_MK.stride(1)):
-        return 2
-    return 0
-
-
-def b_mode(b_KN: Tensor) -> int:
-    """How TMA can walk b: 1 = a weight W [N, K] seen as b = W.T, 2 = rows contiguous in N, 0 = it cannot."""
-    if b_KN.stride(0) == 1 and tma_aligned(b_KN, b_KN.stride(1)):
-        return 1
-    if b_KN.stride(1) == 1 and tma_aligned(b_KN, b_KN.stride(0)):
-        return 2
-    return 0
-
-
-def operand_a(a_MK: Tensor, block_m: int, block_k: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
-    """(mode, descriptor) for load_a: a_mode's, 0 = pointers (without TMA too)."""
-    M, K = a_MK.shape
-    mode = a_mode(a_MK) if tma else 0
-    if mode == 1:
-        return 1, TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [block_m, block_k])
-    if mode == 2:
-        return 2, TensorDescriptor(a_MK, [K, M], [a_MK.stride(1), 1], [block_k, block_m])
-    return 0, None
-
-
-def operand_b(b_KN: Tensor, block_k: int, block_n: int, tma: bool) -> tuple[int, TensorDescriptor | None]:
-    """(mode, descriptor) for load_b: b_mode's, 0 = pointers (without TMA too)."""
-    K, N = b_KN.shape
-    mode = b_mode(b_KN) if tma else 0
-    if mode == 1:
-        return 1, TensorDescriptor(b_KN, [N, K], [b_KN.stride(1), 1], [block_n, block_k])
-    if mode == 2:
-        return 2, TensorDescriptor(b_KN, [K, N], [b_KN.stride(0), 1], [block_k, block_n])
-    return 0, None
-
-
-def output_desc(c_MN: Tensor, block_m: int, block_n: int, cfg: dict[str, Any]) -> tuple[bool, int, Any]:
-    """(OUT_TMA, SPLIT, descriptor) for store_tile: a TMA store when the config asks and rows are 16-byte aligned."""
-    split = int(cfg.get("EPILOGUE_SPLIT", 1))
-    if split not in (1, 2):
-        raise ValueError(f"EPILOGUE_SPLIT={split}; allowed: 1, 2")
-    if not cfg.get("TMA_STORE", False) or c_MN.stride(1) != 1 or not tma_aligned(c_MN, c_MN.stride(0)):
-        return False, 1, None
-    return True, split, TensorDescriptor(c_MN, list(c_MN.shape), [c_MN.stride(0), 1], [block_m, block_n // split])
-
-
-def tail_operands(
-    a_MK: Tensor, b_KN: Tensor, a_mode: int, b_mode: int, cfg: dict[str, Any], sms: int, out_dtype: torch.dtype
-) -> tuple[int, int, TensorDescriptor | None, TensorDescriptor | None]:
-    """(TAIL_M, TAIL_N, a's and W's tail descriptors) when the row tail rides on the row tiles, else Nones.
-
-    It rides when the config names TAIL_M and TAIL_N, 0 < M % BLOCK_M <= TAIL_M, there are at least
-    BLOCK_N // TAIL_N full row tiles to carry its slices, both operands go through TMA as a [M, K]
-    and a weight W [N, K] (the forward's form), the output is bf16 (an fp32 tile's TMA staging
-    buffer is 32 KiB, not 16: with the tail's 4 stages 237,632 bytes of shared memory, over sm90's
-    232,448), and the plain tiling needs more than one round of the `sms` programs: where it fits
-    in one, the tail only lengthens the tiles (H200, M = 264: to_out 45 -> 50 us, ff.net.2 86 ->
-    99 us; q, whose 140 tiles need two rounds, 66 -> 41 us). Where both tilings need the same
-    number of rounds past one, it still paid on every shape measured (M = 520, two rounds either
-    way: 0.53-0.79 -> 0.59-0.89 of cuBLAS; one row tile fewer re-reads W), hence not a round count.
-    Otherwise the tail gets row tiles of its own: the same bits, only the tile computing them changes.
-    `cfg` has passed check_config (mm's configs all do), which checks the TAIL keys, once per call.
-    """
-    tail_m, tail_n = cfg.get("TAIL_M"), cfg.get("TAIL_N")
-    if tail_m is None and tail_n is None:
-        return 1, 1, None, None
-    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    (M, K), N = a_MK.shape, b_KN.shape[1]
-    plain_tiles = configs.cdiv(M, BM) * configs.cdiv(N, BN)
-    carriers = M // BM  # full row tiles
-    fits = out_dtype == torch.bfloat16 and a_mode == b_mode == 1
-    if not (fits and 0 < M % BM <= tail_m and carriers >= BN // tail_n and plain_tiles > sms):
-        return 1, 1, None, None
-    w_NK = b_KN.t()
-    a_tail = TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [tail_m, BK])
-    w_tail = TensorDescriptor(w_NK, [N, K], [w_NK.stride(0), 1], [tail_n, BK])
-    return tail_m, tail_n, a_tail, w_tail
 
 
 # ---- the launcher --------------------------------------------------------------------------------

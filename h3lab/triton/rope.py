@@ -1,6 +1,6 @@
 """The RoPE cos/sin tables as one Triton kernel.
 
-Reference: h3lab.ops.norm.rope_tables with h3lab.ops.fixed.cos_sin, bit for bit: the angle is the
+Reference: h3lab.ops.rope.rope_tables with h3lab.ops.fixed.cos_sin, bit for bit: the angle is the
 same float32 product position x inv_freq, then the same float64 steps in the same order (three-part
 pi/2 range reduction, degree-19/18 Taylor polynomials by Horner, quadrant select), one rounding to
 float32. In torch ops the tables cost dozens of launches and a host sync per block, idle GPU time
@@ -25,7 +25,7 @@ from torch import Tensor
 from h3lab import rowplan
 from h3lab.config import H3Config
 from h3lab.ops import fixed
-from h3lab.ops.norm import _inv_freq
+from h3lab.ops.rope import _inv_freq
 from h3lab.triton import configs
 from h3lab.triton.fp64 import f64, horner, rint
 from h3lab.triton.variant import Variant, options
@@ -88,7 +88,7 @@ def _rope_kernel(
 def rope_tables(
     position_ids_R3: Tensor, rope_freq_dim: int, theta: float, *, node: str | None = None
 ) -> tuple[Tensor, Tensor]:
-    """cos, sin [R, 6f] float32, the bits of h3lab.ops.norm.rope_tables."""
+    """cos, sin [R, 6f] float32, the bits of h3lab.ops.rope.rope_tables."""
     pos = position_ids_R3
     if pos.dim() != 2 or pos.shape[1] != 3 or pos.dtype not in (torch.int64, torch.float64):
         raise ValueError(f"position_ids: {pos.dtype} {tuple(pos.shape)}; allowed: int64 or float64 [R, 3]")

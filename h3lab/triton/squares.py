@@ -1,6 +1,6 @@
 """Sums of squares for the clip's global norm: the row-block sums of many tensors in one Triton launch.
 
-Reference: h3lab.ops.fixed.sum_of_squares, bit for bit. A tensor's elements in row-major order
+Reference: h3lab.ops.squares.sum_of_squares, bit for bit. A tensor's elements in row-major order
 (2-D views with any strides are read in that order), squared in FP32, in row blocks of ROW_BLOCK
 elements (masked elements square to +0, the reference's padding); each block's sum is the
 reference's `pair_sum` tree, built from exact halvings of the tile (h3lab.triton.norm._pair_sum),
@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from h3lab.ops.fixed import ROW_BLOCK, pair_sum
+from h3lab.ops.fixed import pair_sum
+from h3lab.ops.squares import ROW_BLOCK
 from h3lab.triton import configs
-from h3lab.triton.gemm import check_device
+from h3lab.triton.gemm_host import check_device
 from h3lab.triton.norm import _pair_sum
 from h3lab.triton.tables import on_device
 from h3lab.triton.variant import Variant, options
@@ -106,7 +107,7 @@ def _block_sums(xs: list[Tensor], offsets: list[int], out: Tensor, cfg: dict) ->
 
 
 def sums_of_squares(xs: Sequence[Tensor], *, node: str | None = None) -> Tensor:
-    """[len(xs)] float32: `h3lab.ops.fixed.sum_of_squares` of each tensor, in order (module docstring).
+    """[len(xs)] float32: `h3lab.ops.squares.sum_of_squares` of each tensor, in order (module docstring).
 
     Raises:
         ValueError: no tensors, dtypes other than bf16 / fp32, tensors on several devices.

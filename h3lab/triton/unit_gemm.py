@@ -1,6 +1,7 @@
+# Whole on purpose: one kernel, its jit helpers, its launcher and its builds read together.
 """Unit-tree GEMM: per-unit FP32 chains, then the contract's balanced tree, inside one kernel.
 
-Reference: h3lab.backend.TorchBackend.unit_reduce (chain_mm per unit, then h3lab.ops.fixed.unit_tree).
+Reference: h3lab.ops.unit_gemm.unit_mm (chain_mm per unit, then h3lab.ops.fixed.unit_tree).
 Launcher: `unit_mm`. Serves the row-parallel forwards (to_out, ff.net.2) and the column-parallel dX
 (q,k,v; hidden,gate); d temb has its own few-row kernel (h3lab.triton.few_rows).
 
@@ -36,20 +37,16 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3lab.triton import configs
-from h3lab.triton.gemm import (
+from h3lab.triton.gemm import load_a, load_b, mac, store_tile, tile_coords
+from h3lab.triton.gemm_host import (
     check_config,
     check_device,
     check_operand,
     grid_size,
     kernel_config,
-    load_a,
-    load_b,
-    mac,
     operand_a,
     operand_b,
     output_desc,
-    store_tile,
-    tile_coords,
 )
 from h3lab.triton.variant import Variant, options
 

@@ -1,7 +1,8 @@
+# Whole on purpose: one Gluon kernel, its pipeline helpers, its launch and its builds read together.
 """Unit-tree GEMM for Hopper in Gluon: the bits of `unit_gemm.unit_mm_kernel`, one pipeline across units.
 
 Reference: h3lab.triton.unit_gemm.unit_mm_kernel (Triton, runs in the interpreter too), and behind
-it h3lab.backend.TorchBackend.unit_reduce. Launcher: h3lab.triton.unit_gemm.unit_mm, when the
+it h3lab.ops.unit_gemm.unit_mm. Launcher: h3lab.triton.unit_gemm.unit_mm, when the
 pinned config says "IMPL": "gluon" and the operands allow TMA (see `supports`).
 
 Why a second kernel. The Triton kernel computes each unit's chain in its own software-pipelined
@@ -47,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3lab.triton import configs
-from h3lab.triton.gemm import a_mode, b_mode, tile_coords  # tile_coords: scalar-only @triton.jit, callable from Gluon
+from h3lab.triton.gemm import tile_coords  # a scalar-only @triton.jit, callable from Gluon
+from h3lab.triton.gemm_host import a_mode, b_mode
 from h3lab.triton.variant import Variant
 
 # Triton 3.6 (torch 2.11's) names the TMA copies async_copy_global_to_shared / _shared_to_global

@@ -1,5 +1,5 @@
 """The block step's forward in parts named after its sections (F1-F11), and the records it keeps for
-the backward (h3lab.block_backward).
+the backward (h3lab.block.backward).
 
 Lifetimes. The block's peak memory is in its backward (`python -m h3lab.bench.block_memory` names
 where), so every tensor goes as soon as the last part that reads it is done with it. A record held
@@ -39,9 +39,9 @@ from torch import Tensor
 
 from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
+from h3lab.block.rowspace import RowSpace
 from h3lab.config import H3Config
 from h3lab.rowplan import RowPlan
-from h3lab.rowspace import RowSpace
 from h3lab.units import UnitWeights
 
 
@@ -124,7 +124,7 @@ class Rows(NamedTuple):
     order: Tensor  # [R_active] int64: the sequence's active rows in canonical order
 
 
-# ---- what each backward part reads of the forward (h3lab.block_backward) ----------------------------
+# ---- what each backward part reads of the forward (h3lab.block.backward) --------------------------
 
 
 class FfnSaved(NamedTuple):  # B11-B9

@@ -34,8 +34,8 @@ from torch import Tensor
 from h3lab import rowplan
 from h3lab.backend import get_backend
 from h3lab.batch import FIELDS, PackedBatch
-from h3lab.block import canonical_block
-from h3lab.result import BlockResult
+from h3lab.block.result import BlockResult
+from h3lab.block.step import canonical_block
 from h3lab.rowplan import RowPlan
 from h3lab.weights import BlockWeights
 

@@ -8,9 +8,9 @@ reduction crosses units, logical-key order wherever it crosses rows. The backwar
 no autograd kernel choice can change an order. `block_step` is the one implementation; layouts
 drive it through a `BlockComm` and a `UnitWeights` slice, `canonical_block` with neither.
 
-The step in parts: h3lab.block_forward (F1-F11, and the records it keeps for the backward, with the
-rule of every tensor's lifetime), h3lab.block_backward (B11-B1), h3lab.rowspace (this rank's row
-spaces and units), h3lab.rowplan (the canonical row order, decided on the host).
+The step in parts: h3lab.block.forward (F1-F11, and the records it keeps for the backward, with
+the rule of every tensor's lifetime), h3lab.block.backward (B11-B1), h3lab.block.rowspace (this
+rank's row spaces and units), h3lab.rowplan (the canonical row order, decided on the host).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from torch import Tensor
 
 from h3lab.backend import Backend, TorchBackend
 from h3lab.batch import PackedBatch
-from h3lab.block_backward import backward as run_backward
-from h3lab.block_forward import Forward, Step, Trace, forward, zero_padding
+from h3lab.block.backward import backward as run_backward
+from h3lab.block.forward import Forward, Step, Trace, forward, zero_padding
+from h3lab.block.result import BlockResult
+from h3lab.block.rowspace import RowSpace
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
-from h3lab.result import BlockResult
 from h3lab.rowplan import RowPlan, index_cache
-from h3lab.rowspace import RowSpace
 from h3lab.units import UnitWeights, assemble_unit_grads, unit_weights
 from h3lab.weights import BlockWeights
 
@@ -94,7 +94,7 @@ def canonical_block(
             `TritonBackend("cpu", node=...)` under the Triton interpreter.
         decided_rows: the row plan of this batch's metadata decided beforehand
             (`h3lab.rowplan.decide_rows`, backend "triton"): the step then never waits for the
-            host, as a CUDA graph capture needs (h3lab.graph).
+            host, as a CUDA graph capture needs (h3lab.block.graph).
         trace: sees every op's output in execution order (`Trace`; h3lab.run.trace records them).
 
     Returns:
@@ -231,7 +231,7 @@ class _Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        # a CUDA graph capture (h3lab.graph) records no timing events: reading them would wait for the
+        # a CUDA graph capture (h3lab.block.graph) records no timing events: reading them would wait for the
         # GPU mid-capture; its laps read NaN (a replay is timed from outside)
         self.capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         self.marks = [self._mark()]

@@ -3,12 +3,12 @@ of this rank's units, the replicated weights' gradients and d temb.
 
 Each part takes its records of the forward, and what the part before handed it, off the step's tape
 where it starts, and puts what it hands the next part on it: so each tensor goes as soon as the
-last part that reads it returns (h3lab.block_forward: lifetimes). What lives to the step's end (dx1,
+last part that reads it returns (h3lab.block.forward: lifetimes). What lives to the step's end (dx1,
 the gradients of the replicated weights and of the AdaLN table, the weight gradients in `dw`) is
 returned. The arithmetic follows h3lab.contract; the order of the parts and of the kernels inside
 each is the order in which the backward runs.
 
-Dimension legend: as h3lab.block_forward.
+Dimension legend: as h3lab.block.forward.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from h3lab.batch import PackedBatch
-from h3lab.block_forward import (
+from h3lab.block.forward import (
     AttentionSaved,
     FfnSaved,
     Norm1Saved,
@@ -33,9 +33,9 @@ from h3lab.block_forward import (
     ToOutSaved,
     zero_padding,
 )
+from h3lab.block.rowspace import ChainSet, RowSpace, sum_chain_sets
 from h3lab.config import NUM_UNITS
 from h3lab.ops.fixed import chain_sum, unit_tree
-from h3lab.rowspace import ChainSet, RowSpace, sum_chain_sets
 from h3lab.units import join
 
 F32 = torch.float32
