@@ -2,8 +2,9 @@
 
 The torch backend is checked against the device-independent set (`kernels/golden/torch.json`), the
 triton backend against its GPU architecture's (`kernels/golden/sm90.json` on an H100 or H200), and
-the `emulate-sm90` backend on a CPU against the sm90 set's block and trajectory; with `--capture`
-it also recomputes the spot samples of an sm90 probe's real-shape capture (h3lab.bench.spot_check).
+the `emulate-sm90` backend on a CPU against the sm90 set's block, trajectory and training gate;
+with `--capture` it also recomputes the spot samples of an sm90 probe's real-shape capture
+(h3lab.bench.spot_check).
 `--record` with it writes only which parts it reproduced (the set's `emulated` field), never digests.
 Each check says which node type recorded the set and, where this node type has not reproduced a
 part before, that its match is expected, not yet observed here.
@@ -92,8 +93,8 @@ def _report(res: dict[str, Any], record_hint: str) -> int:
 
 
 def _emulated(a: argparse.Namespace) -> int:
-    """verify (or --record) for an emulated backend: the digests of what a CPU computes (block,
-    trajectory), and the capture's spot samples when --capture names a probe folder."""
+    """verify (or --record) for an emulated backend: the digests of what a CPU computes (golden.
+    EMULATED_PARTS), and the capture's spot samples when --capture names a probe folder."""
     from h3lab.run import golden
 
     if a.real or a.replace:
