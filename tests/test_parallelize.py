@@ -250,6 +250,28 @@ def test_clip_refusals_keep_a_coefficient_from_being_lost_or_misapplied(one_bloc
         optim.AdamW(nn.Linear(2, 2).parameters())
 
 
+def test_a_refused_gradient_changes_no_weight_and_no_state(one_block):
+    """The last parameter's gradient has another shape (set behind autograd's checks): the step is
+    refused before any update, so every weight and every state (its step count included) stays as
+    the step before left it."""
+    model, inputs, targets = one_block
+    opt = optim.AdamW(model.parameters())
+    _grads(model, inputs, targets)
+    opt.step()
+    params = list(model.parameters())
+    weights = [p.detach().clone() for p in params]
+    state = copy.deepcopy({i: opt.state[p] for i, p in enumerate(params)})
+    _grads(model, inputs, targets)
+    params[-1].grad.data = torch.zeros(3, dtype=params[-1].dtype)
+    with pytest.raises(ValueError, match=r"gradient \[3\] .*; allowed: "):
+        opt.step()
+    for i, p in enumerate(params):
+        assert_bitwise(p.detach(), weights[i], f"weight {i}")
+        assert opt.state[p]["step"] == state[i]["step"] == 1, i
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert_bitwise(opt.state[p][k], state[i][k], f"parameter {i} {k}")
+
+
 # ---- full_state_dict -----------------------------------------------------------------------------------
 def test_full_state_dict_loads_into_a_plain_diffusers_model(one_block):
     model = one_block[0]

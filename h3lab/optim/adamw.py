@@ -84,14 +84,18 @@ class AdamW(torch.optim.Optimizer):
         owner = self._owner
         assert owner is not None  # a torch optimizer has at least one parameter
         coef = self._clip_coefficient(owner)
+        # every gradient checked and every update queued first, so a refused one changes nothing
         by_scalars: dict[tuple, tuple[Tensor, list]] = {}  # the step's scalars -> (s, pieces), in order
+        advanced: list[tuple[dict, tuple[float, float]]] = []
         for group in self.param_groups:
             hyper = _hyper(group)
             for p in group["params"]:
                 if p.grad is not None:
-                    self._piece(p, hyper, by_scalars)
+                    advanced.append((self.state[p], self._queue(p, hyper, by_scalars)))
         for s, pieces in by_scalars.values():  # each piece's own operands: the order changes no bit
             owner.backend.adamw_updates(pieces, coef, s)
+        for st, pows in advanced:  # the counts move only once every update has run
+            st["step"], st["beta1_pow"], st["beta2_pow"] = st["step"] + 1, *pows
         owner.clip = None
         return loss
 
@@ -129,9 +133,9 @@ class AdamW(torch.optim.Optimizer):
             )
         return clip.coef
 
-    def _piece(self, p: Tensor, hyper: AdamWHyper, by_scalars: dict[tuple, tuple[Tensor, list]]) -> None:
-        """Parameter p's state (made at its first step) and step count advanced; its update operands
-        queued under the step's scalars."""
+    def _queue(self, p: Tensor, hyper: AdamWHyper, by_scalars: dict[tuple, tuple[Tensor, list]]) -> tuple[float, float]:
+        """Check p's gradient, make p's state at its first step, queue its update's operands under the
+        step's scalars; the beta powers its count moves to once the update has run."""
         g = p.grad
         if g.shape != p.shape or g.dtype not in _FLOAT_DTYPES or g.device != p.device:
             raise ValueError(
@@ -154,7 +158,7 @@ class AdamW(torch.optim.Optimizer):
         if key not in by_scalars:
             by_scalars[key] = (step_scalars(hyper, *pows, p.device), [])
         by_scalars[key][1].append((st["master"], st["exp_avg"], st["exp_avg_sq"], g, p))
-        st["step"], st["beta1_pow"], st["beta2_pow"] = st["step"] + 1, *pows
+        return pows
 
 
 def _hyper(group: dict[str, Any]) -> AdamWHyper:
