@@ -74,15 +74,16 @@ def test_a_trace_without_gpu_events_is_named(tmp_path):
 
 
 def test_both_sides_mark_the_steps_parts_in_order(tmp_path):
-    args = ["--config", "tiny", "--blocks", "0-1", "--rows", "400", "--device", "cpu", "--steps", "1", "--warmup", "1"]
+    args = ["--config", "tiny", "--blocks", "0-1", "--rows", "400", "--device", "cpu", "--steps", "2", "--warmup", "1"]
     a = train_step.parse_args(["--out", str(tmp_path / "r.json"), *args])
     config = H3Config.named("tiny")
     weights = SyntheticWeights(config, seed=0, device=a.device, generator=a.device)
     inputs = request_of_rows(config, a.rows, 1)
     canonical = train_profile._canonical_trace(a, weights, inputs, tmp_path)
     eager = train_profile._eager_trace(a, weights, inputs, tmp_path)
-    assert [p for _, p in _bounds(_events(canonical), train_profile.canonical_part)] == [*PARTS, "after"]
-    assert [p for _, p in _bounds(_events(eager), train_profile.EAGER_PARTS.get)] == ["sample + embed", *PARTS, "after"]
+    step = [*PARTS, "sample + embed"]  # the update's end opens the next step's sample + embed
+    assert [p for _, p in _bounds(_events(canonical), train_profile.canonical_part)] == step * 2
+    assert [p for _, p in _bounds(_events(eager), train_profile.EAGER_PARTS.get)] == ["sample + embed", *step * 2]
 
 
 def test_the_profile_refuses_a_cpu(capsys, tmp_path):

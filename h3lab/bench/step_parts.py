@@ -44,10 +44,10 @@ def _bounds(events: list[dict[str, Any]], part_of: Callable[[str], str | None]) 
 def by_part(
     trace_path: Path | str, part_of: Callable[[str], str | None], first: str, top: int = 8
 ) -> dict[str, dict[str, Any]]:
-    """{part: {"gpu_ms", "launches", "host_ms", "kernels": [[name, ms, launches], ...] longest `top`,
-    "most_launched": [[name, launches], ...]}} in the
-    order the parts began; `first` is the part before any marker. host_ms: from where the part began
-    to where the next began (the first part: from the first launch; the last: to the last launch)."""
+    """{part: {"gpu_ms", "launches" (kernels, copies and memsets), "host_ms", "kernels": [[name, ms,
+    launches], ...] longest `top`, "most_launched": [[name, launches], ...]}} in the order the parts
+    began; `first` is the part before any marker. host_ms: from where the part began to where the
+    next began (the first part: from the first launch; the last: to the last launch)."""
     events = _events(trace_path)
     launches = {
         e["args"]["correlation"]: e["ts"]
@@ -61,7 +61,8 @@ def by_part(
     starts = [t for t, _ in bounds]
     launch_ts = sorted(launches.values())
     ends = [*starts[1:], launch_ts[-1] if launch_ts else starts[-1] if starts else 0.0]
-    out: dict[str, dict[str, Any]] = {first: {"host_ms": ((starts[0] if starts else ends[-1]) - launch_ts[0]) / 1e3}}
+    begin = launch_ts[0] if launch_ts else min(e["ts"] for e in gpu)
+    out: dict[str, dict[str, Any]] = {first: {"host_ms": ((starts[0] if starts else ends[-1]) - begin) / 1e3}}
     for (ts, part), end in zip(bounds, ends, strict=True):
         rec = out.setdefault(part, {"host_ms": 0.0})
         rec["host_ms"] += (end - ts) / 1e3

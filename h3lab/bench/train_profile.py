@@ -59,7 +59,7 @@ CANONICAL_PARTS = {
     "d.stack.in": "embed backward",
     "phase:backward": "clip",
     "phase:clip": "update",
-    "phase:update": "after",
+    "phase:update": FIRST,  # the next profiled step begins
 }
 # diffusers' modules of MiniMaxH3Transformer3DModel by part (a block: `transformer_blocks.<i>`)
 EAGER_MODULES = {
@@ -77,7 +77,7 @@ EAGER_PARTS = {
     "bwd:embed": "embed backward",
     "phase:backward": "clip",
     "phase:clip": "update",
-    "phase:update": "after",
+    "phase:update": FIRST,  # the next profiled step's sample
 }
 STEP_PREFIX = re.compile(r"^step\d+\.")
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     record["side_by_side"] = side_by_side(parts["canonical"], parts["eager"])
     write_json(a.out, record)
     for row in record["side_by_side"]:
-        ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
         print(f"{row['part']:16s} canonical {row['canonical_ms']:8.2f} ms  eager {row['eager_ms']:8.2f} ms  {ratio}")
     return 0
 
