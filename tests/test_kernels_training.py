@@ -193,19 +193,32 @@ def test_adamw_updates_are_the_reference_on_gpu(shape, weight_dtype, grad_case):
     _check_adamw(shape, weight_dtype, "cuda", None, grad_case)
 
 
+FLAG_CASES = [  # (weight dtype, the master's value, a strided view?, flagged)
+    (BF16, 3.3999e38, False, True),  # finite in FP32, Inf once rounded to bf16
+    (F32, 3.3999e38, False, False),
+    (BF16, 1.0, False, False),
+    (F32, float("nan"), False, True),
+    (BF16, 3.3999e38, True, True),  # [8, 16] columns of an [8, 48] weight: the aligned tiled build
+    (F32, float("nan"), True, True),
+    (F32, 1.0, True, False),
+]
+
+
 def _flags_of_overflow(device: str, node: str | None) -> tuple[Tensor, Tensor]:
-    """Masters at 3.3999e38 (finite in FP32, Inf once rounded to bf16) under a zero-lr update: the
-    reference's and the kernel's flags for a bf16 weight, an FP32 one and a finite bf16 one."""
+    """Masters of FLAG_CASES under a zero-lr update (the master stays, the weight is its rounding):
+    the reference's and the kernel's flags."""
     hyper = AdamWHyper(lr=0.0, weight_decay=0.0)
     s = step_scalars(hyper, 0.9, 0.999, torch.device(device))
     coef = torch.tensor(1.0, dtype=F32, device=device)
     out = []
     for fn, kw in ((ref_adamw.adamw_updates, {}), (adamw.adamw_updates, {"node": node})):
         pieces = []
-        for dtype, value in ((BF16, 3.3999e38), (F32, 3.3999e38), (BF16, 1.0)):
-            master = torch.full((70,), value, dtype=F32, device=device)
-            w = torch.zeros(70, dtype=dtype, device=device)
-            pieces.append((master, torch.zeros_like(master), torch.zeros_like(master), torch.zeros_like(w), w))
+        for dtype, value, strided, _ in FLAG_CASES:
+            shape = (8, 16) if strided else (70,)
+            master = torch.full(shape, value, dtype=F32, device=device)
+            w = torch.zeros(8, 48, dtype=dtype, device=device)[:, 16:32] if strided else torch.zeros(70, dtype=dtype)
+            w = w.to(device)
+            pieces.append((master, torch.zeros_like(master), torch.zeros_like(master), torch.zeros_like(master), w))
         out.append(fn(pieces, coef, s, **kw))
     return out[0], out[1]
 
@@ -213,14 +226,14 @@ def _flags_of_overflow(device: str, node: str | None) -> tuple[Tensor, Tensor]:
 @interp
 def test_adamw_updates_flag_a_weight_that_overflowed_its_dtype():
     want, got = _flags_of_overflow("cpu", NODE)
-    assert want.tolist() == [True, False, False]
+    assert want.tolist() == [c[-1] for c in FLAG_CASES]
     assert_bitwise(got, want, "flags")
 
 
 @gpu
 def test_adamw_updates_flag_a_weight_that_overflowed_its_dtype_on_gpu():
     want, got = _flags_of_overflow("cuda", None)
-    assert want.tolist() == [True, False, False]
+    assert want.tolist() == [c[-1] for c in FLAG_CASES]
     assert_bitwise(got, want, "flags")
 
 

@@ -14,7 +14,7 @@ scalar tail, so they are not used; torch's FP32 sqrt on CPU is not correctly rou
 device: CUDA turns a division by a host scalar into a multiply by its reciprocal (another rounding).
 `adamw_updates` is this update of many pieces with one clip coefficient and one set of scalars,
 and says which pieces' weights hold a NaN or Inf after it; h3lab.triton.adamw is `adamw_updates`
-as one kernel launch per dtype group.
+in a few kernel launches (one per group of like pieces).
 """
 
 from __future__ import annotations

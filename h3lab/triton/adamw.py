@@ -1,4 +1,4 @@
-"""AdamW's update of many pieces and their write-back, one Triton launch per dtype group.
+"""AdamW's update of many pieces and their write-back, one Triton launch per group of like pieces.
 
 Reference: h3lab.ops.adamw.adamw_updates, bit for bit: per element the same IEEE FP32 operations in
 the same order (launched with `enable_fp_fusion=False`, so no multiply-add is contracted; division
@@ -6,15 +6,17 @@ and square root through `div_rn` and `sqrt_rn`, correctly rounded, not the appro
 and the weight rounded to bf16 by the reference's integer round-half-to-even (h3lab.ops.fixed.round_to),
 so the bytes do not depend on a conversion instruction. An element's result depends on its own
 operands only, never on the tile or on which program updates it, so one launch covers every piece
-of a (gradient dtype, weight dtype) group: a table of their addresses, sizes and strides, each
-program finding its piece by a binary search over the programs' starts (as h3lab.triton.squares),
-where one launch per piece cost a model's update hundreds of launches. A program updates one tile
-of its piece: a piece whose gradient and weight are contiguous is read as one row, others as [R, C]
-through their strides (a unit's columns); no element pays an integer division. The
-reference reads and writes each piece about seventeen times (one torch op each); this reads the
-gradient and the state once and writes the state and the weight once. It also says, per piece,
-whether a weight it wrote is NaN or Inf (the stored bits: a bf16 that overflowed included), so the
-optimizer's check needs no second pass over the weights.
+of a group alike in gradient dtype, weight dtype, layout (contiguous or strided) and alignment (at
+most eight launches): a table of their addresses, sizes and strides, each program finding its
+piece by a binary search over the programs' starts (as h3lab.triton.squares), where one launch per
+piece cost a model's update hundreds of launches. A program updates one tile of its piece: a piece
+whose gradient and weight are contiguous is read as one row, others as [R, C] through their
+strides (a unit's columns); no element pays an integer division. Pieces whose addresses, sizes and
+row strides the launcher finds aligned take a build with alignment hints (vectorised loads and
+stores). The reference reads and writes each piece about seventeen times (one torch op each); this
+reads the gradient and the state once and writes the state and the weight once. It also says, per
+piece, whether a weight it wrote is NaN or Inf (the stored bits: a bf16 that overflowed included),
+so the optimizer's check needs no second pass over the weights.
 
 Launcher: `adamw_updates`. Dimension legend: R rows, C columns of a piece viewed as 2-D.
 """
@@ -150,8 +152,8 @@ def _check_piece(k: int, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gr
 
 
 def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, *, node: str | None = None) -> Tensor:
-    """h3lab.ops.adamw.adamw_updates in one launch per (gradient dtype, weight dtype) group (module
-    docstring): the same arguments, the same bytes, the same [P] bool of pieces left NaN or Inf.
+    """h3lab.ops.adamw.adamw_updates in one launch per group of like pieces (module docstring): the
+    same arguments, the same bytes, the same [P] bool of pieces left NaN or Inf.
 
     Each piece is (master, exp_avg, exp_avg_sq, grad, weight): the first three contiguous FP32 of
     the piece's shape (0-, 1- or 2-D); `grad` and `weight` of that shape with any strides (a unit's
@@ -206,8 +208,9 @@ def _launch(
     aligned: bool,
     cfg: dict,
 ) -> None:
-    """One launch over pieces `ks` (one gradient dtype, one weight dtype): contiguous ones (`flat`)
-    as one row in tiles of 1 x BLOCK, the others [R, C] in tiles of BLOCK / TILE_C x TILE_C."""
+    """One launch over pieces `ks` (one gradient dtype, one weight dtype, one layout, one alignment):
+    contiguous ones (`flat`) as one row in tiles of 1 x BLOCK, the others [R, C] in tiles of BLOCK /
+    TILE_C x TILE_C; `aligned`: the hinted build (`_aligned` holds for each)."""
     tile_c = cfg["BLOCK"] if flat else cfg["TILE_C"]
     rows, starts = [], [0]
     for k in ks:
