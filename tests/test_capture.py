@@ -62,3 +62,13 @@ def test_a_trajectory_capture_replays_call_for_call_and_holds_the_published_bits
     assert {"attention_fwd", "chain_mm", "unit_reduce", "rope_tables"} <= methods
     rows = capture.replay(record["calls"], tensors, {}, get_backend("torch", "cpu"))
     assert len(rows) == len(record["calls"]) and all(r["same"] for r in rows)
+
+
+def test_every_gemm_sample_holds_at_least_gemm_elements():
+    """A GEMM of few rows (the AdaLN GEMM's timestep rows) takes more columns: rows x columns >= 1024."""
+    from h3lab.bench.spot_samples import GEMM_COLS, GEMM_ELEMENTS, GEMM_ROWS, gemm_cols
+
+    assert gemm_cols(GEMM_ROWS) == GEMM_COLS and GEMM_ROWS * GEMM_COLS >= GEMM_ELEMENTS
+    for rows in (1, 3, 7, 31):
+        assert rows * gemm_cols(rows) >= GEMM_ELEMENTS and (rows * (gemm_cols(rows) - 1) < GEMM_ELEMENTS), rows
+    assert gemm_cols(3, least=8) == 342 and gemm_cols(300, least=8) == 8

@@ -121,7 +121,7 @@ def test_gpus_check_torch_against_the_device_independent_set(monkeypatch, capsys
     out = capsys.readouterr().out
     assert "set torch (" in out and "recorded on CPU" in out
     assert "block, trajectory, train: expected, not yet observed on H100" in out
-    play_gpu(monkeypatch, "H200", "sm90", {"torch": cpu_torch})  # the H200 has reproduced both parts
+    play_gpu(monkeypatch, "H200", "sm90", {"torch": cpu_torch})  # the H200 has reproduced every part
     res = golden.verify("torch", "cuda")
     assert res["match"] and res["not_observed"] == []
 

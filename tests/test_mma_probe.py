@@ -79,6 +79,16 @@ def test_the_probe_cases_cover_a_million_random_dots_and_every_adversarial_recip
     assert {(128, 256, 8), (64, 256, 4), (64, 16, 4), (128, 128, 8), (64, 32, 4)} <= tiles
 
 
+def test_another_seed_base_draws_every_case_afresh():
+    """The same cases (names, tiles, recipes) from other seeds: inputs the model was not read from."""
+    base, fresh = mma_cases.probe_cases(), mma_cases.probe_cases(seed_base=7000)
+    assert [c.name for c in fresh] == [c.name for c in base]
+    assert [c.seed for c in fresh] == [7000 + i for i in range(len(base))]
+    assert not {c.seed for c in fresh} & {c.seed for c in base}
+    a, a2 = base[0].inputs("cpu")[0], fresh[0].inputs("cpu")[0]
+    assert not torch.equal(a, a2) and a.shape == a2.shape
+
+
 def test_probe_rng_is_one_stream_per_seed():
     a, b = Stream(3), Stream(3)
     assert torch.equal(torch.cat([a.bits((5,)), a.bits((3,))]), b.bits((8,)))

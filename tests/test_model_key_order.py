@@ -4,6 +4,8 @@ training step's noised sample), so the step's glue sorts no keys after its first
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -30,6 +32,19 @@ def _keys(inputs, part: str):
 def test_every_part_is_the_key_order_of_its_keys(inputs):
     for part in KEY_PARTS:
         assert torch.equal(inputs.key_order(part), key_order(_keys(inputs, part))), part
+
+
+def test_each_part_orders_its_own_rows_by_ascending_key(inputs):
+    """Independently of key_order: every row of the part once, keys strictly ascending (lexicographic)."""
+    nv, na = inputs.video_rows.shape[0], inputs.audio_rows.shape[0]
+    counts = {"video": nv, "audio": na, "text": inputs.text_rows.shape[0], "video+audio": nv + na}
+    counts |= {"video.generated": nv - inputs.num_condition_video_rows}
+    counts |= {"audio.generated": na - inputs.num_condition_audio_rows}
+    for part, n in counts.items():
+        order = inputs.key_order(part)
+        assert sorted(order.tolist()) == list(range(n)), part
+        keys = [tuple(k) for k in _keys(inputs, part)[order].tolist()]
+        assert all(a < b for a, b in itertools.pairwise(keys)), part
 
 
 def test_a_copy_that_keeps_the_keys_shares_the_orders_and_one_that_changes_them_does_not(inputs):

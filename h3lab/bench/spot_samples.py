@@ -77,14 +77,16 @@ def mm_few_k(store, args, kwargs, out) -> dict[str, Any]:
 def row_mm(store, args, kwargs, out) -> dict[str, Any]:
     """row_mm(a_RN, b_RK, order, out_dtype): out [N, K], the sum over rows in `order` of a[r]^T b[r]."""
     a, b, order = args[0], args[1], args[2]
-    sample = _gemm(store, a, b, out, 1, choose(a.shape[1], GEMM_ROWS, 1), choose(b.shape[1], GEMM_COLS, 2))
+    rows = choose(a.shape[1], GEMM_ROWS, 1)
+    sample = _gemm(store, a, b, out, 1, rows, choose(b.shape[1], gemm_cols(len(rows)), 2))
     return sample | {"order": store.put(order)}
 
 
 def unit_reduce(store, args, kwargs, out) -> dict[str, Any]:
     """unit_reduce(pieces, num_units): out [M, N] from pieces (a [M, U*Kp], b [U*Kp, N])."""
     pieces = args[0]
-    rows, cols = choose(out.shape[0], GEMM_ROWS, 1), choose(out.shape[1], GEMM_COLS, 2)
+    rows = choose(out.shape[0], GEMM_ROWS, 1)
+    cols = choose(out.shape[1], gemm_cols(len(rows)), 2)
     sample = {"rows": rows.tolist(), "cols": cols.tolist(), "num_units": args[1]}
     sample["pieces"] = [{"a": store.sliced(a, 0, rows), "b": store.sliced(b, 1, cols)} for a, b in pieces]
     return sample | {"out": store.put(_take(_take(out, 0, rows), 1, cols))}
