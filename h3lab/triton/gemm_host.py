@@ -183,10 +183,9 @@ def tail_operands(
     and a weight W [N, K] (the forward's form), the output is bf16 (an fp32 tile's TMA staging
     buffer is 32 KiB, not 16: with the tail's 4 stages 237,632 bytes of shared memory, over sm90's
     232,448), and the plain tiling needs more than one round of the `sms` programs: where it fits
-    in one, the tail only lengthens the tiles (H200, M = 264: to_out 45 -> 50 us, ff.net.2 86 ->
-    99 us; q, whose 140 tiles need two rounds, 66 -> 41 us). Where both tilings need the same
-    number of rounds past one, it still paid on every shape measured (M = 520, two rounds either
-    way: 0.53-0.79 -> 0.59-0.89 of cuBLAS; one row tile fewer re-reads W), hence not a round count.
+    in one, the tail only lengthens the tiles. Where both tilings need the same number of rounds
+    past one, it still pays (one row tile fewer re-reads W), hence not a round count (the H200's
+    timings at M = 264 and 520 that set the rule: commit e6448f9 and python -m h3lab.bench.gemm_bench).
     Otherwise the tail gets row tiles of its own: the same bits, only the tile computing them changes.
     `cfg` has passed check_config (mm's configs all do), which checks the TAIL keys, once per call.
     """
