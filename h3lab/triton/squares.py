@@ -28,7 +28,7 @@ from h3lab.ops.squares import ROW_BLOCK
 from h3lab.triton import configs
 from h3lab.triton.gemm_host import check_device
 from h3lab.triton.norm import _pair_sum
-from h3lab.triton.tables import on_device
+from h3lab.triton.tables import on_device, program_tensor, search_steps
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
@@ -55,17 +55,12 @@ def block_squares_kernel(
     # tensor t's programs are [starts[t], starts[t + 1]); its table row (TABLE) says where it is and
     # where its NB block sums go: out[row.out + b] = pair_sum of the squares of its elements
     # [b * RB, (b + 1) * RB) in row-major order
-    p = tl.program_id(0)
-    lo, hi = 0, T
-    for _ in tl.static_range(SEARCH):  # 2^SEARCH >= T: the last t with starts[t] <= p
-        mid = (lo + hi) // 2
-        below = tl.load(starts_ptr + mid) <= p
-        lo, hi = tl.where(below, mid, lo), tl.where(below, hi, mid)
+    lo, q = program_tensor(starts_ptr, T, SEARCH)
     row = table_ptr + lo * 7
     x_ptr = tl.load(row).to(tl.pointer_type(DTYPE))
     n, C, s_r, s_c = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
     NB, out = tl.load(row + 5), tl.load(row + 6)
-    b = (p - tl.load(starts_ptr + lo)).to(tl.int64) * BPP + tl.arange(0, BPP)
+    b = q * BPP + tl.arange(0, BPP)
     i = b[:, None] * RB + tl.arange(0, RB)[None, :]
     if (s_c == 1) & (s_r == C):  # rows back to back: element i at offset i, no integer division
         x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
@@ -95,7 +90,7 @@ def _block_sums(xs: list[Tensor], offsets: list[int], out: Tensor, cfg: dict) ->
         out,
         len(views),
         DTYPE=dtype,
-        SEARCH=max(1, (len(views) - 1).bit_length()),
+        SEARCH=search_steps(len(views)),
         BPP=bpp,
         RB=ROW_BLOCK,
         LOG2_RB=_LOG2_ROW_BLOCK,
