@@ -33,7 +33,7 @@ from torch import Tensor
 from h3lab.ops.adamw import ADAMW_SCALARS, AdamWPiece
 from h3lab.triton import configs
 from h3lab.triton.gemm_host import check_device
-from h3lab.triton.tables import on_device
+from h3lab.triton.tables import on_device, program_tensor, search_steps
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
@@ -76,12 +76,7 @@ def adamw_kernel(
     # [R, C] (the state contiguous, the gradient and the weight through their strides: no integer
     # division per element) and sets bad[k] = 1 where a weight it wrote is NaN or Inf (every such
     # store writes 1: no race)
-    p = tl.program_id(0)
-    lo, hi = 0, T
-    for _ in tl.static_range(SEARCH):  # 2^SEARCH >= T: the last t with starts[t] <= p
-        mid = (lo + hi) // 2
-        below = tl.load(starts_ptr + mid) <= p
-        lo, hi = tl.where(below, mid, lo), tl.where(below, hi, mid)
+    lo, q = program_tensor(starts_ptr, T, SEARCH)  # q: this program's tile of the piece
     row = table_ptr + lo * 13
     master_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
@@ -94,7 +89,6 @@ def adamw_kernel(
         master_ptr, m_ptr, v_ptr = tl.multiple_of(master_ptr, 16), tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16)
         g_ptr, w_ptr = tl.multiple_of(g_ptr, 16), tl.multiple_of(w_ptr, 16)
         C, s_gr, s_wr = tl.multiple_of(C, 8), tl.multiple_of(s_gr, 8), tl.multiple_of(s_wr, 8)
-    q = (p - tl.load(starts_ptr + lo)).to(tl.int64)  # this program's tile of the piece
     if TILE_R == 1:  # one row (contiguous: element i at offset i everywhere)
         i = q * TILE_C + tl.arange(0, TILE_C)
         mask = i < C
@@ -174,31 +168,41 @@ def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, *, node
     device = check_device("adamw_updates", coef, s, *(t for piece in pieces for t in piece))
     bad = torch.zeros(len(pieces), dtype=torch.int8, device=device)
     cfg = configs.pinned("adamw", node or configs.node_of(device))
-    groups: dict[tuple[torch.dtype, torch.dtype, bool, bool], list[int]] = {}
-    for k, piece in enumerate(pieces):
-        if piece[0].numel():
-            flat = piece[3].is_contiguous() and piece[4].is_contiguous()  # read as one row: wide tiles
-            groups.setdefault((piece[3].dtype, piece[4].dtype, flat, _aligned(piece, flat)), []).append(k)
-    for (g_dtype, w_dtype, flat, aligned), ks in groups.items():
-        _launch(pieces, ks, coef, s, bad, g_dtype, w_dtype == torch.bfloat16, flat, aligned, cfg)
+    groups: dict[tuple[torch.dtype, torch.dtype, bool, bool], list[tuple[int, Tensor, Tensor]]] = {}
+    for k, (master, m, v, grad, weight) in enumerate(pieces):
+        if master.numel():
+            flat, g2, w2 = _read_as(grad, weight)
+            aligned = _aligned((master, m, v, g2, w2), flat)
+            groups.setdefault((grad.dtype, weight.dtype, flat, aligned), []).append((k, g2, w2))
+    for (g_dtype, w_dtype, flat, aligned), members in groups.items():
+        _launch(pieces, members, coef, s, bad, g_dtype, w_dtype == torch.bfloat16, flat, aligned, cfg)
     return bad.bool()
 
 
-def _aligned(piece: AdamWPiece, flat: bool) -> bool:
-    """Whether the piece may take the vectorised build, whose hints must hold (a false one reads and
-    writes past the piece): every address 16-byte aligned; read as one row, its size a multiple of
-    8; read as [R, C] tiles, C and both row strides multiples of 8 elements, columns back to back."""
-    if any(t.data_ptr() % 16 for t in piece):
+def _read_as(grad: Tensor, weight: Tensor) -> tuple[bool, Tensor, Tensor]:
+    """(flat, the gradient and the weight as the kernel reads them): both contiguous, one row (wide
+    tiles); otherwise [R, C] through their strides."""
+    if grad.is_contiguous() and weight.is_contiguous():
+        return True, grad.reshape(1, -1), weight.reshape(1, -1)
+    return False, _as_2d(grad), _as_2d(weight)
+
+
+def _aligned(read: AdamWPiece, flat: bool) -> bool:
+    """Whether a piece, read as `_read_as` gives it (master, exp_avg, exp_avg_sq, grad, weight), may
+    take the vectorised build, whose hints must hold (a false one reads and writes past the piece):
+    every address 16-byte aligned; read as one row, its size a multiple of 8; read as [R, C] tiles,
+    C and both row strides multiples of 8 elements, columns back to back."""
+    if any(t.data_ptr() % 16 for t in read):
         return False
     if flat:  # its mask i < n is then uniform over every vector of 8
-        return piece[0].numel() % 8 == 0
-    g2, w2 = _as_2d(piece[3]), _as_2d(piece[4])
+        return read[0].numel() % 8 == 0
+    g2, w2 = read[3], read[4]
     return g2.shape[1] % 8 == 0 and g2.stride(1) == w2.stride(1) == 1 and g2.stride(0) % 8 == w2.stride(0) % 8 == 0
 
 
 def _launch(
     pieces: Sequence[AdamWPiece],
-    ks: list[int],
+    members: list[tuple[int, Tensor, Tensor]],
     coef: Tensor,
     s: Tensor,
     bad: Tensor,
@@ -208,14 +212,14 @@ def _launch(
     aligned: bool,
     cfg: dict,
 ) -> None:
-    """One launch over pieces `ks` (one gradient dtype, one weight dtype, one layout, one alignment):
-    contiguous ones (`flat`) as one row in tiles of 1 x BLOCK, the others [R, C] in tiles of BLOCK /
-    TILE_C x TILE_C; `aligned`: the hinted build (`_aligned` holds for each)."""
+    """One launch over `members` (piece k with its gradient and weight as `_read_as` gives them; one
+    gradient dtype, one weight dtype, one layout, one alignment): contiguous ones (`flat`) as one
+    row in tiles of 1 x BLOCK, the others [R, C] in tiles of BLOCK / TILE_C x TILE_C; `aligned`: the
+    hinted build (`_aligned` holds for each)."""
     tile_c = cfg["BLOCK"] if flat else cfg["TILE_C"]
     rows, starts = [], [0]
-    for k in ks:
-        master, m, v, grad, weight = pieces[k]
-        g2, w2 = (grad.reshape(1, -1), weight.reshape(1, -1)) if flat else (_as_2d(grad), _as_2d(weight))
+    for k, g2, w2 in members:
+        master, m, v = pieces[k][:3]
         w_store = w2.view(torch.int16) if w_bf16 else w2  # the rounded bits are stored as integers
         R, C = g2.shape
         tiles_c = configs.cdiv(C, tile_c)
@@ -230,10 +234,10 @@ def _launch(
         coef,
         s,
         bad,
-        len(ks),
+        len(members),
         G_DTYPE=tl.bfloat16 if g_dtype == torch.bfloat16 else tl.float32,
         W_BF16=w_bf16,
-        SEARCH=max(1, (len(ks) - 1).bit_length()),
+        SEARCH=search_steps(len(members)),
         TILE_R=cfg["BLOCK"] // tile_c,
         TILE_C=tile_c,
         ALIGNED=aligned,
