@@ -54,7 +54,16 @@ def _take(t: Tensor, dim: int, idx: Tensor) -> Tensor:
     return t.index_select(dim, idx.to(t.device))
 
 
-def _gemm(store, a: Tensor, b: Tensor, out: Tensor, a_dim: int, rows: Tensor, cols: Tensor) -> dict[str, Any]:
+def _gemm_elements(num_rows: int, num_cols: int) -> tuple[Tensor, Tensor]:
+    """(rows, columns) of a GEMM output [num_rows, num_cols] a sample holds: GEMM_ROWS rows, and
+    columns enough for GEMM_ELEMENTS (gemm_cols)."""
+    rows = choose(num_rows, GEMM_ROWS, 1)
+    return rows, choose(num_cols, gemm_cols(len(rows)), 2)
+
+
+def _gemm(store, a: Tensor, b: Tensor, out: Tensor, a_dim: int) -> dict[str, Any]:
+    """A sample of out = a (rows along a_dim) x b: those rows of a, those columns of b."""
+    rows, cols = _gemm_elements(a.shape[a_dim], b.shape[1])
     sample = {"rows": rows.tolist(), "cols": cols.tolist()}
     sample |= {"a": store.sliced(a, a_dim, rows), "b": store.sliced(b, 1, cols)}
     return sample | {"out": store.put(_take(_take(out, 0, rows), 1, cols))}
@@ -62,31 +71,23 @@ def _gemm(store, a: Tensor, b: Tensor, out: Tensor, a_dim: int, rows: Tensor, co
 
 def mm(store, args, kwargs, out) -> dict[str, Any]:
     """mm(a_MK, b_KN, out_dtype) and chain_mm(a_MK, b_KN): out [M, N]."""
-    a, b = args[0], args[1]
-    rows = choose(a.shape[0], GEMM_ROWS, 1)
-    return _gemm(store, a, b, out, 0, rows, choose(b.shape[1], gemm_cols(len(rows)), 2))
+    return _gemm(store, args[0], args[1], out, 0)
 
 
 def mm_few_k(store, args, kwargs, out) -> dict[str, Any]:
     """mm_few_k(a_KM, b_KN, out_dtype): out [M, N] = a^T b."""
-    a, b = args[0], args[1]
-    rows = choose(a.shape[1], GEMM_ROWS, 1)
-    return _gemm(store, a, b, out, 1, rows, choose(b.shape[1], gemm_cols(len(rows)), 2))
+    return _gemm(store, args[0], args[1], out, 1)
 
 
 def row_mm(store, args, kwargs, out) -> dict[str, Any]:
     """row_mm(a_RN, b_RK, order, out_dtype): out [N, K], the sum over rows in `order` of a[r]^T b[r]."""
-    a, b, order = args[0], args[1], args[2]
-    rows = choose(a.shape[1], GEMM_ROWS, 1)
-    sample = _gemm(store, a, b, out, 1, rows, choose(b.shape[1], gemm_cols(len(rows)), 2))
-    return sample | {"order": store.put(order)}
+    return _gemm(store, args[0], args[1], out, 1) | {"order": store.put(args[2])}
 
 
 def unit_reduce(store, args, kwargs, out) -> dict[str, Any]:
     """unit_reduce(pieces, num_units): out [M, N] from pieces (a [M, U*Kp], b [U*Kp, N])."""
     pieces = args[0]
-    rows = choose(out.shape[0], GEMM_ROWS, 1)
-    cols = choose(out.shape[1], gemm_cols(len(rows)), 2)
+    rows, cols = _gemm_elements(out.shape[0], out.shape[1])
     sample = {"rows": rows.tolist(), "cols": cols.tolist(), "num_units": args[1]}
     sample["pieces"] = [{"a": store.sliced(a, 0, rows), "b": store.sliced(b, 1, cols)} for a, b in pieces]
     return sample | {"out": store.put(_take(_take(out, 0, rows), 1, cols))}
