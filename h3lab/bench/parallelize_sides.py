@@ -138,16 +138,25 @@ def flow_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
         mark("forward")
         loss = flow_matching_loss(objective, sample, out.sample[0], out.audio_sample[0])
         mark("loss")
-        loss.backward()
-        mark("backward")
-        norm = h3lab.optim.clip_grad_norm_(model, MAX_NORM)
-        mark("clip")
-        opt.step()
-        opt.zero_grad()
-        mark("update")
+        norm = _backward_and_update(loss, model, opt, mark)
         return loss.detach(), norm, {f"model_{p.removesuffix('_s')}": v for p, v in state.timings.items()}
 
     return step, lambda: full_state_dict(model)
+
+
+def _backward_and_update(loss: Tensor, model: torch.nn.Module, opt: torch.optim.Optimizer, mark: Mark) -> Tensor:
+    """What a user's loop does after its loss: backward, h3lab's clip, the optimizer's step; each
+    phase marked as it returns. The norm before clipping."""
+    import h3lab.optim
+
+    loss.backward()
+    mark("backward")
+    norm = h3lab.optim.clip_grad_norm_(model, MAX_NORM)
+    mark("clip")
+    opt.step()
+    opt.zero_grad()
+    mark("update")
+    return norm
 
 
 def custom_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
@@ -170,14 +179,7 @@ def custom_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
         cos = F.cosine_similarity(out.audio_sample[0], targets[1], dim=-1)
         loss = (advantage * mse.clamp(max=4.0)).mean() + 0.5 * (1 - cos).clamp(min=0.05).mean()
         mark("loss")
-        loss.backward()
-        mark("backward")
-        norm = h3lab.optim.clip_grad_norm_(model, MAX_NORM)
-        mark("clip")
-        opt.step()
-        opt.zero_grad()
-        mark("update")
-        return loss.detach(), norm, {}
+        return loss.detach(), _backward_and_update(loss, model, opt, mark), {}
 
     return step, lambda: full_state_dict(model)
 
