@@ -104,7 +104,7 @@ def _profiled(device: torch.device, run: Callable[[], None], keep: Path) -> Path
 
 def canonical(a: argparse.Namespace, weights: SyntheticWeights, inputs, traces: Path) -> dict[str, Any]:
     path = _canonical_trace(a, weights, inputs, traces)  # its trainer freed on return
-    train_step._free(a.device)
+    train_step.free_device(a.device)
     return by_part(path, canonical_part, FIRST)
 
 
@@ -149,7 +149,7 @@ def eager_markers(model: torch.nn.Module) -> Iterator[None]:
 
 def eager(a: argparse.Namespace, weights: SyntheticWeights, inputs, traces: Path) -> dict[str, Any]:
     path = _eager_trace(a, weights, inputs, traces)  # its trainer freed on return
-    train_step._free(a.device)
+    train_step.free_device(a.device)
     return by_part(path, EAGER_PARTS.get, FIRST)
 
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     config = H3Config.named(a.config)
     weights = SyntheticWeights(config, seed=a.seed, device=a.device, generator=a.device)
     inputs = request_of_rows(config, a.rows, a.seed + 1).to(a.device)
-    header = train_step._header(a) | {"format": "h3lab-bench-train-profile-v1", "status": "running"}
+    header = train_step.header(a) | {"format": "h3lab-bench-train-profile-v1", "status": "running"}
     header["what"] = "one training step's GPU time by part under torch.profiler: " + header["what"]
     header["command"] = "python -m h3lab.bench.train_profile " + " ".join(argv)
     write_json(a.out, header)

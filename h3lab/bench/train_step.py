@@ -197,11 +197,11 @@ def canonical_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: Mod
         )
 
     out = built_and_run(make, step, a)
-    _free(a.device)
+    free_device(a.device)
     again = step_digest(make().step(1))
-    _free(a.device)
+    free_device(a.device)
     other = step_digest(make(not recompute).step(1))  # the forwards kept vs recomputed: the same bits
-    _free(a.device)
+    free_device(a.device)
     repeat = {"step": 1, "digest": first["digest"], "digest_fresh_trainer": again, "digest_other_recompute": other}
     return out | {"repeat": repeat | {"bitwise": again == first["digest"] == other}}
 
@@ -235,17 +235,18 @@ def eager_side(a: argparse.Namespace, weights: SyntheticWeights, inputs: ModelIn
         return {"step": k, "seconds": total, "phases": phases} | _losses(r.loss, r.loss_per_modality, r.grad_norm)
 
     out = built_and_run(lambda: make_eager(a, weights), step, a)
-    _free(a.device)
+    free_device(a.device)
     return out
 
 
-def _free(device: torch.device) -> None:
+def free_device(device: torch.device) -> None:
+    """On CUDA: wait for the device, then hand the freed blocks back (a side never inherits another's)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
-def _header(a: argparse.Namespace) -> dict[str, Any]:
+def header(a: argparse.Namespace) -> dict[str, Any]:
     """What the record was made with: the arguments, the model, the optimizer, the objective, the clock."""
     config = H3Config.named(a.config)
     h, objective = a.hyper, FlowObjective()
@@ -276,7 +277,7 @@ def _header(a: argparse.Namespace) -> dict[str, Any]:
 def bench(a: argparse.Namespace) -> dict[str, Any]:
     """Both sides (module docstring), the record grown as they finish; written after each."""
     config = H3Config.named(a.config)
-    record = _header(a) | {"status": "running"}
+    record = header(a) | {"status": "running"}
     write_json(a.out, record)
     weights = SyntheticWeights(config, seed=a.seed, device=a.device, generator=a.device)
     inputs = request_of_rows(config, a.rows, a.seed + 1).to(a.device)
