@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from h3lab.config import NUM_MODALITIES, H3Config
+from h3lab.finite import check_counts
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -121,26 +122,55 @@ class PackedBatch:
             dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
             raise ValueError(f"logical_keys: duplicate active key {dup}; active keys must be unique")
 
-    def _check_finite(self) -> None:
-        """NaN or Inf in an input the block reads: refused, with one host sync for all four checks."""
+    def _check_finite(self, fields: tuple[str, ...] = ("hidden_states", "grad_out", "temb", "position_ids")) -> None:
+        """NaN or Inf in an input the block reads: refused, with one host sync for all of `fields`
+        (none inside `h3lab.finite.deferred_checks()`: its scope's one sync reads them)."""
         active = self.active
-        counts = torch.stack(
-            [
-                (~torch.isfinite(self.hidden_states).all(dim=1) & active).sum(),
-                (~torch.isfinite(self.grad_out).all(dim=1) & active).sum(),
-                (~torch.isfinite(self.temb)).sum(),
-                (~torch.isfinite(self.position_ids)).sum(),
-            ]
-        ).tolist()
-        names = ("hidden_states", "grad_out", "temb", "position_ids")
-        units = ("active rows", "active rows", "values", "values")
-        for name, unit, n in zip(names, units, counts, strict=True):
+        count = {
+            "hidden_states": lambda: (~torch.isfinite(self.hidden_states).all(dim=1) & active).sum(),
+            "grad_out": lambda: (~torch.isfinite(self.grad_out).all(dim=1) & active).sum(),
+            "temb": lambda: (~torch.isfinite(self.temb)).sum(),
+            "position_ids": lambda: (~torch.isfinite(self.position_ids)).sum(),
+        }
+        units = {"hidden_states": "active rows", "grad_out": "active rows", "temb": "values", "position_ids": "values"}
+
+        def verdict(counts: list[int]) -> None:
+            for name, n in zip(fields, counts, strict=True):
+                _expect(
+                    n == 0,
+                    name,
+                    f"{n} {units[name]} hold NaN or Inf; allowed: finite values (strict mode: the contract's "
+                    "bits are defined for finite inputs; padding rows may hold anything)",
+                )
+
+        check_counts(torch.stack([count[f]() for f in fields]), verdict)
+
+    def with_rows(self, *, hidden_states: Tensor | None = None, grad_out: Tensor | None = None) -> PackedBatch:
+        """This batch with new `hidden_states` and/or `grad_out` (a block's output, an upstream gradient):
+        the metadata, checked when this batch was made, is not read again; the new tensors' shapes,
+        dtypes and device are checked, and their finiteness (one sync, or none inside
+        `h3lab.finite.deferred_checks()`).
+
+        Raises:
+            ValueError: a new tensor of another shape, dtype or device than the one it replaces; NaN or
+                Inf in its active rows.
+        """
+        new = {"hidden_states": hidden_states, "grad_out": grad_out}
+        given = tuple(k for k, t in new.items() if t is not None)
+        for name in given:
+            t, old = new[name], getattr(self, name)
             _expect(
-                n == 0,
+                (t.shape, t.dtype, t.device) == (old.shape, old.dtype, old.device),
                 name,
-                f"{n} {unit} hold NaN or Inf; allowed: finite values (strict mode: the contract's bits "
-                "are defined for finite inputs; padding rows may hold anything)",
+                f"{t.dtype} {list(t.shape)} on {t.device}; allowed: {old.dtype} {list(old.shape)} on "
+                f"{old.device}, as the tensor it replaces",
             )
+        out = object.__new__(PackedBatch)
+        for k in FIELDS:
+            object.__setattr__(out, k, new.get(k) if new.get(k) is not None else getattr(self, k))
+        if given:
+            out._check_finite(given)
+        return out
 
     @property
     def num_rows(self) -> int:

@@ -22,7 +22,9 @@
    not fix which NaN an op returns from NaN operands, and hardware differs, so the contract makes
    no claim about NaN bits and does not pretend to by computing on them. The checks run where
    inputs enter (PackedBatch construction, once per batch; the checkpoint loader), never inside the
-   block step: a host check of finiteness is a device sync. Finite inputs can still give non-finite
+   block step: a host check of finiteness is a device sync. A model call (forward, backward, a
+   training step's gradients) reads its batches' checks with one sync as it ends, the first in
+   program order refused (h3lab.finite.deferred_checks). Finite inputs can still give non-finite
    results (an overflow to Inf): every comparison counts non-finite elements on both sides
    (`h3lab.metrics.compare`), and a run's summary warns when the canonical result holds any, since
    a NaN compares equal to itself bit for bit.

@@ -16,8 +16,10 @@ beforehand (a CUDA graph capture may not wait for the host: h3lab.block.graph).
 
 The index cache. The block passes one `order` to ~20 row reductions, and every check of it is a
 host synchronisation that drains the GPU's queue (python -m h3lab.bench.sync_sites). Facts are
-cached only inside `index_cache()`, which `block_step` enters: there the index tensors are the
-block's own, made inside it and never written again. Outside, every call computes afresh, so a
+cached only inside `index_cache()`, which `block_step` enters, and a model call around its blocks
+(h3lab.model: its forward's scope resumed by its backward), so every block of the call reuses the
+first block's row plan of the same metadata: there the index tensors are h3lab's own or the
+request's, made before the call and never written during it. Outside, every call computes afresh, so a
 caller that writes an index tensor behind torch's back (`.data`, a numpy alias), which keeps its
 version counter, can never be served stale facts. Inside, keys still hold weak references and
 version counters: an in-place write or a new tensor at a reused address is computed afresh.
@@ -64,16 +66,23 @@ def index_cache(resume: dict | None = None) -> Iterator[dict]:
 
 def cached(kind: str, tensors: tuple[Tensor, ...], extra: tuple, compute: Callable[[], Any]) -> Any:
     """compute(), or its value from earlier in this scope for the same unmodified tensors and `extra`."""
-    cache = _SCOPE.get()
-    if cache is None or any(t.is_inference() for t in tensors):  # inference tensors keep no version counter
-        return compute()
-    key = (kind, *map(id, tensors), *extra)
-    hit = cache.get(key)
-    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == versions(tensors):
-        return hit[2]
+    hit = _peek(kind, tensors, extra)  # inference tensors keep no version counter: never cached
+    if hit is not None:
+        return hit
     value = compute()
     seed(kind, tensors, extra, value)
     return value
+
+
+def _peek(kind: str, tensors: tuple[Tensor, ...], extra: tuple) -> Any:
+    """What `cached` holds for these unmodified tensors and `extra` in this scope, else None (computes nothing)."""
+    cache = _SCOPE.get()
+    if cache is None or any(t.is_inference() for t in tensors):
+        return None
+    hit = cache.get((kind, *map(id, tensors), *extra))
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors, strict=True)) and hit[1] == versions(tensors):
+        return hit[2]
+    return None
 
 
 def seed(kind: str, tensors: tuple[Tensor, ...], extra: tuple, value: Any) -> None:
@@ -95,8 +104,35 @@ def versions(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
 
 
 def index_facts(t: Tensor) -> tuple[int, int, bool]:
-    """(min, max, t == arange(n)) of a non-empty 1-D index tensor: one host sync, once per scope."""
-    return cached("facts", (t,), (), lambda: _facts_of(t))
+    """(min, max, t == arange(n)) of a non-empty 1-D index tensor: one host sync, once per scope (none for
+    a tensor whose facts are known: `know_facts`)."""
+    return cached("facts", (t,), (), lambda: _known(t) or _facts_of(t))
+
+
+# index tensors h3lab makes once and reads many times outside a block step (a request's key orders,
+# the timesteps' arange), by id: (a weak reference, the version counter when told, the facts)
+_KNOWN: dict[int, tuple[weakref.ref, int, tuple[int, int, bool]]] = {}
+
+
+def know_facts(t: Tensor, facts: tuple[int, int, bool]) -> None:
+    """Remember the `index_facts` of `t`, an index tensor h3lab made and never writes, while it lives
+    unwritten (torch's version counter), in every scope and outside them: its row reductions then
+    check it without a host sync. `facts` come from where `t` was made (`host_facts` of its host
+    copy, or known by construction: an arange)."""
+    if t.is_inference():  # no version counter: a write could not be seen
+        return
+    key = id(t)
+
+    def gone(ref: weakref.ref) -> None:
+        if _KNOWN.get(key, (None,))[0] is ref:
+            del _KNOWN[key]
+
+    _KNOWN[key] = (weakref.ref(t, gone), t._version, facts)
+
+
+def _known(t: Tensor) -> tuple[int, int, bool] | None:
+    hit = _KNOWN.get(id(t))
+    return hit[2] if hit is not None and hit[0]() is t and hit[1] == t._version else None
 
 
 def _facts_of(t: Tensor) -> tuple[int, int, bool]:
@@ -260,8 +296,12 @@ def plan_rows(
     With `decided` (`decide_rows` of these tensors) nothing is copied or waited for: the returned
     function seeds the plan's facts and gives its order.
     """
+    sources = (keys_R2, segment_R, positions_R3)
     if decided is not None:
-        check_decided(decided, (keys_R2, segment_R, positions_R3), num_segments)
+        check_decided(decided, sources, num_segments)
+    else:  # the blocks of one model call read the same metadata: the first block's plan serves them all
+        decided = _peek("plan", sources, (num_segments,))
+    if decided is not None:
 
         def planned() -> Tensor:
             decided.seed()
@@ -273,6 +313,7 @@ def plan_rows(
     def order() -> Tensor:
         plan = read()
         plan.seed()
+        seed("plan", sources, (num_segments,), plan)
         return plan.order  # copied on this stream: nothing to wait for
 
     return order

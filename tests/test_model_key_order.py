@@ -63,3 +63,28 @@ def test_a_copy_that_keeps_the_keys_shares_the_orders_and_one_that_changes_them_
 def test_a_part_outside_the_parts_is_refused(inputs):
     with pytest.raises(ValueError, match=r"key_order part 'image'; allowed: \['video', 'audio', 'text'"):
         inputs.key_order("image")
+
+
+def test_key_orders_carry_their_index_facts_and_a_write_forgets_them(inputs, monkeypatch):
+    """The row reductions check each key order from facts told when it was made (no host sync per use);
+    a tensor written since, or another tensor, is computed afresh."""
+    from h3lab import rowplan
+
+    orders = {part: inputs.key_order(part) for part in KEY_PARTS}
+    real = rowplan._facts_of
+    monkeypatch.setattr(rowplan, "_facts_of", lambda t: pytest.fail("a key order's facts read back again"))
+    for part, order in orders.items():
+        host = order.tolist()
+        assert rowplan.index_facts(order) == (min(host), max(host), host == list(range(len(host)))), part
+    monkeypatch.setattr(rowplan, "_facts_of", real)
+    written = inputs.key_order("text")
+    written.add_(0)  # an in-place write: the version counter moves
+    computed = []
+    monkeypatch.setattr(rowplan, "_facts_of", lambda t: computed.append(t) or real(t))
+    rowplan.index_facts(written)
+    rowplan.index_facts(written.clone())
+    assert len(computed) == 2
+    n = len(rowplan._KNOWN)
+    del orders, order, written
+    inputs.__dict__.pop("_key_orders")
+    assert len(rowplan._KNOWN) < n  # a freed order leaves the registry

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +29,7 @@ from h3lab.block.backward import backward as run_backward
 from h3lab.block.forward import Forward, Step, Trace, forward, zero_padding
 from h3lab.block.result import BlockResult
 from h3lab.block.rowspace import RowSpace
+from h3lab.clock import Clock, Timings
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.contract import check_device, strict_mode
 from h3lab.rowplan import RowPlan, index_cache
@@ -49,9 +48,10 @@ class BlockStep:
     dw_units: dict[str, dict[int, Tensor]] | None  # unit-sharded parameters, per unit
     dw_replicated: dict[str, Tensor] | None  # norm1, norm2, norm_q, norm_k (every rank holds all)
     dtemb: Tensor | None  # [T, E] float32
-    # forward_s, backward_s (this rank, collectives included): on CUDA the GPU's own clock (events),
-    # so a stretch where the GPU waits for the host, e.g. in a gloo collective, counts; on CPU wall time
-    timings: dict[str, float]
+    # forward_s, backward_s (this rank, collectives included): on CUDA the GPU's own clock (events, read
+    # on first access: h3lab.clock), so a stretch where the GPU waits for the host, e.g. in a gloo
+    # collective, counts; on CPU wall time
+    timings: Mapping[str, float]
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +65,7 @@ class KeptForward:
     step: Step
     forward: Forward
     index_scope: dict  # the forward's index facts (h3lab.rowplan.index_cache), which the backward reuses
-    forward_s: float
+    timings: Mapping[str, float]  # forward_s (h3lab.clock: read on first access)
 
 
 TORCH = TorchBackend()  # canonical_block's default: the canonical arithmetic, the same bits on every device
@@ -159,12 +159,12 @@ def block_forward(
     forward's ops). `b.grad_out` is not read."""
     _check(uw, b, backend)
     with _step_context(b) as scope:
-        clock = _Clock(b.device)
+        clock = Clock(b.device)
         step = _step(uw, b, comm, backend, trace or _no_trace)
         kept = forward(step, b, None)
         clock.lap()
         out = zero_padding(kept.rows.active, kept.out)
-    return KeptForward(out, b, step, kept._replace(out=out), scope, clock.seconds()[0])
+    return KeptForward(out, b, step, kept._replace(out=out), scope, clock.timings(["forward_s"]))
 
 
 def block_backward(kept: KeptForward, grad_out: Tensor, *, trace: Trace | None = None) -> BlockStep:
@@ -176,14 +176,15 @@ def block_backward(kept: KeptForward, grad_out: Tensor, *, trace: Trace | None =
     """
     if len(kept.forward.tape) == 0:
         raise ValueError("this kept forward was used by a backward already; allowed: one backward per block_forward")
-    b = dataclasses.replace(kept.batch, grad_out=grad_out)
+    b = kept.batch.with_rows(grad_out=grad_out)
     step = dataclasses.replace(kept.step, tr=trace or _no_trace)
     f = kept.forward
     with _step_context(b, kept.index_scope):
-        clock = _Clock(b.device)
+        clock = Clock(b.device)
         dx, dw_units, dw_replicated, dtemb = run_backward(step, b, f.rows, f.st, f.tape)
         clock.lap()
-    timings = {"forward_s": kept.forward_s, "backward_s": clock.seconds()[0]}
+    forward_t, backward_t = kept.timings, clock.timings(["backward_s"])
+    timings = Timings(lambda: dict(forward_t) | dict(backward_t))
     return BlockStep(kept.out, dx, dw_units, dw_replicated, dtemb, timings)
 
 
@@ -210,49 +211,14 @@ def _block_step(
     tr: Trace,
     decided_rows: RowPlan | None,
 ) -> BlockStep:
-    clock = _Clock(b.device)
+    clock = Clock(b.device)
     step = _step(uw, b, comm, be, tr)
     out, rows, st, tape = forward(step, b, decided_rows)
     clock.lap()
     out = zero_padding(rows.active, out)
     if not backward:
-        return BlockStep(out, None, None, None, None, {"forward_s": clock.seconds()[0], "backward_s": 0.0})
+        return BlockStep(out, None, None, None, None, clock.timings(["forward_s"], {"backward_s": 0.0}))
     dx, dw_units, dw_replicated, dtemb = run_backward(step, b, rows, st, tape)
     clock.lap()
-    forward_s, backward_s = clock.seconds()
-    timings = {"forward_s": forward_s, "backward_s": backward_s}
+    timings = clock.timings(["forward_s", "backward_s"])
     return BlockStep(out=out, dx=dx, dw_units=dw_units, dw_replicated=dw_replicated, dtemb=dtemb, timings=timings)
-
-
-class _Clock:
-    """Seconds between laps of one block step. On CUDA, events on the current stream, read once at the
-    end (where the caller waits for the results anyway): the step is timed as the GPU ran it, and no
-    lap drains the GPU's queue mid-block, as a synchronising wall clock did. On CPU, wall-clock laps."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        # a CUDA graph capture (h3lab.block.graph) records no timing events: reading them would wait for the
-        # GPU mid-capture; its laps read NaN (a replay is timed from outside)
-        self.capturing = self.cuda and torch.cuda.is_current_stream_capturing()
-        self.marks = [self._mark()]
-
-    def _mark(self) -> torch.cuda.Event | float | None:
-        if self.capturing:
-            return None
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def lap(self) -> None:
-        self.marks.append(self._mark())
-
-    def seconds(self) -> list[float]:
-        """Each lap's seconds; waits for the last one on CUDA (NaN for a capture)."""
-        if self.capturing:
-            return [float("nan")] * (len(self.marks) - 1)
-        if not self.cuda:
-            return [b - a for a, b in itertools.pairwise(self.marks)]
-        self.marks[-1].synchronize()
-        return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]

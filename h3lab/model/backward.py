@@ -23,9 +23,7 @@ backward.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +32,9 @@ from torch import Tensor
 from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import Trace
+from h3lab.clock import Clock, Timings
 from h3lab.comm import BlockComm, LocalComm
+from h3lab.finite import deferred_checks
 from h3lab.model.chain import ChainForward, chain_backward, chain_forward
 from h3lab.model.embed import Embedded, embed
 from h3lab.model.embed_grad import embed_backward
@@ -44,6 +44,7 @@ from h3lab.model.inputs import ModelInputs
 from h3lab.model.transformer import RowsShard, gather_sequence
 from h3lab.model.weights import ModelWeights
 from h3lab.ops.fixed import chain_sum
+from h3lab.rowplan import index_cache
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,7 +62,8 @@ class ModelForward:
     comm: BlockComm
     rows_shard: RowsShard | None
     trace: Trace | None
-    forward_s: float
+    timings: Mapping[str, float]  # forward_s (h3lab.clock: read on first access)
+    index_scope: dict  # the forward's row plan and index facts (h3lab.rowplan.index_cache), for the backward
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +74,7 @@ class ModelGradients:
     replicated: dict[str, Tensor]  # diffusers name -> gradient: every non-block parameter, each block's 4 norms
     units: dict[int, dict[str, dict[int, Tensor]]]  # block -> unit-gradient name -> unit -> slice
     dtemb: Tensor  # [T, E] float32, the summed d temb (replicated)
-    timings: dict[str, float]
+    timings: Mapping[str, float]  # forward_s, backward_s, stack_forward_s, stack_backward_s (h3lab.clock)
 
 
 def check_blocks(blocks: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -94,6 +96,7 @@ def _no_trace(name: str, t: Tensor, space: str) -> Tensor:
     return t
 
 
+@deferred_checks()
 def model_forward(
     weights: ModelWeights,
     inputs: ModelInputs,
@@ -121,20 +124,24 @@ def model_forward(
     """
     blocks = check_blocks(blocks, weights.config.num_layers)
     comm = LocalComm() if comm is None else comm
-    tr, start = trace or _no_trace, time.perf_counter()
-    emb = embed(weights, inputs, backend=backend)
-    tr("embed.temb", emb.batch.temb, "replicated"), tr("embed.hidden", emb.batch.hidden_states, "replicated")
-    local = emb.batch if rows_shard is None else rows_shard(emb.batch)
-    chain = chain_forward(weights, local, comm, blocks, backend=backend, trace=trace, recompute=recompute)
-    out = gather_sequence(dataclasses.replace(local, hidden_states=chain.out), comm, emb.batch)
-    tr("stack.out", out, "replicated")
-    result = head(weights, out, emb, backend=backend)
-    tr("head.video", result.video, "replicated"), tr("head.audio", result.audio, "replicated")
+    tr, clock = trace or _no_trace, Clock(inputs.device)
+    with index_cache() as scope:  # one row plan and one set of index facts for every block (h3lab.rowplan)
+        emb = embed(weights, inputs, backend=backend)
+        tr("embed.temb", emb.batch.temb, "replicated"), tr("embed.hidden", emb.batch.hidden_states, "replicated")
+        local = emb.batch if rows_shard is None else rows_shard(emb.batch)
+        chain = chain_forward(weights, local, comm, blocks, backend=backend, trace=trace, recompute=recompute)
+        out = gather_sequence(local.with_rows(hidden_states=chain.out), comm, emb.batch)
+        tr("stack.out", out, "replicated")
+        result = head(weights, out, emb, backend=backend)
+        tr("head.video", result.video, "replicated"), tr("head.audio", result.audio, "replicated")
+    clock.lap()
+    timings = clock.timings(["forward_s"])
     return ModelForward(
-        result, emb, out, local, chain, weights, blocks, backend, comm, rows_shard, trace, _seconds(start, out)
+        result, emb, out, local, chain, weights, blocks, backend, comm, rows_shard, trace, timings, scope
     )
 
 
+@deferred_checks()
 def model_backward(forward: ModelForward, d_output: ModelOutput) -> ModelGradients:
     """Every gradient of the trained depth given d output (float32, shaped as `forward.output`).
 
@@ -147,30 +154,27 @@ def model_backward(forward: ModelForward, d_output: ModelOutput) -> ModelGradien
     Raises:
         ValueError: `d_output` of another shape or dtype than the output; a forward used already.
     """
-    f, tr, start = forward, forward.trace or _no_trace, time.perf_counter()
-    emb = f.emb
-    hg = head_backward(f.weights, f.stack_out, emb, d_output, backend=f.backend)
-    tr("d.stack.out", hg.d_hidden, "replicated")
-    full = dataclasses.replace(emb.batch, grad_out=hg.d_hidden)
-    grad_local = full.grad_out if f.rows_shard is None else f.rows_shard(full).grad_out
-    chain = chain_backward(f.weights, f.local, f.comm, f.chain, grad_local, backend=f.backend, trace=f.trace)
-    d_in = gather_sequence(dataclasses.replace(f.local, hidden_states=chain.dx), f.comm, emb.batch, site="model.dx")
-    tr("d.stack.in", d_in, "replicated")
-    dtemb = chain_sum(torch.stack([chain.blocks[i].dtemb for i in f.blocks] + [hg.dtemb]))  # forward order
-    tr("d.temb", dtemb, "replicated")
-    replicated = embed_backward(f.weights, emb.inputs, d_in, dtemb, backend=f.backend) | hg.grads
-    for i in f.blocks:
-        replicated |= {f"transformer_blocks.{i}.{k}": v for k, v in chain.blocks[i].dw_replicated.items()}
-    timings = {
-        "forward_s": f.forward_s,
-        "backward_s": _seconds(start, dtemb),
-        "stack_forward_s": f.chain.forward_s,
-        "stack_backward_s": chain.timings["backward_s"],
-    }
+    f, tr, clock = forward, forward.trace or _no_trace, Clock(forward.stack_out.device)
+    with index_cache(resume=f.index_scope):  # the forward's row plan and index facts
+        emb = f.emb
+        hg = head_backward(f.weights, f.stack_out, emb, d_output, backend=f.backend)
+        tr("d.stack.out", hg.d_hidden, "replicated")
+        full = emb.batch.with_rows(grad_out=hg.d_hidden)
+        grad_local = full.grad_out if f.rows_shard is None else f.rows_shard(full).grad_out
+        chain = chain_backward(f.weights, f.local, f.comm, f.chain, grad_local, backend=f.backend, trace=f.trace)
+        d_in = gather_sequence(f.local.with_rows(hidden_states=chain.dx), f.comm, emb.batch, site="model.dx")
+        tr("d.stack.in", d_in, "replicated")
+        dtemb = chain_sum(torch.stack([chain.blocks[i].dtemb for i in f.blocks] + [hg.dtemb]))  # forward order
+        tr("d.temb", dtemb, "replicated")
+        replicated = embed_backward(f.weights, emb.inputs, d_in, dtemb, backend=f.backend) | hg.grads
+        for i in f.blocks:
+            replicated |= {f"transformer_blocks.{i}.{k}": v for k, v in chain.blocks[i].dw_replicated.items()}
+    clock.lap()
+    backward_t, forward_t, stack_f, stack_b = clock.timings(["backward_s"]), f.timings, f.chain.timings, chain.timings
+    timings = Timings(
+        lambda: (
+            {"forward_s": forward_t["forward_s"], "backward_s": backward_t["backward_s"]}
+            | {"stack_forward_s": stack_f["forward_s"], "stack_backward_s": stack_b["backward_s"]}
+        )
+    )
     return ModelGradients(replicated, {i: chain.blocks[i].dw_units for i in f.blocks}, dtemb, timings)
-
-
-def _seconds(start: float, last: Tensor) -> float:
-    if last.device.type == "cuda":  # the host ran ahead: wait for the last result
-        torch.cuda.synchronize(last.device)
-    return time.perf_counter() - start

@@ -17,7 +17,7 @@ gradient).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -25,6 +25,7 @@ from torch import Tensor
 from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import TORCH, BlockStep, KeptForward, Trace, block_backward, block_forward, block_step
+from h3lab.clock import Timings
 from h3lab.comm import BlockComm, LocalComm
 from h3lab.model.weights import ModelWeights, block_units
 from h3lab.units import UnitWeights
@@ -35,7 +36,7 @@ class ChainStep:
     out: Tensor  # [R_local, D]: the last block's output
     dx: Tensor  # [R_local, D]: the gradient at the chain's input
     blocks: dict[int, BlockStep]  # per block: its weight gradients and d temb (out/dx dropped)
-    timings: dict[str, float]
+    timings: Mapping[str, float]  # forward_s, backward_s (h3lab.clock: read on first access)
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +46,7 @@ class ChainForward:
     out: Tensor  # [R_local, D]: the last block's output, padding rows +0
     inputs: dict[int, Tensor]  # per block, its input rows [R_local, D]; `chain_backward` takes them off
     blocks: tuple[int, ...]  # the blocks, in forward order
-    forward_s: float
+    timings: Mapping[str, float]  # forward_s, the blocks' summed (h3lab.clock: read on first access)
     kept: dict[int, KeptForward]  # per block, its forward's records (without `recompute`; else empty)
 
 
@@ -69,18 +70,20 @@ def chain_forward(
     """
     if not blocks:
         raise ValueError("a chain needs at least one block")
-    inputs, kept, b, fwd_s = {}, {}, batch, 0.0
+    inputs, kept, b, laps = {}, {}, batch, []
     for i in blocks:
         inputs[i] = b.hidden_states
         uw, tr = _unit_weights(weights, i, batch, comm), _traced(trace, i, forward=True)
         if recompute:
             step = block_step(uw, b, comm, backend=backend, backward=False, trace=tr)
-            out, seconds = step.out, step.timings["forward_s"]
+            out, lap = step.out, step.timings
         else:
             kept[i] = block_forward(uw, b, comm, backend=backend, trace=tr)
-            out, seconds = kept[i].out, kept[i].forward_s
-        b, fwd_s = dataclasses.replace(b, hidden_states=out), fwd_s + seconds
-    return ChainForward(out=b.hidden_states, inputs=inputs, blocks=tuple(blocks), forward_s=fwd_s, kept=kept)
+            out, lap = kept[i].out, kept[i].timings
+        b = b.with_rows(hidden_states=out)
+        laps.append(lap)
+    timings = Timings(lambda: {"forward_s": sum(t["forward_s"] for t in laps)})
+    return ChainForward(out=b.hidden_states, inputs=inputs, blocks=tuple(blocks), timings=timings, kept=kept)
 
 
 def chain_backward(
@@ -110,20 +113,23 @@ def chain_backward(
             "this chain forward was used by a backward already (each block's input goes once its block is done); "
             "allowed: one backward per chain_forward"
         )
-    g, per_block, bwd_s = grad_out, {}, 0.0
+    g, per_block, laps = grad_out, {}, []
     for i in reversed(forward.blocks):
         x, kept, tr = forward.inputs.pop(i), forward.kept.pop(i, None), _traced(trace, i, forward=False)
         if kept is None:
-            b_i = dataclasses.replace(batch, hidden_states=x, grad_out=g)
+            b_i = batch.with_rows(hidden_states=x, grad_out=g)
             step = block_step(_unit_weights(weights, i, batch, comm), b_i, comm, backend=backend, trace=tr)
-            seconds = step.timings["forward_s"] + step.timings["backward_s"]
+            laps.append((step.timings, ("forward_s", "backward_s")))  # the recomputed forward counts
         else:
             step = block_backward(kept, g, trace=tr)
-            seconds = step.timings["backward_s"]
-        g, bwd_s = step.dx, bwd_s + seconds
+            laps.append((step.timings, ("backward_s",)))
+        g = step.dx
         step = dataclasses.replace(step, out=step.out[:0], dx=None)
         per_block[i] = keep(i, step) if keep is not None else step
-    timings = {"forward_s": forward.forward_s, "backward_s": bwd_s}
+    forward_t = forward.timings
+    timings = Timings(
+        lambda: {"forward_s": forward_t["forward_s"], "backward_s": sum(sum(t[k] for k in ks) for t, ks in laps)}
+    )
     return ChainStep(out=forward.out, dx=g, blocks=per_block, timings=timings)
 
 

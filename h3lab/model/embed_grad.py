@@ -31,6 +31,7 @@ from h3lab.model.inputs import ModelInputs
 from h3lab.model.refiner_grad import token_refiner_backward
 from h3lab.model.weights import ModelWeights
 from h3lab.ops.rows import key_order
+from h3lab.rowplan import know_facts
 
 F32 = torch.float32
 
@@ -104,6 +105,8 @@ def time_embedding_backward(weights: ModelWeights, t_T: Tensor, dtemb_TE: Tensor
     sinusoid_TF = timestep_sinusoid(t_T, weights.config.freq_dim)
     h_TH = linear_f32(sinusoid_TF, w("linear_1.weight"), w("linear_1.bias"), be)
     steps = torch.arange(t_T.shape[0], device=t_T.device)  # the rows of these chains: timesteps in index order
+    if t_T.shape[0]:  # an arange: its row reductions need not read it back
+        know_facts(steps, (0, t_T.shape[0] - 1, True))
     grads = {
         "time_embedder.linear_2.weight": f32_row_mm(be, dtemb_TE, be.silu(h_TH, F32), steps),  # [E, H]
         "time_embedder.linear_2.bias": be.row_sum(dtemb_TE, steps),

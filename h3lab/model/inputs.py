@@ -22,6 +22,7 @@ from torch import Tensor
 from h3lab.batch import POSITION_DTYPES
 from h3lab.config import NUM_MODALITIES, H3Config
 from h3lab.ops.rows import key_order
+from h3lab.rowplan import host_facts, know_facts
 
 KEY_PARTS = ("video", "audio", "text", "video+audio", "video.generated", "audio.generated")
 # the fields a part's key order reads (ModelInputs.key_order)
@@ -140,6 +141,8 @@ class ModelInputs:
                 idx = getattr(self, f"{modality}_indices")
                 sub = keys[idx[getattr(self, f"num_condition_{modality}_rows") :] if generated else idx]
             orders[part] = key_order(sub)
+            if orders[part].numel():  # its row reductions check it from these facts, without a host sync
+                know_facts(orders[part], host_facts(orders[part].cpu()))
         return orders[part]
 
     @property

@@ -19,7 +19,6 @@ single-process model.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -29,10 +28,12 @@ from h3lab.backend import Backend
 from h3lab.batch import PackedBatch
 from h3lab.block import Trace, block_step
 from h3lab.comm import BlockComm, LocalComm
+from h3lab.finite import deferred_checks
 from h3lab.model.embed import Embedded, embed
 from h3lab.model.head import ModelOutput, head
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.weights import ModelWeights, block_units
+from h3lab.rowplan import index_cache
 
 RowsShard = Callable[[PackedBatch], PackedBatch]  # the whole sequence -> this rank's local rows (padded or not)
 
@@ -57,7 +58,7 @@ def run_blocks(
         uw = block_units(weights, i, comm.units, batch.device)
         tr = None if trace is None else prefixed(trace, f"block{i}.")
         step = block_step(uw, batch, comm, backend=backend, backward=False, trace=tr)
-        batch = dataclasses.replace(batch, hidden_states=step.out)
+        batch = batch.with_rows(hidden_states=step.out)
         del uw, step  # one block's weights alive at a time
     return batch
 
@@ -88,6 +89,8 @@ def gather_sequence(local: PackedBatch, comm: BlockComm, full: PackedBatch, *, s
     return x_SD[:S]
 
 
+@deferred_checks()
+@index_cache()  # one row plan and one set of index facts for every block (h3lab.rowplan)
 def transformer_forward(
     weights: ModelWeights,
     inputs: ModelInputs,

@@ -69,7 +69,7 @@ class _ModelFunction(torch.autograd.Function):
             rows_shard=s.rows_shard,
         )
         ctx.call, ctx.fwd = call, fwd
-        s.timings["forward_s"] = fwd.forward_s
+        s.laps["forward_s"] = fwd.timings
         ctx.save_for_backward(*params)  # autograd refuses the backward if a parameter changed in place since
         # copies: the record holds its output, and an output held by its own ctx is a cycle through
         # autograd's C++ graph that Python's collector cannot see (the graph would outlive its last use)
@@ -84,7 +84,7 @@ class _ModelFunction(torch.autograd.Function):
         ctx.fwd = None  # the stored rows go with the record (model_backward uses them up)
         check_strict_flags()
         grads = model_backward(fwd, ModelOutput(video=d_video.contiguous(), audio=d_audio.contiguous()))
-        ctx.call.state.timings["backward_s"] = grads.timings["backward_s"]
+        ctx.call.state.laps["backward_s"] = grads.timings
         return (None, *_param_grads(ctx.call.state, grads, params))
 
 

@@ -11,7 +11,7 @@ then their gate rows). Under tp1 the shards are the whole tensors.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -59,9 +59,14 @@ class ParallelState:
     rows_shard: RowsShard | None  # None: this rank holds every row (TP without SP or CP)
     names: tuple[str, ...]  # the model's parameters, in `named_parameters` order
     clip: PendingClip | None = None
-    # the last recorded forward's and backward's own seconds (model_forward's `forward_s`,
-    # model_backward's `backward_s`: the clocks Trainer reports), for benchmarks
-    timings: dict[str, float] = field(default_factory=dict)
+    # the last forward's and backward's own clocks (model_forward's, model_backward's: the clocks Trainer
+    # reports) by the phase they time, read when `timings` is asked for (h3lab.clock), for benchmarks
+    laps: dict[str, Mapping[str, float]] = field(default_factory=dict)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """{"forward_s": ..., "backward_s": ...} of the last forward and backward (what ran of them)."""
+        return {phase: lap[phase] for phase, lap in self.laps.items()}
 
     def params(self, model: nn.Module) -> list[Tensor]:
         """The model's parameters in `names` order.

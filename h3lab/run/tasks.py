@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -116,10 +116,11 @@ def compute(
     if not problem.digests:
         for i, step in chain.blocks.items():
             tensors |= {k: v for k, v in _step_tensors(step, i).items() if k not in ROW_TENSORS}
-    return Computed(tensors, digests, chain.timings)
+    return Computed(tensors, digests, dict(chain.timings))
 
 
-def _split(tensors: dict[str, Tensor], digests: bool, timings: dict[str, float]) -> Computed:
+def _split(tensors: dict[str, Tensor], digests: bool, timings: Mapping[str, float]) -> Computed:
+    timings = dict(timings)  # read the step's clocks (h3lab.clock) once its results are wanted
     if not digests:
         return Computed(tensors, {}, timings)
     kept = {k: v for k, v in tensors.items() if k in ROW_TENSORS or v.dim() == 0}

@@ -15,7 +15,7 @@ u of its unit-sharded gradients (`h3lab.units.assemble_unit_grads` names them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -24,6 +24,7 @@ from h3lab.backend import Backend
 from h3lab.block import Trace
 from h3lab.comm import BlockComm
 from h3lab.config import BLOCK_PREFIX, NUM_UNITS
+from h3lab.finite import deferred_checks
 from h3lab.model.backward import model_backward, model_forward
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.transformer import RowsShard
@@ -41,7 +42,7 @@ class ModelGrads:
     loss_per_modality: dict[str, Tensor]  # "video", "audio": [] float32, unweighted
     replicated: dict[str, Tensor]  # diffusers name -> gradient: every non-block parameter, each block's norms
     units: dict[int, dict[str, dict[int, Tensor]]]  # block -> unit-gradient name -> unit -> slice (this rank's)
-    timings: dict[str, float]  # forward_s, backward_s (the whole model), stack_forward_s, stack_backward_s
+    timings: Mapping[str, float]  # forward_s, backward_s (the whole model), stack_forward_s, stack_backward_s
 
     def tensors(self, prefix: str = "") -> dict[str, Tensor]:
         """Every tensor under the flat name a rank reports (see the module docstring), `prefix` first."""
@@ -76,6 +77,7 @@ class ModelGrads:
         return out
 
 
+@deferred_checks()
 def model_grads(
     weights: ModelWeights,
     inputs: ModelInputs,
