@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from h3lab.parallel.layout import Layout
 
+TRAIN_STEP_GPU = ("--rows", "4096", "--steps", "5", "--warmup", "2", "--device", "cuda", "--backend", "triton")
 NODE_TYPES = ("cpu", "h100", "h200", "b200")  # h3lab.io.env.node_type, lower case
 # the layouts the layout benchmark times, those whose world fits the publish's GPUs
 LAYOUT_CANDIDATES = ("tp1", "tp2", "tp2+sp", "cp2", "tp4", "tp4xcp2+sp", "tp8", "tp8:2x4")
@@ -128,23 +129,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "one training step of the depth with embedders, refiner and heads against diffusers + autograd + AdamW",
         {
             "cpu": ("--config", "tiny", "--device", "cpu", "--blocks", "0-1", "--rows", "96", "--steps", "3"),
-            "gpu": (
-                "--config",
-                "real",
-                "--blocks",
-                "0-3",
-                "--rows",
-                "4096",
-                "--steps",
-                "5",
-                "--warmup",
-                "2",
-                "--device",
-                "cuda",
-                "--backend",
-                "triton",
-            ),
+            "gpu": ("--config", "real", "--blocks", "0-3", *TRAIN_STEP_GPU),
         },
+    ),
+    Benchmark(
+        "train_step_depth",
+        "h3lab.bench.train_step",
+        "train-step-depth.json",
+        "the training step at the deepest depth one GPU holds for both sides, where the blocks' ratio dominates",
+        # the deepest depth both sides fit: the eager side holds 20 bytes a parameter (bf16 weight and grad,
+        # FP32 master, grad and moments), which at 10 blocks outgrows an H200 (reports/h200/README.md)
+        {"h200": ("--config", "real", "--blocks", "0-8", *TRAIN_STEP_GPU)},
+        timeout_s=1800.0,
     ),
     Benchmark(
         "train_profile",

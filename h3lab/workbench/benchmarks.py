@@ -309,6 +309,7 @@ def parallelize_step(record: dict) -> pd.DataFrame:
 
 TABLES: dict[str, Callable[[Any], pd.DataFrame]] = {
     "train_step": train_step,
+    "train_step_depth": train_step,  # the same record at the deepest depth that fits the node
     "train_profile": train_profile,
     "parallelize_step": parallelize_step,
     "block": block_gpu,
