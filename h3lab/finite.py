@@ -75,7 +75,8 @@ def _first_refusal(pending: list[tuple[Tensor, Verdict]], *, cause: BaseExceptio
     if not pending:
         return
     try:
-        counts = torch.cat([c.to(pending[0][0].device, torch.int64) for c, _ in pending]).tolist()
+        # every count lives on the call's device: a dtype cast, then one read-back (tolist)
+        counts = torch.cat([c.long() for c, _ in pending]).tolist()
     except Exception:  # the device itself failed (the cause): nothing can be read back
         if cause is None:
             raise
