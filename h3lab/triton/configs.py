@@ -1,4 +1,4 @@
-"""Pinned kernel configurations per node type, read from the repository's `kernels/<node>.json`.
+"""Pinned kernel configurations per node type, read from `kernels/<node>.json` (package data in a wheel).
 
 The tile sizes, K order, warps and stages of every kernel fix its bits, so they are data, chosen
 offline and committed, never autotuned at run time. A device with no pinned file, or a kernel or
@@ -21,7 +21,11 @@ from typing import Any
 import torch
 
 NODE_BY_CAPABILITY = {(9, 0): "sm90", (10, 0): "sm100"}
-KERNELS_DIR = Path(os.environ.get("H3LAB_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels"))
+# h3lab/kernels: in a checkout a link to its kernels/ (resolved: the checkout's files, which `h3lab verify
+# --record` writes), in an installed wheel the files themselves (pyproject.toml's package data); a copy of
+# a checkout that dropped the link reads its kernels/
+_PACKAGED, _CHECKOUT = (Path(__file__).resolve().parents[k] / "kernels" for k in (1, 2))
+KERNELS_DIR = Path(os.environ.get("H3LAB_KERNELS_DIR", (_PACKAGED if _PACKAGED.exists() else _CHECKOUT).resolve()))
 
 
 def cdiv(a: int, b: int) -> int:
