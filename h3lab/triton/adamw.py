@@ -56,6 +56,8 @@ def _round_bf16_bits(x):
 TABLE = ("master", "m", "v", "g", "w", "R", "C", "s_gr", "s_gc", "s_wr", "s_wc", "k", "tiles_c")
 
 
+# One function on purpose: a jit kernel; one element's IEEE operations in the reference's order, read
+# from its piece's table row, and a signature fixed by the launcher and its builds.
 @triton.jit
 def adamw_kernel(
     table_ptr,

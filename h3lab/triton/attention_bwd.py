@@ -209,6 +209,8 @@ def _dkdv_query_block(
     return _dkdv_step(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, MASK, DOT_PREC)
 
 
+# One function on purpose: a jit kernel; the key block's dk, dv and the query cursors live across its
+# loop and masked last block, and its signature is fixed (do_not_specialize arguments).
 @triton.jit(do_not_specialize=["n_q", "n_k"])
 def attention_bwd_kv_kernel(
     query,

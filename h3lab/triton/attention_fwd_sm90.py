@@ -244,6 +244,8 @@ def _second_consumer(q_smem, turns, io, STAGES: gl.constexpr, WRITE_REF: gl.cons
     _consumer(q_smem, (turns[1], turns[0]), io, STAGES, WRITE_REF, 4, False)
 
 
+# One function on purpose: a Gluon kernel that allocates the rings and barriers its warp-specialised
+# partitions share, with a fixed signature (top-level descriptors and do_not_specialize arguments).
 @gluon.jit(do_not_specialize=["n_q", "n_k"])
 def attention_fwd_ws_kernel(
     q_desc,

@@ -154,6 +154,8 @@ def _tree_insert(
     return acc, pending
 
 
+# One function on purpose: a jit kernel; its accumulators and tree state live across the persistent loop,
+# and its signature is fixed (top-level descriptors and do_not_specialize arguments).
 @triton.jit(do_not_specialize=["M", "N", "U", "LOG2U", "num_programs"])
 def unit_mm_kernel(
     a0,

@@ -243,6 +243,8 @@ def _store_root(acc, t, grid, lvl_bufs, c_desc, BM: gl.constexpr, BN: gl.constex
     _tma_store(c_desc, [pid_m * BM, pid_n * BN], lvl_bufs.index(0))
 
 
+# One function on purpose: a Gluon kernel; its pipeline cursors, barriers and accumulators live across the
+# persistent loop, and its signature is fixed (top-level descriptors and do_not_specialize arguments).
 @gluon.jit(do_not_specialize=["M", "N", "U", "LOG2U", "KP0", "KP1", "KP2", "num_programs"])
 def unit_mm_sm90_kernel(
     ad0,
