@@ -281,8 +281,29 @@ def unit_mm(
             a pinned "unit_gemm" entry; an unknown IMPL, or "gluon" on a device or with tiles it
             cannot run (unit_gemm_sm90.check_config).
     """
-    # Long on purpose: every check of the launch's operands (one line each, the allowed value named),
-    # the choice between the Gluon and the Triton kernel, and one launch, in the order they apply.
+    pieces, M, N = _checked_pieces(pieces, num_units)
+    device = check_device("unit_mm", *(t for p in pieces for t in p))
+    ieee = any(t.dtype == torch.float32 for p in pieces for t in p)
+    cfg = _unit_config(config, node, device, ieee)
+    out_MN = torch.empty((M, N), dtype=torch.float32, device=device)
+    if M == 0 or N == 0:
+        return out_MN
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if runs_gluon(pieces, num_units, cfg, device):
+        from h3lab.triton import unit_gemm_sm90
+
+        grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
+        unit_gemm_sm90.launch(pieces, num_units, out_MN, grid, cfg)
+        return out_MN
+    _launch_triton(pieces, num_units, out_MN, cfg, ieee)
+    return out_MN
+
+
+def _checked_pieces(
+    pieces: Sequence[tuple[Tensor, Tensor]], num_units: int
+) -> tuple[list[tuple[Tensor, Tensor]], int, int]:
+    """(the pieces as a list, M, N): U in UNIT_COUNTS, 1 to MAX_PIECES pieces, each operand checked,
+    every a.shape[1] == b.shape[0] a multiple of U, one M and one N across the pieces."""
     if num_units not in UNIT_COUNTS:
         raise ValueError(f"unit_mm: num_units={num_units}; allowed: {list(UNIT_COUNTS)}")
     pieces = list(pieces)
@@ -300,8 +321,11 @@ def unit_mm(
     if any(a.shape[0] != M or b.shape[1] != N for a, b in pieces):
         shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in pieces]
         raise ValueError(f"unit_mm: pieces {shapes}; allowed: every a with M={M} rows, every b with N={N} columns")
-    device = check_device("unit_mm", *(t for p in pieces for t in p))
-    ieee = any(t.dtype == torch.float32 for p in pieces for t in p)
+    return pieces, M, N
+
+
+def _unit_config(config: dict[str, Any] | None, node: str | None, device: torch.device, ieee: bool) -> dict[str, Any]:
+    """`config` checked, or the node's pinned "unit_gemm" entry; its IMPL one of IMPLS."""
     if config is not None:
         cfg = check_config("unit_mm", config, "unit_gemm")
     else:
@@ -309,20 +333,15 @@ def unit_mm(
     impl = cfg.get("IMPL", "triton")
     if impl not in IMPLS:
         raise ValueError(f"unit_mm config IMPL={impl!r}; allowed: {list(IMPLS)}")
-    out_MN = torch.empty((M, N), dtype=torch.float32, device=device)
-    if M == 0 or N == 0:
-        return out_MN
-    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if runs_gluon(pieces, num_units, cfg, device):
-        from h3lab.triton import unit_gemm_sm90
+    return cfg
 
-        grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
-        unit_gemm_sm90.launch(pieces, num_units, out_MN, grid, cfg)
-        return out_MN
-    kps = [a.shape[1] // num_units for a, _ in pieces]
-    # TMA zero-fills only at a tensor's end: unit ends must fall on chunk boundaries to use it
-    tma = cfg["TMA"] and all(kp % BK == 0 for kp in kps)
-    args: list[Any] = []  # per piece a, a's descriptor, b, b's descriptor
+
+def _piece_operands(
+    pieces: list[tuple[Tensor, Tensor]], BM: int, BN: int, BK: int, tma: bool
+) -> tuple[list[Any], list[tuple[tuple[int, int], tuple[int, int]]], list[tuple[int, int]]]:
+    """unit_mm_kernel's per-piece arguments for MAX_PIECES slots: (a, a's descriptor, b, b's descriptor
+    each), their (row, column) strides and load modes; an unused slot is None, zero strides, mode 0."""
+    args: list[Any] = []
     strides: list[tuple[tuple[int, int], tuple[int, int]]] = []
     modes: list[tuple[int, int]] = []
     for i in range(MAX_PIECES):
@@ -336,13 +355,36 @@ def unit_mm(
             args += [None, None, None, None]
             strides.append(((0, 0), (0, 0)))
             modes.append((0, 0))
-    pending_in_regs = bool(cfg.get("PENDING_IN_REGS", True))
+    return args, strides, modes
+
+
+def _scratch(
+    grid: int, num_units: int, pending_in_regs: bool, cfg: dict[str, Any], device: torch.device
+) -> tuple[Tensor, TensorDescriptor | None]:
+    """The pending left siblings' FP32 scratch: one BM x BN slab per program and level kept there
+    (one slab when U = 1), and its TMA descriptor when "SCRATCH_TMA" (the default)."""
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     levels = LEVELS - (1 if pending_in_regs else 0)
-    grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
-    # pending left siblings: one BM x BN FP32 slab per program and level, read and written by TMA
     scratch = torch.empty((grid * levels * BM if num_units > 1 else BM, BN), dtype=torch.float32, device=device)
     scratch_tma = bool(cfg.get("SCRATCH_TMA", True))
     s_desc = TensorDescriptor(scratch, list(scratch.shape), [BN, 1], [BM, BN]) if scratch_tma else None
+    return scratch, s_desc
+
+
+def _launch_triton(
+    pieces: list[tuple[Tensor, Tensor]], num_units: int, out_MN: Tensor, cfg: dict[str, Any], ieee: bool
+) -> None:
+    """unit_mm_kernel into out_MN [M, N] (M, N > 0): a persistent grid, operands through TMA where
+    every unit end falls on a chunk boundary."""
+    (M, N), device = out_MN.shape, out_MN.device
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    kps = [a.shape[1] // num_units for a, _ in pieces]
+    # TMA zero-fills only at a tensor's end: unit ends must fall on chunk boundaries to use it
+    tma = cfg["TMA"] and all(kp % BK == 0 for kp in kps)
+    args, strides, modes = _piece_operands(pieces, BM, BN, BK, tma)
+    pending_in_regs = bool(cfg.get("PENDING_IN_REGS", True))
+    grid = grid_size(device, configs.cdiv(M, BM) * configs.cdiv(N, BN))
+    scratch, s_desc = _scratch(grid, num_units, pending_in_regs, cfg, device)
     out_tma, split, c_desc = output_desc(out_MN, BM, BN, cfg)
     unit_mm_kernel[(grid,)](
         *args,
@@ -368,13 +410,12 @@ def unit_mm(
         OUT_TMA=out_tma,
         SPLIT=split,
         FENCE=not configs.interpreting(),
-        SCRATCH_TMA=scratch_tma,
+        SCRATCH_TMA=s_desc is not None,
         MODES=tuple(modes),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         enable_fp_fusion=False,
     )
-    return out_MN
 
 
 def variants(node: str) -> list[Variant]:
