@@ -198,37 +198,70 @@ def attention_fwd(
 
         return attention_fwd_sm90(q, k, v, scale * LOG2E, out_dtype, cfg)
     if all(d is not None for d in descs):
-        attention_fwd_tma_kernel[grid](
-            *descs,
-            o,
-            o_ref,
-            lse,
-            Q,
-            K,
-            scale * LOG2E,
-            o.stride(0),
-            o.stride(1),
-            o_ref.stride(0),
-            o_ref.stride(1),
-            HEAD_DIM=Dh,
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            WRITE_REF=o_ref is not o,
-            DOT_PREC=_dot_precision(q.dtype),
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-            enable_fp_fusion=ATTENTION_FP_FUSION,
-        )
-        return o, o_ref, (lse,)
+        _fwd_tma(grid, descs, (o, o_ref, lse), Q, K, scale * LOG2E, cfg, q.dtype)
+    else:
+        _fwd_pointers(grid, (q, k, v), (o, o_ref, lse), Q, K, scale * LOG2E, cfg)
+    return o, o_ref, (lse,)
+
+
+def _fwd_tma(
+    grid: tuple[int, int],
+    descs: list[TensorDescriptor],
+    outputs: tuple[Tensor, Tensor, Tensor],
+    Q: int,
+    K: int,
+    qk_scale: float,
+    cfg: Mapping[str, Any],
+    dtype: torch.dtype,
+) -> None:
+    """attention_fwd_tma_kernel: q, k, v through their row descriptors into (o, o_ref, lse2); o_ref is
+    written only when it is not o (out_dtype other than FP32)."""
+    o, o_ref, lse = outputs
+    attention_fwd_tma_kernel[grid](
+        *descs,
+        o,
+        o_ref,
+        lse,
+        Q,
+        K,
+        qk_scale,
+        o.stride(0),
+        o.stride(1),
+        o_ref.stride(0),
+        o_ref.stride(1),
+        HEAD_DIM=o.shape[2],
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        WRITE_REF=o_ref is not o,
+        DOT_PREC=_dot_precision(dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        enable_fp_fusion=ATTENTION_FP_FUSION,
+    )
+
+
+def _fwd_pointers(
+    grid: tuple[int, int],
+    inputs: tuple[Tensor, Tensor, Tensor],
+    outputs: tuple[Tensor, Tensor, Tensor],
+    Q: int,
+    K: int,
+    qk_scale: float,
+    cfg: Mapping[str, Any],
+) -> None:
+    """attention_fwd_kernel: q, k, v through pointers and their (row, head) strides into (o, o_ref,
+    lse2); o_ref is written only when it is not o (out_dtype other than FP32)."""
+    q, k, v = inputs
+    o, o_ref, lse = outputs
     attention_fwd_kernel[grid](
         (q, k, v),
         (o, o_ref, lse),
         Q,
         K,
-        scale * LOG2E,
+        qk_scale,
         _strides(q, k, v),
         _strides(o, o_ref),
-        HEAD_DIM=Dh,
+        HEAD_DIM=q.shape[2],
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         WRITE_REF=o_ref is not o,
@@ -237,7 +270,6 @@ def attention_fwd(
         num_stages=cfg["num_stages"],
         enable_fp_fusion=ATTENTION_FP_FUSION,
     )
-    return o, o_ref, (lse,)
 
 
 def attention_delta(

@@ -275,15 +275,7 @@ def mm(
     Raises:
         ValueError: wrong rank, dtype, device or shapes; a node without a pinned "gemm" entry.
     """
-    check_operand("mm", "a_MK", a_MK)
-    check_operand("mm", "b_KN", b_KN)
-    device = check_device("mm", a_MK, b_KN)
-    if a_MK.shape[1] != b_KN.shape[0]:
-        raise ValueError(
-            f"mm: a_MK {tuple(a_MK.shape)} and b_KN {tuple(b_KN.shape)}; allowed: a.shape[1] == b.shape[0]"
-        )
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"mm: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
+    device = _check_mm(a_MK, b_KN, out_dtype)
     ieee = torch.float32 in (a_MK.dtype, b_KN.dtype)
     if config is not None:
         cfg = check_config("mm", config, "gemm")
@@ -295,11 +287,34 @@ def mm(
         return c_MN
     if K == 0:
         return c_MN.zero_()  # the empty chain
+    _launch(a_MK, b_KN, c_MN, cfg, ieee)
+    return c_MN
+
+
+def _check_mm(a_MK: Tensor, b_KN: Tensor, out_dtype: torch.dtype) -> torch.device:
+    """The operands' one device, after checking their rank and dtype, a.shape[1] == b.shape[0] and
+    out_dtype in OUT_DTYPES."""
+    check_operand("mm", "a_MK", a_MK)
+    check_operand("mm", "b_KN", b_KN)
+    device = check_device("mm", a_MK, b_KN)
+    if a_MK.shape[1] != b_KN.shape[0]:
+        raise ValueError(
+            f"mm: a_MK {tuple(a_MK.shape)} and b_KN {tuple(b_KN.shape)}; allowed: a.shape[1] == b.shape[0]"
+        )
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"mm: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
+    return device
+
+
+def _launch(a_MK: Tensor, b_KN: Tensor, c_MN: Tensor, cfg: dict[str, Any], ieee: bool) -> None:
+    """mm_kernel into c_MN (M, N, K > 0): a persistent grid over the row tiles (the full ones only
+    when a row tail rides on them) and the column tiles."""
+    (M, K), N, device = a_MK.shape, b_KN.shape[1], c_MN.device
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_mode, a_desc = operand_a(a_MK, BM, BK, cfg["TMA"])
     b_mode, b_desc = operand_b(b_KN, BK, BN, cfg["TMA"])
     out_tma, split, c_desc = output_desc(c_MN, BM, BN, cfg)
-    tail_m, tail_n, a_tail, w_tail = tail_operands(a_MK, b_KN, a_mode, b_mode, cfg, programs(device), out_dtype)
+    tail_m, tail_n, a_tail, w_tail = tail_operands(a_MK, b_KN, a_mode, b_mode, cfg, programs(device), c_MN.dtype)
     grid = grid_size(device, (M // BM if a_tail is not None else configs.cdiv(M, BM)) * configs.cdiv(N, BN))
     mm_kernel[(grid,)](
         a_MK,
@@ -333,7 +348,6 @@ def mm(
         num_stages=cfg["num_stages"],
         enable_fp_fusion=False,
     )
-    return c_MN
 
 
 # ---- the builds compile_pinned compiles ----------------------------------------------------------
