@@ -6,10 +6,10 @@ one chain of IEEE operations), never on its position, the tensor's size or the l
 sigmoid uses the reference's own exp (h3lab.ops.fixed.exp), ported operation by operation: float64
 range reduction, degree-13 Taylor polynomial, exponent bits for 2^n, one rounding to float32. Not
 libdevice `__nv_expf` nor `tl.exp` (ex2.approx, ~2 ULP): both would be accurate, but their bits are
-not the torch backend's, and a library's exp may change between CUDA releases. The cost: 35 FP64
-operations per element (counted in the sm90 PTX); at H200's ~17 T FP64 instructions/s that is
-~0.5 G elements/ms, against the ~0.8 G elements/ms the bf16 traffic of SwiGLU allows (6 B/element
-at 4.8 TB/s): ~0.12 ms for a [4096, 14336] SwiGLU, small beside the block's GEMMs.
+not the torch backend's, and a library's exp may change between CUDA releases. The cost: a few
+dozen FP64 operations per element, which bound the kernel somewhat below the rate the bf16 traffic
+of SwiGLU allows, still small beside the block's GEMMs (per-kernel times: reports/h200/profile.json,
+top_kernels).
 Launched with `enable_fp_fusion=False`, as the reference's separate torch ops never fuse a multiply-add.
 
 Dimension legend: R rows, N columns (F for SwiGLU, D for the residual).

@@ -14,7 +14,7 @@ One program holds whole rows: the row tile is next_power_of_two(width) wide, pad
 `pair_sum` pads, so no row's bits depend on R or on which rows share the call.
 
 The kernels' sqrt is correctly rounded, as the contract says; the reference's torch.sqrt is on
-CUDA but not on CPU (torch 2.13 + MKL: ~17% of float32 inputs 1 ULP off). Against the reference
+CUDA but not on CPU (torch 2.13 + MKL: some float32 inputs 1 ULP off). Against the reference
 run with a correctly rounded sqrt, the bits are equal (tests/test_kernels_rowlocal.py).
 
 Dimension legend: R rows, D hidden, H heads, Dh head_dim, C rotated channels (cos.shape[-1]).

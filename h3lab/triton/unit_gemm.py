@@ -19,8 +19,9 @@ level 0's pending sibling stays in registers (PENDING_IN_REGS; two accumulator t
 levels go to a per-program FP32 scratch slot (BLOCK_M x BLOCK_N, L2-resident: 132 programs x 2
 levels x 64 KB = 17 MB at 128x128) and come back for the add. The slot moves through TMA
 (SCRATCH_TMA): with plain pointers Triton converts the MMA-layout accumulator through a second
-register copy and spills (sm90 compile: 255 registers + 1 KB stack vs 204, none). All live tiles
-being FP32 and every add IEEE, where a sibling waits cannot change a bit. U is a runtime argument:
+register copy and spills at 128x128 (each build's registers and spills: reports/h200/gemm.json,
+"resources", from python -m h3lab.bench.gemm_bench). All live tiles being FP32 and every add
+IEEE, where a sibling waits cannot change a bit. U is a runtime argument:
 one binary serves TP1 (8 units) down to TP8 (1 unit), so the subtree a rank computes is the same code.
 """
 

@@ -99,7 +99,7 @@ def _load_piece(ad, bd, k, m0, n0, bar, a_s, b_s, B_KN: gl.constexpr):
 @gluon.jit
 def _advance(prod, CHU, U, grid, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """The next chunk's producer cursor (stage, chunk in unit, unit, tile, tile origin), by increments
-    only: the divisions of a flat index cost ~500 issue cycles per chunk, as long as the chunk's wgmma.
+    only: the divisions of a flat index cost about as many issue cycles per chunk as the chunk's wgmma.
     grid: (program id, programs, tile rows, tile columns)."""
     s, q, u, t, m0, n0 = prod
     pid, num_programs, num_pid_m, num_pid_n = grid
@@ -225,8 +225,8 @@ def _tree_insert(
     if u == U - 1:  # the root
         _store_root(acc, t, grid, lvl_bufs, c_desc, BM, BN, GROUP_M)
     # the next chain starts from +0, as tl.zeros in the Triton kernel. A select on a runtime-false
-    # condition, not gl.zeros: a zeros constant stays live in registers across the loops (sm90
-    # compile, Triton 3.6: 225 registers against 208; 255 and spills in the flat-loop version)
+    # condition, not gl.zeros: a zeros constant stays live in registers across the loops and raises
+    # the register count (the kernels' timings: reports/h200/gemm.json, python -m h3lab.bench.gemm_bench)
     return gl.where(M < 0, acc, 0.0), pending
 
 
