@@ -1,4 +1,5 @@
-"""The row plan of one block step, decided on the host: the canonical row order, the facts its row
+"""One file on purpose: the plan seeds the index cache its checks read; tests patch both here (_facts_of, _decide).
+The row plan of one block step, decided on the host: the canonical row order, the facts its row
 kernels check, the segment layout of its AdaLN-row reductions and RoPE's largest position, and the
 index cache that keeps them for the step. Imports no Triton: the block enters the cache on any
 install, and the Triton launchers (h3lab.triton.rows, h3lab.triton.rope) read their facts here.
