@@ -46,7 +46,7 @@ from h3lab.bench.layout_summary import summarize
 from h3lab.config import H3Config
 from h3lab.io.env import capture
 from h3lab.io.jsonfile import write_json
-from h3lab.launch.launcher import launch
+from h3lab.launch.launcher import LaunchResult, launch
 from h3lab.parallel.layout import Layout, parse_layouts
 
 
@@ -98,45 +98,70 @@ def run_layout_bench(
         ValueError: unknown layouts, too few GPUs, warm-up or steps below 1.
     """
     parsed = parse_layouts(list(layouts) if not isinstance(layouts, str) else layouts)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = backend or ("triton" if device == "cuda" else "torch")
+    device, backend = _resolve_device(device, backend)
     _check(parsed, rows, config, device, steps, warmup)
-    world = max(lay.world for lay in parsed)
+    work = _ranks_dir(out)
+    spec = {"config": config, "device": device, "backend": backend, "cases": [[lay.name, list(rows)] for lay in parsed]}
+    spec |= _timing_spec(steps, warmup, collective_steps, eager, digests)
+    spec |= _diagnose_spec(diagnose, diagnose_steps, diagnose_runner_steps)
+    spec |= {"algorithm": algorithm, "segment_bytes": segment_bytes, "overlap": overlap, "seed": seed}
+    spec |= {"weights_seed": weights_seed, "timeout_s": timeout_s, "out_dir": str(work.resolve())}
+    write_json(work / "spec.json", spec)
+    record = _launch_and_summarize(spec, work, max(lay.world for lay in parsed), timeout_s)
+    write_json(out, record)
+    return json.loads(out.read_text())  # what a reader of the file sees (string keys for ranks)
+
+
+def _resolve_device(device: str | None, backend: str | None) -> tuple[str, str]:
+    """Unset device and backend default to "cuda"/"triton" where a GPU is, else "cpu"/"torch"."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, backend or ("triton" if device == "cuda" else "torch")
+
+
+def _ranks_dir(out: Path) -> Path:
+    """The ranks' folder beside `out` (`<out stem>.ranks/`), created."""
     work = out.parent / f"{out.stem}.ranks"
     work.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "config": config,
-        "device": device,
-        "backend": backend,
-        "cases": [[lay.name, list(rows)] for lay in parsed],
+    return work
+
+
+def _timing_spec(steps: int, warmup: int, collective_steps: int | None, eager: bool, digests: bool) -> dict:
+    """The spec's timing keys; unset `collective_steps` records every collective of `steps` steps."""
+    return {
         "steps": steps,
         "warmup": warmup,
         "collective_steps": steps if collective_steps is None else collective_steps,
         "eager": eager,
         "digests": digests,
+    }
+
+
+def _diagnose_spec(diagnose: bool, diagnose_steps: int, diagnose_runner_steps: int) -> dict:
+    """The spec's diagnosis keys; the runner path's repeats run only when diagnosing, with steps > 0."""
+    return {
         "diagnose": diagnose,
         "diagnose_steps": diagnose_steps,
         "diagnose_runner": diagnose and diagnose_runner_steps > 0,
         "diagnose_runner_steps": diagnose_runner_steps,
-        "algorithm": algorithm,
-        "segment_bytes": segment_bytes,
-        "overlap": overlap,
-        "seed": seed,
-        "weights_seed": weights_seed,
-        "timeout_s": timeout_s,
-        "out_dir": str(work.resolve()),
     }
-    write_json(work / "spec.json", spec)
+
+
+def _launch_and_summarize(spec: dict, work: Path, world: int, timeout_s: float) -> dict:
+    """One launch of `world` ranks runs every case; the record reads whatever rank files it left."""
     worker, spec_arg = "h3lab.bench.workers.layout_bench", [str((work / "spec.json").resolve())]
     res = launch(worker, spec_arg, nproc_per_node=world, log_dir=work / "logs", timeout_s=timeout_s)
     record = summarize([_read(work / f"rank{r}.json") for r in range(world)], spec)
-    record["launch"] = {"ok": res.ok, "returncode": res.returncode, "timed_out": res.timed_out}
-    record["launch"]["elapsed_s"] = res.elapsed_s
+    record["launch"] = _launch_info(res)
+    record["env"] = capture(spec["device"])
+    return record
+
+
+def _launch_info(res: LaunchResult) -> dict:
+    """How the launch ended; a failed one carries the tail of every agent log that exists."""
+    info = {"ok": res.ok, "returncode": res.returncode, "timed_out": res.timed_out, "elapsed_s": res.elapsed_s}
     if not res.ok:
-        record["launch"]["agent_log_tail"] = "\n".join(p.read_text()[-4000:] for p in res.agent_logs if p.exists())
-    record["env"] = capture(device)
-    write_json(out, record)
-    return json.loads(out.read_text())  # what a reader of the file sees (string keys for ranks)
+        info["agent_log_tail"] = "\n".join(p.read_text()[-4000:] for p in res.agent_logs if p.exists())
+    return info
 
 
 def _check(layouts: list[Layout], rows: Sequence[int], config: str, device: str, steps: int, warmup: int) -> None:
