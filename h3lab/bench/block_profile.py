@@ -20,12 +20,15 @@ import cProfile
 import io
 import pstats
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
-from h3lab.backend import get_backend
+from h3lab.backend import Backend, get_backend
 from h3lab.batch import PackedBatch, packed_batch
 from h3lab.bench.block_gpu import cuda_times, eager_step
 from h3lab.bench.gaps import SYNCS, gaps, marker_trace
@@ -35,7 +38,7 @@ from h3lab.comm import LocalComm
 from h3lab.config import H3Config
 from h3lab.io.env import capture as capture_env
 from h3lab.io.jsonfile import write_json
-from h3lab.units import unit_weights
+from h3lab.units import UnitWeights, unit_weights
 from h3lab.weights import BlockWeights, synthetic_block
 
 
@@ -71,6 +74,7 @@ def eager_profile(w: BlockWeights, b: PackedBatch, reps: int) -> dict:
 
 
 def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eager: bool = False) -> tuple[dict, str]:
+    """One row count's profile of the canonical block: (its record in profile.json, profile-<rows>.txt)."""
     dev = torch.device("cuda")
     w = synthetic_block(c, 0, seed=0).to(dev)
     b = packed_batch(c, rows, seed=1).to(dev)
@@ -80,14 +84,62 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eag
         canonical_block(w, b, backend=be)
 
     wall = cuda_times(run, reps)  # after 2 warm-up calls that compile every kernel
+    events = _profiled(run)
+    python_stats = _python_stats(run)
+    uw = unit_weights(w)
+    walls, laps = _block_step_times(uw, b, be, reps)
+    idle = _marked_gaps(uw, b, be, out, rows)
+    m = _Measured(wall, events, python_stats, walls, laps, idle)
+    text = _text(rows, backend, m)
+    record = _record(rows, backend, dev, m)
+    if eager:  # the profilers above do not outlive their helpers
+        record["eager"] = eager_profile(w, b, reps)
+        mine, theirs = record["by_role_ms"], record["eager"]["by_role_ms"]
+        record["extra_ms_by_role"] = {k: mine[k] - theirs[k] for k in mine}
+    return record, text
+
+
+_LAUNCH_CALLS = ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx")
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """One row count's measurements of the canonical block (profile_rows); times in seconds."""
+
+    wall: list[float]  # canonical_block's walls
+    events: EventList  # its profiled run's averaged events (host and CUDA)
+    python_stats: str  # cProfile's top Python functions of one more run
+    walls: list[float]  # block_step's walls
+    laps: list[float]  # block_step's own event laps
+    idle: dict  # the marked run's GPU gaps (h3lab.bench.gaps)
+
+    @property
+    def kernels(self) -> list:
+        return cuda_kernels(self.events)
+
+    @property
+    def kernel_s(self) -> float:
+        return sum(e.self_device_time_total for e in self.kernels) / 1e6
+
+    @property
+    def launches(self) -> int:
+        return sum(e.count for e in self.events if e.key in _LAUNCH_CALLS)
+
+    @property
+    def syncs(self) -> dict[str, int]:
+        return {e.key: e.count for e in self.events if e.key in SYNCS}
+
+
+def _profiled(run: Callable[[], None]) -> EventList:
+    """The averaged host and CUDA events of one profiled `run`, its queue drained inside the profile."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = cuda_kernels(events)
-    kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6
-    launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx"))
-    syncs = {e.key: e.count for e in events if e.key in SYNCS}
+    return prof.key_averages()
+
+
+def _python_stats(run: Callable[[], None]) -> str:
+    """cProfile's top 40 Python functions by own time of one `run`, its queue drained inside the profile."""
     pr = cProfile.Profile()
     pr.enable()
     run()
@@ -95,59 +147,72 @@ def profile_rows(c: H3Config, rows: int, backend: str, reps: int, out: Path, eag
     pr.disable()
     py = io.StringIO()
     pstats.Stats(pr, stream=py).sort_stats("tottime").print_stats(40)
-    uw = unit_weights(w)
-    # wall against the block's own event laps (first to last GPU mark inside block_step): what the
-    # host adds before the block's first launch and after its last mark, outside the GPU's span
+    return py.getvalue()
+
+
+def _block_step_times(uw: UnitWeights, b: PackedBatch, be: Backend, reps: int) -> tuple[list[float], list[float]]:
+    """block_step's walls and its own event laps (first to last GPU mark), `reps` each: the wall less
+    the laps is what the host adds before the block's first launch and after its last mark."""
     laps: list[float] = []
     walls = cuda_times(lambda: laps.append(sum(block_step(uw, b, LocalComm(), backend=be).timings.values())), reps)
-    laps = laps[-reps:]  # not the warm-up calls
+    return walls, laps[-reps:]  # not the warm-up calls
+
+
+def _marked_gaps(uw: UnitWeights, b: PackedBatch, be: Backend, out: Path, rows: int) -> dict:
+    """The GPU's idle gaps in one marked block_step, each charged to the op the host had last passed;
+    its trace and gaps are written to `out` (trace-<rows>.json, gaps-<rows>.json)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as marked:
         block_step(uw, b, LocalComm(), backend=be, trace=marker_trace)
         torch.cuda.synchronize()
     marked.export_chrome_trace(str(out / f"trace-{rows}.json"))
     idle = gaps(out / f"trace-{rows}.json")
     write_json(out / f"gaps-{rows}.json", idle)
-    text = "\n\n".join(
+    return idle
+
+
+def _text(rows: int, backend: str, m: _Measured) -> str:
+    """profile-<rows>.txt: a summary line, the profiler's tables (CUDA, CPU, count) and cProfile's."""
+    idle = m.idle
+    return "\n\n".join(
         [
-            f"rows {rows}, backend {backend}: wall median {statistics.median(wall) * 1e3:.2f} ms, "
-            f"kernels {kernel_s * 1e3:.2f} ms, launches {launches}, syncs {syncs}; block_step wall "
-            f"{statistics.median(walls) * 1e3:.2f} ms, its event laps {statistics.median(laps) * 1e3:.2f} ms; "
+            f"rows {rows}, backend {backend}: wall median {statistics.median(m.wall) * 1e3:.2f} ms, "
+            f"kernels {m.kernel_s * 1e3:.2f} ms, launches {m.launches}, syncs {m.syncs}; block_step wall "
+            f"{statistics.median(m.walls) * 1e3:.2f} ms, its event laps {statistics.median(m.laps) * 1e3:.2f} ms; "
             f"marked run: GPU span {idle['span_us'] / 1e3:.2f} ms, idle {idle['idle_us'] / 1e3:.2f} ms in "
             f"{idle['gaps']} gaps, most after "
             + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in list(idle["idle_by_op_us"].items())[:6]),
-            events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90),
-            events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
-            events.table(sort_by="count", row_limit=30, max_name_column_width=90),
-            py.getvalue(),
+            m.events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90),
+            m.events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
+            m.events.table(sort_by="count", row_limit=30, max_name_column_width=90),
+            m.python_stats,
         ]
     )
-    record = {
+
+
+def _record(rows: int, backend: str, dev: torch.device, m: _Measured) -> dict:
+    """The row count's record in profile.json; the host adds the wall median less the kernel time."""
+    kernels, kernel_s = m.kernels, m.kernel_s
+    return {
         "rows": rows,
         "backend": backend,
         "env": capture_env(dev),
-        "wall_median_s": statistics.median(wall),
-        "wall_s": wall,
+        "wall_median_s": statistics.median(m.wall),
+        "wall_s": m.wall,
         "kernel_s": kernel_s,
-        "host_added_s": statistics.median(wall) - kernel_s,
-        "launches": launches,
-        "syncs": syncs,
+        "host_added_s": statistics.median(m.wall) - kernel_s,
+        "launches": m.launches,
+        "syncs": m.syncs,
         "kernels": len(kernels),
-        "block_step_wall_median_s": statistics.median(walls),
-        "block_step_laps_median_s": statistics.median(laps),
-        "marked_run": {k: idle[k] for k in ("span_us", "busy_us", "idle_us", "gaps")}
-        | {"idle_by_op_us": dict(list(idle["idle_by_op_us"].items())[:12])},
+        "block_step_wall_median_s": statistics.median(m.walls),
+        "block_step_laps_median_s": statistics.median(m.laps),
+        "marked_run": {k: m.idle[k] for k in ("span_us", "busy_us", "idle_us", "gaps")}
+        | {"idle_by_op_us": dict(list(m.idle["idle_by_op_us"].items())[:12])},
         "top_kernels": [
             {"name": e.key[:120], "count": e.count, "total_ms": e.self_device_time_total / 1e3}
             for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
         ],
         "by_role_ms": by_role(kernel_ms(kernels)),
     }
-    if eager:
-        del prof, marked
-        record["eager"] = eager_profile(w, b, reps)
-        mine, theirs = record["by_role_ms"], record["eager"]["by_role_ms"]
-        record["extra_ms_by_role"] = {k: mine[k] - theirs[k] for k in mine}
-    return record, text
 
 
 def main() -> None:
