@@ -71,59 +71,102 @@ def check_shape(
     """All verdicts for one shape on one collective (this rank is a member); `segmented`: the same
     collective with pipelined segments, checked against the same tree."""
     members, me = coll.members, coll.index
-    P = len(members)
+    site = f"{name}/{shape}"
     verdicts: dict[str, bool] = {}
     for rep in range(2):  # fresh data at the same sites: stale frames or buffers would show
         parts = [partial(seed, case * 2 + rep, q, shape) for q in members]
-        expected = balanced_tree(parts) if P > 1 else parts[0].clone()
+        expected = balanced_tree(parts) if len(members) > 1 else parts[0].clone()
         x = parts[me].to(device)
-        got = coll.all_reduce(x, f"{name}/{shape}/all_reduce")
-        verdicts[f"all_reduce.{rep}"] = bitwise_equal(got, expected)
-        chunk = coll.reduce_scatter(x, f"{name}/{shape}/reduce_scatter")
-        verdicts[f"reduce_scatter.{rep}"] = bitwise_equal(chunk, torch.tensor_split(expected, P, dim=0)[me])
-        verdicts[f"reduce_scatter_is_all_reduce_slice.{rep}"] = bitwise_equal(
-            chunk, torch.tensor_split(got, P, dim=0)[me]
-        )
-        verdicts[f"input_unchanged.{rep}"] = bitwise_equal(x, parts[me])
-        started = coll.start_all_reduce(x, f"{name}/{shape}/start_all_reduce")
-        verdicts[f"start_all_reduce.{rep}"] = bitwise_equal(started(), expected)
-        started = coll.start_reduce_scatter(x, f"{name}/{shape}/start_reduce_scatter")
-        verdicts[f"start_reduce_scatter.{rep}"] = bitwise_equal(started(), torch.tensor_split(expected, P, dim=0)[me])
+        verdicts |= _reduce_verdicts(coll, site, x, parts[me], expected, rep)
         # finished before sharing (the block's rounding to bf16): every path gives round(tree)
         rounded = round_to(expected, torch.bfloat16)
-        got = coll.all_reduce(x, f"{name}/{shape}/then_all_reduce", then=_to_bf16)
-        verdicts[f"then_all_reduce.{rep}"] = bitwise_equal(got, rounded)
-        got = coll.reduce_scatter(x, f"{name}/{shape}/then_reduce_scatter", then=_to_bf16)
-        verdicts[f"then_reduce_scatter.{rep}"] = bitwise_equal(got, torch.tensor_split(rounded, P, dim=0)[me])
-        started = coll.start_all_reduce(x, f"{name}/{shape}/then_start_all_reduce", then=_to_bf16)
-        verdicts[f"then_start_all_reduce.{rep}"] = bitwise_equal(started(), rounded)
+        verdicts |= _rounded_verdicts(coll, site, x, rounded, rep)
         if segmented is not None:
-            got = segmented.all_reduce(x, f"{name}/{shape}/segmented")
-            verdicts[f"segmented_all_reduce.{rep}"] = bitwise_equal(got, expected)
-            got = segmented.all_reduce(x, f"{name}/{shape}/then_segmented", then=_to_bf16)
-            verdicts[f"then_segmented_all_reduce.{rep}"] = bitwise_equal(got, rounded)
-    # all_gather: member i contributes shape[0] + i rows (uneven), along dim 0 and along the last dim
+            verdicts |= _segmented_verdicts(segmented, site, x, expected, rounded, rep)
+    verdicts |= _gather_verdicts(coll, site, shape, case, seed, device)
+    return {"verdicts": verdicts, "order_sensitive": _order_sensitive(members, shape, case, seed)}
+
+
+def _my_chunk(t: Tensor, coll: DeterministicCollective) -> Tensor:
+    """This member's row chunk of `t`, as reduce_scatter splits it (torch.tensor_split along dim 0)."""
+    return torch.tensor_split(t, len(coll.members), dim=0)[coll.index]
+
+
+def _reduce_verdicts(
+    coll: DeterministicCollective, site: str, x: Tensor, mine: Tensor, expected: Tensor, rep: int
+) -> dict[str, bool]:
+    """all_reduce, reduce_scatter and their started forms give the tree's bits; `x` (== `mine`) is kept."""
+    verdicts: dict[str, bool] = {}
+    got = coll.all_reduce(x, f"{site}/all_reduce")
+    verdicts[f"all_reduce.{rep}"] = bitwise_equal(got, expected)
+    chunk = coll.reduce_scatter(x, f"{site}/reduce_scatter")
+    verdicts[f"reduce_scatter.{rep}"] = bitwise_equal(chunk, _my_chunk(expected, coll))
+    verdicts[f"reduce_scatter_is_all_reduce_slice.{rep}"] = bitwise_equal(chunk, _my_chunk(got, coll))
+    verdicts[f"input_unchanged.{rep}"] = bitwise_equal(x, mine)
+    started = coll.start_all_reduce(x, f"{site}/start_all_reduce")
+    verdicts[f"start_all_reduce.{rep}"] = bitwise_equal(started(), expected)
+    started = coll.start_reduce_scatter(x, f"{site}/start_reduce_scatter")
+    verdicts[f"start_reduce_scatter.{rep}"] = bitwise_equal(started(), _my_chunk(expected, coll))
+    return verdicts
+
+
+def _rounded_verdicts(
+    coll: DeterministicCollective, site: str, x: Tensor, rounded: Tensor, rep: int
+) -> dict[str, bool]:
+    """Each reduction finished by `then` (bf16 rounding) before sharing gives `rounded`, round(tree)."""
+    verdicts: dict[str, bool] = {}
+    got = coll.all_reduce(x, f"{site}/then_all_reduce", then=_to_bf16)
+    verdicts[f"then_all_reduce.{rep}"] = bitwise_equal(got, rounded)
+    got = coll.reduce_scatter(x, f"{site}/then_reduce_scatter", then=_to_bf16)
+    verdicts[f"then_reduce_scatter.{rep}"] = bitwise_equal(got, _my_chunk(rounded, coll))
+    started = coll.start_all_reduce(x, f"{site}/then_start_all_reduce", then=_to_bf16)
+    verdicts[f"then_start_all_reduce.{rep}"] = bitwise_equal(started(), rounded)
+    return verdicts
+
+
+def _segmented_verdicts(
+    segmented: DeterministicCollective, site: str, x: Tensor, expected: Tensor, rounded: Tensor, rep: int
+) -> dict[str, bool]:
+    """The pipelined all_reduce gives the same tree's bits, plain and finished by bf16 rounding."""
+    verdicts: dict[str, bool] = {}
+    got = segmented.all_reduce(x, f"{site}/segmented")
+    verdicts[f"segmented_all_reduce.{rep}"] = bitwise_equal(got, expected)
+    got = segmented.all_reduce(x, f"{site}/then_segmented", then=_to_bf16)
+    verdicts[f"then_segmented_all_reduce.{rep}"] = bitwise_equal(got, rounded)
+    return verdicts
+
+
+def _gather_verdicts(
+    coll: DeterministicCollective, site: str, shape: tuple[int, ...], case: int, seed: int, device: torch.device
+) -> dict[str, bool]:
+    """all_gather concatenates the members' pieces in member order, uneven or with their sizes given."""
+    members, me = coll.members, coll.index
+    verdicts: dict[str, bool] = {}
+    # member i contributes shape[0] + i rows (uneven), along dim 0 and along the last dim
     for dim in sorted({0, len(shape) - 1}):
         pieces = []
         for i, q in enumerate(members):
             grown = list(shape)
             grown[dim] += i
             pieces.append(partial(seed, case * 2 + 7, q, tuple(grown)))
-        got = coll.all_gather(pieces[me].to(device), f"{name}/{shape}/all_gather.dim{dim}", dim=dim)
+        got = coll.all_gather(pieces[me].to(device), f"{site}/all_gather.dim{dim}", dim=dim)
         verdicts[f"all_gather.dim{dim}"] = bitwise_equal(got, torch.cat(pieces, dim=dim))
     even = partial(seed, case * 2 + 9, members[me], shape)
-    got = coll.all_gather(even.to(device), f"{name}/{shape}/all_gather.sizes", sizes=[shape[0]] * P)
+    got = coll.all_gather(even.to(device), f"{site}/all_gather.sizes", sizes=[shape[0]] * len(members))
     verdicts["all_gather.sizes_given"] = bitwise_equal(
         got, torch.cat([partial(seed, case * 2 + 9, q, shape) for q in members])
     )
+    return verdicts
+
+
+def _order_sensitive(members: list[int], shape: tuple[int, ...], case: int, seed: int) -> bool:
+    """Whether the checks can catch a wrong order at all: only if the right-leaning chain r0+(r1+(...))
+    gives other bits than the tree (P=2 has one add, so it cannot)."""
     parts = [partial(seed, case * 2, q, shape) for q in members]
-    # the checks can only catch a wrong order if the order matters: the right-leaning chain
-    # r0+(r1+(...)) must give other bits (P=2 has one add, so it cannot)
     right_chain = parts[-1]
     for p in reversed(parts[:-1]):
         right_chain = p + right_chain
-    order_sensitive = P >= 3 and not bitwise_equal(right_chain, balanced_tree(parts))
-    return {"verdicts": verdicts, "order_sensitive": order_sensitive}
+    return len(members) >= 3 and not bitwise_equal(right_chain, balanced_tree(parts))
 
 
 def expect_value_error(fn) -> str | None:
