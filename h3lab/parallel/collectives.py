@@ -124,7 +124,9 @@ class DeterministicCollective:
         """This member's dim-0 chunk (torch.tensor_split into P, member order) of all_reduce(x)
         (then(chunk) with `then`, see `all_reduce`)."""
         if x.dim() < 1:
-            raise ValueError(f"reduce_scatter at {site!r}: x has 0 dims; allowed: dim 0 to split over members")
+            raise ValueError(
+                f"reduce_scatter at {site!r}: x has 0 dims; allowed: >= 1 dims (dim 0 splits over members)"
+            )
         return self._run("reduce_scatter", site, x, then=then)
 
     def start_all_reduce(self, x: Tensor, site: str, *, then: Finish | None = None) -> Callable[[], Tensor]:
@@ -140,7 +142,9 @@ class DeterministicCollective:
     def start_reduce_scatter(self, x: Tensor, site: str, *, then: Finish | None = None) -> Callable[[], Tensor]:
         """`reduce_scatter` begun now and finished by the returned function (see `start_all_reduce`)."""
         if x.dim() < 1:
-            raise ValueError(f"reduce_scatter at {site!r}: x has 0 dims; allowed: dim 0 to split over members")
+            raise ValueError(
+                f"reduce_scatter at {site!r}: x has 0 dims; allowed: >= 1 dims (dim 0 splits over members)"
+            )
         return self._run("reduce_scatter", site, x, start=True, then=then)
 
     def all_gather(self, x: Tensor, site: str, dim: int = 0, sizes: Sequence[int] | None = None) -> Tensor:
@@ -203,6 +207,8 @@ class DeterministicCollective:
         start: bool = False,
         then: Finish | None = None,
     ) -> Tensor | Callable[[], Tensor]:
+        """One call of `op`: the first backend call is queued now; the finish (run now, or returned with
+        `start`) completes it and records the call at its site."""
         self._check_usable(x, op, site)
         began = time.perf_counter()
         transport = transport_of(x.device, self._m.flat) if self._m.flat is not None else "none"
@@ -210,9 +216,25 @@ class DeterministicCollective:
         first = key not in self._sites
         if first and op != "all_gather" and len(self.members) > 1:
             self._check_signatures(x, op, site, transport)
+        alg, reason = self._choose(op, x, transport, then)
+        moved = Bytes()
+        finish, used_transport = self._begin(op, x, alg, moved, transport, dim, sizes, then)
+        started = time.perf_counter() - began
+
+        def timed_finish() -> Tensor:  # the records count the finish's bytes too (scatter_tree's gather)
+            t = time.perf_counter()
+            out = finish()
+            self._record(key, alg, reason, x, moved, used_transport, started, t)
+            return out
+
+        return timed_finish if start else timed_finish()
+
+    def _choose(self, op: str, x: Tensor, transport: str, then: Finish | None) -> tuple[str, str]:
+        """(algorithm, reason) for this call; the hierarchical tree is offered only where it is allowed
+        and the collective asked for it (auto or hierarchical)."""
         nbytes = x.numel() * x.element_size()
         hier_L = self._m.nested_size if self.algorithm in ("auto", "hierarchical") else None
-        alg, reason = choose_algorithm(
+        return choose_algorithm(
             op,
             self.algorithm,
             nbytes=nbytes,
@@ -221,7 +243,20 @@ class DeterministicCollective:
             transport=transport,
             then=then is not None,
         )
-        moved = Bytes()
+
+    def _begin(
+        self,
+        op: str,
+        x: Tensor,
+        alg: str,
+        moved: Bytes,
+        transport: str,
+        dim: int,
+        sizes: Sequence[int] | None,
+        then: Finish | None,
+    ) -> tuple[Callable[[], Tensor], str]:
+        """(finish, transport used) of the call begun: a reduction's first backend call is queued;
+        all_gather completes here and its finish returns the copy."""
         if op == "all_gather":
             out, used_transport = gather(self._m, x, dim, sizes, moved, transport)
             finish = lambda: out  # noqa: E731
@@ -229,44 +264,59 @@ class DeterministicCollective:
             finish, used_transport = start_reduce(
                 self._m, x, alg, moved, transport, scatter=op == "reduce_scatter", then=then or _keep
             )
-        started = time.perf_counter() - began
+        return finish, used_transport
 
-        def timed_finish() -> Tensor:  # the records count the finish's bytes too (scatter_tree's gather)
-            t = time.perf_counter()
-            out = finish()
-            stats = self._sites.get(key)
-            if stats is None:
-                decision = CollectiveDecision(
-                    site=site,
-                    op=op,
-                    algorithm=alg,
-                    reason=reason,
-                    tree="copy" if op == "all_gather" else self.tree,
-                    group=self.group,
-                    dtype=str(x.dtype),
-                    numel=x.numel(),
-                    bytes_sent=moved.sent,
-                    bytes_received=moved.received,
-                    transport=used_transport,
-                    bytes_local=moved.local,
-                )
-                stats = self._sites[key] = _SiteStats(decision)
-            stats.calls += 1
-            stats.bytes_sent += moved.sent
-            stats.bytes_received += moved.received
-            stats.bytes_local += moved.local
-            stats.algorithms[alg] += 1
-            self._total.sent += moved.sent
-            self._total.received += moved.received
-            self._total.local += moved.local
-            stats.seconds += started + time.perf_counter() - t
-            return out
+    def _record(
+        self,
+        key: tuple[str, str],
+        alg: str,
+        reason: str,
+        x: Tensor,
+        moved: Bytes,
+        used_transport: str,
+        started: float,
+        t: float,
+    ) -> None:
+        """Count one finished call at its site and in the totals (the site's first finish records its
+        decision); its seconds are the start's plus the finish's since `t`."""
+        stats = self._sites.get(key)
+        if stats is None:
+            stats = self._sites[key] = _SiteStats(self._decision(key, alg, reason, x, moved, used_transport))
+        stats.calls += 1
+        stats.bytes_sent += moved.sent
+        stats.bytes_received += moved.received
+        stats.bytes_local += moved.local
+        stats.algorithms[alg] += 1
+        self._total.sent += moved.sent
+        self._total.received += moved.received
+        self._total.local += moved.local
+        stats.seconds += started + time.perf_counter() - t
 
-        return timed_finish if start else timed_finish()
+    def _decision(
+        self, key: tuple[str, str], alg: str, reason: str, x: Tensor, moved: Bytes, used_transport: str
+    ) -> CollectiveDecision:
+        """The decision record of site `key` = (op, site), from its first finished call."""
+        op, site = key
+        return CollectiveDecision(
+            site=site,
+            op=op,
+            algorithm=alg,
+            reason=reason,
+            tree="copy" if op == "all_gather" else self.tree,
+            group=self.group,
+            dtype=str(x.dtype),
+            numel=x.numel(),
+            bytes_sent=moved.sent,
+            bytes_received=moved.received,
+            transport=used_transport,
+            bytes_local=moved.local,
+        )
 
     def _check_usable(self, x: Tensor, op: str, site: str) -> None:
         if self._closed:
-            raise ValueError(f"{op} at {site!r}: collective over ranks {self.members} is closed")
+            raise ValueError(
+                f"{op} at {site!r}: collective over ranks {self.members} is closed; allowed: calls before close()"
+            )
         if self.index is None:
             raise ValueError(f"{op} at {site!r}: rank {self.rank} is not a member; allowed ranks: {self.members}")
         if self.device is not None and x.device.type != self.device.type:
@@ -279,7 +329,9 @@ class DeterministicCollective:
         sigs = signatures(self._m, x, transport)
         if len(set(sigs)) > 1:  # every member sees the same list, so every member raises
             by_rank = dict(zip(self.members, sigs, strict=True))
-            raise ValueError(f"{op} at {site!r}: members disagree on (dtype, shape): {by_rank}")
+            raise ValueError(
+                f"{op} at {site!r}: members disagree on (dtype, shape): {by_rank}; allowed: one on every member"
+            )
 
 
 def new_collective(
