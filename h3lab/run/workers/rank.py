@@ -27,12 +27,12 @@ from safetensors.torch import load_file, save_file
 from h3lab.backend import get_backend
 from h3lab.io.jsonfile import write_json
 from h3lab.metrics import compare
-from h3lab.parallel.distcomm import build_comm
+from h3lab.parallel.distcomm import DistComm, build_comm
 from h3lab.parallel.layout import Layout
 from h3lab.parallel.seqshard import SeqShard
 from h3lab.run.problem import Problem
 from h3lab.run.progress import Progress
-from h3lab.run.tasks import ROW_TENSORS, compute, expected_shard, num_rows, prepare
+from h3lab.run.tasks import ROW_TENSORS, Computed, compute, expected_shard, num_rows, prepare
 from h3lab.run.trace import TraceRecorder
 from h3lab.run.workers import faults
 from h3lab.run.workers.supervised import supervised_rank
@@ -47,19 +47,52 @@ def _done(spec: dict, rank: int, world: int, progress: Progress) -> dict:
 
 
 def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
+    """One rank's run: join the process group, compute (repeated for timing), save its shards and
+    trace, write rank{r}.json; returns that record. Every phase ticks `progress`."""
     layout = Layout.parse(spec["layout"])
     if layout.world != world:
         raise ValueError(f"layout {layout.name} needs {layout.world} ranks, torchrun started {world}")
     problem = Problem.from_dict(spec["problem"])
+    device, transport = _join(problem, layout, progress)
+    comm = _comm(spec, problem, layout, rank, device, progress)
+    flip = faults.planted_flip(str(rank))
+    if flip is not None and not spec.get("trace"):
+        raise ValueError(
+            f"{faults.FAULT_VAR} flips {flip[0]!r}, a traced op, in a run without --trace; allowed: --trace"
+        )
+    recorder = TraceRecorder(flip=flip) if spec.get("trace") else None
+    result = _compute(problem, comm, device, layout, rank, recorder, flip)
+    out_dir = Path(spec["layout_dir"])
+    save_file({k: v.contiguous().cpu() for k, v in result.tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
+    if recorder is not None:
+        recorder.save(out_dir / f"rank{rank}.trace")
+    verdicts = _verdicts(result, spec, problem, layout, rank)
+    record = _record(problem, layout, rank, device, transport, comm, result, verdicts)
+    write_json(out_dir / f"rank{rank}.json", record)
+    comm.close()
+    progress.close()
+    dist.destroy_process_group()
+    return record
+
+
+def _join(problem: Problem, layout: Layout, progress: Progress) -> tuple[torch.device, str]:
+    """(device, transport) of this rank, its process group up: NCCL only with one GPU per rank, else gloo."""
     device = problem.rank_device(int(os.environ.get("LOCAL_RANK", 0)))
     transport = "nccl" if device.type == "cuda" and problem.one_gpu_per_rank(layout) else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and Triton launch on the current device
     dist.init_process_group(transport, device_id=device if transport == "nccl" else None)
     progress.tick("process group up")  # phases count as progress, so a hang names its straggler
+    return device, transport
+
+
+def _comm(
+    spec: dict, problem: Problem, layout: Layout, rank: int, device: torch.device, progress: Progress
+) -> DistComm | None:
+    """This rank's comm, after any fault aimed at it is injected (its collective hook ticks `progress`)."""
     on_call = faults.inject(str(rank), progress.tick)  # a `stop` fault: a hook that stops in the next collective
     progress.tick("fault check")
-    comm = build_comm(
+    return build_comm(
         layout,
         rank,
         mode=problem.mode,
@@ -68,32 +101,55 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         act_dtype=torch.bfloat16,
         on_call=on_call,
     )
-    flip = faults.planted_flip(str(rank))
-    if flip is not None and not spec.get("trace"):
-        raise ValueError(
-            f"{faults.FAULT_VAR} flips {flip[0]!r}, a traced op, in a run without --trace; allowed: --trace"
-        )
-    recorder = TraceRecorder(flip=flip) if spec.get("trace") else None
+
+
+def _compute(
+    problem: Problem,
+    comm: DistComm,
+    device: torch.device,
+    layout: Layout,
+    rank: int,
+    recorder: TraceRecorder | None,
+    flip: tuple[str, int] | None,
+) -> Computed:
+    """The rank's result: one traced computation (a planted flip must hit a traced op), then the timing
+    repeats, untraced, on the same inputs; the bytes of every repeat are identical."""
     inputs = prepare(problem, device)  # once: a repeat that rebuilt them would start its step late
     backend = get_backend(problem.block_backend, device)  # this rank's one backend
     result = compute(problem, comm, device, backend=backend, layout=layout, rank=rank, trace=recorder, inputs=inputs)
     if flip is not None and not recorder.flipped:  # type: ignore[union-attr]
         raise ValueError(f"{faults.FAULT_VAR} flips {flip[0]!r}, which this rank never traced; allowed: a traced op")
-    for _ in range(problem.repeats - 1):  # timing repeats; the bytes of every repeat are identical
+    for _ in range(problem.repeats - 1):
         dist.barrier()  # every rank starts the step together: its forward_s then excludes the others' digests
         result = compute(problem, comm, device, backend=backend, layout=layout, rank=rank, inputs=inputs)
-    tensors, timings = result.tensors, result.timings
-    out_dir = Path(spec["layout_dir"])
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
-    if recorder is not None:
-        recorder.save(out_dir / f"rank{rank}.trace")
-    verdicts = _compare_with_canonical(tensors, Path(spec["canonical"]), problem, layout, rank)
-    if result.digests:  # digests-only run: the same per-unit names as the canonical process
+    return result
+
+
+def _verdicts(result: Computed, spec: dict, problem: Problem, layout: Layout, rank: int) -> dict:
+    """Every tensor's verdict against the canonical result; a digests-only run's digests against the
+    canonical process's, under the same per-unit names."""
+    verdicts = _compare_with_canonical(result.tensors, Path(spec["canonical"]), problem, layout, rank)
+    if result.digests:
         canon = json.loads(Path(spec["canonical"]).with_name("canonical.digests.json").read_text())
         verdicts |= {
             k: {"bitwise_equal": canon.get(k) == v, "sha256_a": v, "sha256_b": canon.get(k)}
             for k, v in result.digests.items()
         }
+    return verdicts
+
+
+def _record(
+    problem: Problem,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    transport: str,
+    comm: DistComm,
+    result: Computed,
+    verdicts: dict,
+) -> dict:
+    """rank{r}.json: where the rank ran, its timings, decisions and verdicts (all_equal: every one
+    bitwise), and its rows of the sequence where the problem has rows."""
     record = {
         "rank": rank,
         "layout": layout.name,
@@ -103,7 +159,7 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
         "pid": os.getpid(),
         "device": str(device),
         "transport": transport,
-        "timings": {**timings, "collective_s": comm.seconds},
+        "timings": {**result.timings, "collective_s": comm.seconds},
         "decisions": comm.decisions(),
         "verdicts": verdicts,
         "digests": result.digests,
@@ -112,10 +168,6 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
     if (S := num_rows(problem)) is not None:
         rows = SeqShard(layout, S).local_rows(rank)
         record["local_rows"] = [rows.start, rows.stop]
-    write_json(out_dir / f"rank{rank}.json", record)
-    comm.close()
-    progress.close()
-    dist.destroy_process_group()
     return record
 
 
