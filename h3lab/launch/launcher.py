@@ -192,20 +192,45 @@ def launch(
     check_local_processes(nproc_per_node * (agents if local else 1))
     log_dir.mkdir(parents=True, exist_ok=True)
     token = token or new_token()
-    if local:
-        nnodes, node_ranks, endpoint, host = agents, list(range(agents)), f"127.0.0.1:{free_port()}", None
-    else:
-        nnodes, node_ranks, endpoint = nnodes or 1, [node_rank], rdzv_endpoint
-        host = split_endpoint(endpoint)[0]
-        if not 0 <= node_rank < nnodes:
-            raise ValueError(f"node_rank={node_rank}; allowed: 0..{nnodes - 1} for nnodes={nnodes}")
-        if rdzv_id is None:  # a token of this machine's own would never meet the other nodes'
-            raise ValueError("a multi-node launch needs rdzv_id, one string shared by every node")
+    nnodes, node_ranks, endpoint, host = _rendezvous(agents, nnodes, node_rank, rdzv_endpoint, rdzv_id)
     full_env = worker_env(os.environ, token, endpoint_host=host, extra=env)
+    commands = _agent_commands(module, args, nproc_per_node, nnodes, node_ranks, endpoint, rdzv_id or token, host)
+    logs = [log_dir / f"agent{nr}.log" for nr in node_ranks]
+    return _run(commands, logs, full_env, token, timeout_s)
+
+
+def _rendezvous(
+    agents: int, nnodes: int | None, node_rank: int, rdzv_endpoint: str | None, rdzv_id: str | None
+) -> tuple[int, list[int], str, str | None]:
+    """(nnodes, the node ranks this machine runs, endpoint, endpoint host). One machine (no endpoint):
+    every agent is a node, on a free 127.0.0.1 port, host None. Across machines this one runs node
+    `node_rank` of `nnodes`, and every node must name the same `rdzv_id`."""
+    if rdzv_endpoint is None:
+        return agents, list(range(agents)), f"127.0.0.1:{free_port()}", None
+    nnodes = nnodes or 1
+    host = split_endpoint(rdzv_endpoint)[0]
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank={node_rank}; allowed: 0..{nnodes - 1} for nnodes={nnodes}")
+    if rdzv_id is None:  # a token of this machine's own would never meet the other nodes'
+        raise ValueError("a multi-node launch needs rdzv_id, one string shared by every node")
+    return nnodes, [node_rank], rdzv_endpoint, host
+
+
+def _agent_commands(
+    module: str,
+    args: Sequence[str],
+    nproc_per_node: int,
+    nnodes: int,
+    node_ranks: list[int],
+    endpoint: str,
+    rdzv_id: str,
+    host: str | None,
+) -> list[list[str]]:
+    """One torchrun command per node rank; node 0 hosts the stores on the endpoint's address, and on
+    one machine (host None) or a loopback endpoint every agent is on 127.0.0.1."""
     commands = []
     for nr in node_ranks:
-        # node 0 hosts the stores on the endpoint's address; on one machine every agent is on loopback
-        local_addr = "127.0.0.1" if local or is_loopback(host) else (host if nr == 0 else None)
+        local_addr = "127.0.0.1" if host is None or is_loopback(host) else (host if nr == 0 else None)
         commands.append(
             torchrun_command(
                 module,
@@ -214,13 +239,12 @@ def launch(
                 nnodes=nnodes,
                 node_rank=nr,
                 rdzv_endpoint=endpoint,
-                rdzv_id=rdzv_id or token,
+                rdzv_id=rdzv_id,
                 local_addr=local_addr,
                 is_host=nr == 0,
             )
         )
-    logs = [log_dir / f"agent{nr}.log" for nr in node_ranks]
-    return _run(commands, logs, full_env, token, timeout_s)
+    return commands
 
 
 def launch_process(
