@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -245,7 +246,7 @@ def test_missing_key(tmp_path: Path, config: H3Config, seed: int) -> None:
     path = synthesize_checkpoint(tmp_path / "single", config, num_blocks=NUM_BLOCKS, seed=seed, single_file=True)
     key = "transformer_blocks.1.norm2.weight"
     _rewrite_single_file(path, lambda t: t.pop(key))
-    with pytest.raises(ValueError, match=rf"{key}: missing from .*{SINGLE}"):
+    with pytest.raises(ValueError, match=rf"{key}: missing from .*{SINGLE}; allowed: "):
         load_block(path, 1)
     sharded = synthesize_checkpoint(tmp_path / "sharded", config, num_blocks=NUM_BLOCKS, seed=seed)
     index = json.loads((sharded / INDEX).read_text())
@@ -272,7 +273,7 @@ def test_wrong_dtype_and_shape(tmp_path: Path, config: H3Config, seed: int) -> N
     _rewrite_single_file(path, cut)
     with pytest.raises(ValueError, match=rf"{key}: shape \[192, 504\] in .*, config.json expects \[192, 512\]"):
         load_block(path, 2)
-    with pytest.raises(ValueError, match=r"'proj_in.weigth' is not a parameter of MiniMaxH3Transformer3DModel"):
+    with pytest.raises(ValueError, match=r"'proj_in.weigth' is not a parameter of .*; allowed: a key of"):
         load_tensors(path, ["proj_in.weigth"])
 
 
@@ -302,12 +303,36 @@ def test_synthesize_refuses_non_empty_folder(tmp_path: Path, config: H3Config, s
     target = tmp_path / "ckpt"
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match=rf"'{target}' is not empty; pass overwrite=True"):
+    with pytest.raises(
+        ValueError, match=rf"'{target}' is not empty; allowed: a new or empty folder, or overwrite=True"
+    ):
         synthesize_checkpoint(target, config, num_blocks=2, seed=seed)
     assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
     synthesize_checkpoint(target, config, num_blocks=2, seed=seed, overwrite=True)
     assert not (target / "notes.txt").exists() and (target / "manifest.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left behind
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_blocks": 0}, "num_blocks 0; allowed: an int >= 1"),
+        ({"num_blocks": True}, "num_blocks True; allowed: an int >= 1"),
+        ({"max_shard_bytes": 0}, "max_shard_bytes 0; allowed: an int >= 1, or None"),
+        ({"single_file": True, "max_shard_bytes": 10}, "single_file=True with max_shard_bytes=10; allowed: one of"),
+    ],
+)
+def test_synthesize_names_a_bad_argument_and_what_is_allowed(
+    tmp_path: Path, config: H3Config, seed: int, kwargs: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        synthesize_checkpoint(tmp_path / "ckpt", config, seed=seed, **({"num_blocks": 2} | kwargs))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="exists and is not a folder; allowed: a folder path"):
+        synthesize_checkpoint(tmp_path / "file", config, num_blocks=2, seed=seed)
+    with pytest.raises(ValueError, match="is one string; allowed: an iterable of tensor names"):
+        load_tensors(tmp_path, "proj_in.weight")
 
 
 def test_interrupted_synthesis_leaves_nothing(tmp_path: Path, config: H3Config, seed: int, monkeypatch) -> None:

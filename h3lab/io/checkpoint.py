@@ -83,17 +83,9 @@ def synthesize_checkpoint(
     Raises:
         ValueError: a bad argument, or `path` exists, is not empty and `overwrite` is False.
     """
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
-        raise ValueError(f"max_shard_bytes must be a positive int or None, got {max_shard_bytes!r}")
-    if single_file and max_shard_bytes is not None:
-        raise ValueError(f"single_file=True excludes max_shard_bytes={max_shard_bytes}; pass one of them")
+    _check_synthesis_args(num_blocks, max_shard_bytes, single_file)
     target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"{str(target)!r} exists and is not a folder")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ValueError(f"{str(target)!r} is not empty; pass overwrite=True to replace it")
+    _check_target(target, overwrite)
 
     config = config.replace(num_layers=num_blocks)
     shapes = model_param_shapes(config)
@@ -104,24 +96,51 @@ def synthesize_checkpoint(
     tmp = target.with_name(f".{target.name}.partial-{secrets.token_hex(4)}")
     tmp.mkdir()
     try:
-        config_json = config.to_diffusers_json()
-        _write_json(tmp / CONFIG_NAME, config_json)
-        files = {CONFIG_NAME: file_entry(tmp / CONFIG_NAME)}
-        tensors: dict[str, dict[str, Any]] = {}
-        for file, keys in zip(names, groups, strict=True):
-            specs = {k: (shapes[k], param_dtype(k)) for k in keys}
-            files[file] = _write_safetensors(tmp / file, specs, lambda k: synthetic_tensor(config, k, seed), tensors)
-        if len(groups) > 1:
-            total = sum(_nbytes(shapes[k], param_dtype(k)) for k in shapes)
-            weight_map = {k: file for file, keys in zip(names, groups, strict=True) for k in keys}
-            _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-            files[INDEX_NAME] = file_entry(tmp / INDEX_NAME)
-        dump_manifest(make_manifest(files, tensors, config_json), tmp / MANIFEST_NAME)
+        _write_checkpoint(tmp, config, seed, shapes, dict(zip(names, groups, strict=True)))
         _move_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _check_synthesis_args(num_blocks: int, max_shard_bytes: int | None, single_file: bool) -> None:
+    """Raises ValueError unless num_blocks >= 1, max_shard_bytes >= 1 or None, and not both sharding options."""
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        raise ValueError(f"num_blocks {num_blocks!r}; allowed: an int >= 1")
+    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes {max_shard_bytes!r}; allowed: an int >= 1, or None")
+    if single_file and max_shard_bytes is not None:
+        raise ValueError(f"single_file=True with max_shard_bytes={max_shard_bytes}; allowed: one of them, or neither")
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    """Raises ValueError unless `target` is absent, an empty folder, or a folder `overwrite` may replace."""
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{str(target)!r} exists and is not a folder; allowed: a folder path, new or existing")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{str(target)!r} is not empty; allowed: a new or empty folder, or overwrite=True to replace it"
+        )
+
+
+def _write_checkpoint(
+    tmp: Path, config: H3Config, seed: int, shapes: dict[str, tuple[int, ...]], shards: dict[str, list[str]]
+) -> None:
+    """Write config.json, the shards (file name -> keys, in order), the index when sharded, then manifest.json."""
+    config_json = config.to_diffusers_json()
+    _write_json(tmp / CONFIG_NAME, config_json)
+    files = {CONFIG_NAME: file_entry(tmp / CONFIG_NAME)}
+    tensors: dict[str, dict[str, Any]] = {}
+    for file, keys in shards.items():
+        specs = {k: (shapes[k], param_dtype(k)) for k in keys}
+        files[file] = _write_safetensors(tmp / file, specs, lambda k: synthetic_tensor(config, k, seed), tensors)
+    if len(shards) > 1:
+        total = sum(_nbytes(shapes[k], param_dtype(k)) for k in shapes)
+        weight_map = {k: file for file, keys in shards.items() for k in keys}
+        _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        files[INDEX_NAME] = file_entry(tmp / INDEX_NAME)
+    dump_manifest(make_manifest(files, tensors, config_json), tmp / MANIFEST_NAME)
 
 
 def _shard_groups(
@@ -230,7 +249,7 @@ def load_tensors(
             the real checkpoint's, or any mismatch with the manifest.
     """
     if isinstance(names, str):
-        raise ValueError(f"names must be an iterable of tensor names, got the string {names!r}")
+        raise ValueError(f"names {names!r} is one string; allowed: an iterable of tensor names")
     layout, config, manifest = _open_checkpoint(path, verify)
     return _load(layout, config, manifest, list(dict.fromkeys(names)), dtype)
 
@@ -278,7 +297,8 @@ def _load(
     for name in names:
         if name not in shapes:
             raise ValueError(
-                f"{name!r} is not a parameter of MiniMaxH3Transformer3DModel with num_layers={config.num_layers}"
+                f"{name!r} is not a parameter of MiniMaxH3Transformer3DModel with num_layers={config.num_layers}; "
+                f"allowed: a key of h3lab.config.model_param_shapes (blocks 0..{config.num_layers - 1})"
             )
         by_file.setdefault(layout.file_of(name), []).append(name)
     out: dict[str, Tensor] = {}
@@ -290,7 +310,9 @@ def _load(
             present = set(f.keys())
             for key in keys:
                 if key not in present:
-                    raise ValueError(f"{key}: missing from {file_path}")
+                    raise ValueError(
+                        f"{key}: missing from {file_path}; allowed: a file holding every key its layout assigns it"
+                    )
                 # safe_open hands out views of the file's mmap: a later in-place edit of the file would
                 # change them (a truncation would SIGBUS), so checks and caller see a private copy
                 t = read_tensor(f, key, file_path).clone()
