@@ -20,7 +20,7 @@ _SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_d
 
 def host_syncs(run: Callable[[], object], device: torch.device) -> dict[str, Any]:
     """The host synchronisations `run()` makes: "sites" counts them by the innermost h3lab function on the
-    stack ("h3lab/model/inputs.py:__post_init__"), "total" sums them; on CUDA "cuda_reported" is what
+    stack ("h3lab/model/inputs.py:_check_streams"), "total" sums them; on CUDA "cuda_reported" is what
     torch itself reports (`torch.cuda.set_sync_debug_mode`, no sites: an autograd backward's reports
     reach the host at its end).
 

@@ -51,6 +51,18 @@ class ModelInputs:
     num_condition_audio_rows: int = 0
 
     def __post_init__(self) -> None:
+        """Check the fields in this order; the first that fails raises ValueError naming it."""
+        S = self._check_positions()
+        self._check_streams()
+        self._check_partition(S)
+        self._check_timestep()
+        self._check_row_ints(S)
+        self._check_logical_keys(S)
+        self._check_condition_counts()
+        self._check_one_device()
+
+    def _check_positions(self) -> int:
+        """position_ids is [S, 3], S >= 1, in a POSITION_DTYPES dtype; returns S."""
         S = self.position_ids.shape[0] if self.position_ids.ndim == 2 else -1
         _expect(
             S >= 1 and self.position_ids.shape == (S, 3),
@@ -62,6 +74,10 @@ class ModelInputs:
             "position_ids",
             f"dtype {self.position_ids.dtype}; allowed: {list(POSITION_DTYPES)}",
         )
+        return S
+
+    def _check_streams(self) -> None:
+        """Each row stream is 2-D, finite, float32 (text also bf16), with one int64 index per row; text has a row."""
         for name, rows_name in (
             ("video_rows", "video_indices"),
             ("audio_rows", "audio_indices"),
@@ -81,12 +97,18 @@ class ModelInputs:
         _expect(
             self.text_rows.shape[0] >= 1, "text_rows", "needs at least one text row (the text stream sets the dtype)"
         )
+
+    def _check_partition(self, S: int) -> None:
+        """The three streams' indices together hold each packed row [0, S) exactly once."""
         every = torch.cat([self.text_indices, self.video_indices, self.audio_indices])
         _expect(
             every.numel() == S and torch.equal(every.sort().values, torch.arange(S, device=every.device)),
             "video_indices/audio_indices/text_indices",
             f"must partition the {S} packed rows [0, {S}) exactly once",
         )
+
+    def _check_timestep(self) -> None:
+        """timestep is 1-D float32 [T], T >= 1, its values in [0, 1]."""
         t = self.timestep
         _expect(
             t.ndim == 1 and t.shape[0] >= 1 and t.dtype == torch.float32,
@@ -95,13 +117,22 @@ class ModelInputs:
         )
         if not bool(((t >= 0) & (t <= 1)).all()):  # the values read back only to name them
             _expect(False, "timestep", f"values {t.tolist()}; allowed: [0, 1] unscaled (t = 1 - sigma)")
-        for name, lo, hi in (("timestep_indices", 0, t.shape[0] - 1), ("token_tags", 0, NUM_MODALITIES - 1)):
+
+    def _check_row_ints(self, S: int) -> None:
+        """timestep_indices and token_tags are int64 [S] within [0, T - 1] and [0, NUM_MODALITIES - 1]."""
+        for name, lo, hi in (
+            ("timestep_indices", 0, self.timestep.shape[0] - 1),
+            ("token_tags", 0, NUM_MODALITIES - 1),
+        ):
             x = getattr(self, name)
             _expect(
                 x.shape == (S,) and x.dtype == torch.int64, name, f"must be int64 [{S}], got {x.dtype} {list(x.shape)}"
             )
             low, high = torch.stack([x.min(), x.max()]).tolist()  # one read-back, not four
             _expect(low >= lo and high <= hi, name, f"values span [{low}, {high}]; allowed: [{lo}, {hi}]")
+
+    def _check_logical_keys(self, S: int) -> None:
+        """logical_keys is int64 [S, 2], unique, its first key >= 0 (no padding)."""
         k = self.logical_keys
         _expect(
             k.shape == (S, 2) and k.dtype == torch.int64,
@@ -110,12 +141,18 @@ class ModelInputs:
         )
         _expect(bool((k[:, 0] >= 0).all()), "logical_keys", "first key < 0 marks padding; model inputs carry none")
         _expect(torch.unique(k, dim=0).shape[0] == S, "logical_keys", "keys must be unique")
+
+    def _check_condition_counts(self) -> None:
+        """Each conditioning count is an int in [0, that stream's rows]."""
         for name, n in (
             ("num_condition_video_rows", self.video_rows.shape[0]),
             ("num_condition_audio_rows", self.audio_rows.shape[0]),
         ):
             v = getattr(self, name)
             _expect(isinstance(v, int) and 0 <= v <= n, name, f"{v!r}; allowed: an int in [0, {n}]")
+
+    def _check_one_device(self) -> None:
+        """Every tensor field lives on one device."""
         devices = {f.device for f in self.tensors().values()}
         _expect(len(devices) == 1, "ModelInputs", f"tensors on several devices {sorted(map(str, devices))}")
 
