@@ -47,47 +47,74 @@ def add_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="with --out: also rewrite DIR/../index.html to list the reports beside DIR (never done unasked)",
     )
 
-    def handle(a: argparse.Namespace) -> int:
-        from h3lab.io.rundir import check_unpublished
-        from h3lab.workbench.notebooks import NotebookError
-        from h3lab.workbench.publish import folder_name, write_index
-        from h3lab.workbench.rundata import load_sweep
+    return _handle
 
-        root = a.root or _runs() / f"report-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        groups: dict[Path, list[Path]] = {}
-        for run in a.runs:
-            sweep = load_sweep(run)
-            sweep.require_complete()  # before anything is written
-            groups.setdefault(a.out or root / folder_name(sweep), []).append(run)
-        for out in groups:  # every refusal before the first report is built
-            check_unpublished(out, "--out" if a.out else "--root")
-            inside = [r for r in a.runs if out.resolve().is_relative_to(r.resolve())]
-            if inside:
-                raise ValueError(
-                    f"{str(out)!r} is inside the run {str(inside[0])!r} it reports; allowed: a folder outside"
-                )
-            if _holds_files(out) and not a.force:
-                raise ValueError(f"{str(out)!r} holds files; allowed: a new or empty folder, or --force to replace it")
-        status = 0
-        for out, runs in groups.items():
-            try:
-                page = build(runs, out, a)
-            except NotebookError as err:
-                print(f"h3lab report: {err}")
-                status = 1
-                continue
-            print(f"report: {page}")
-        index = a.out.resolve().parent / "index.html" if a.out is not None else root.resolve() / "index.html"
-        if a.out is not None and not a.index:  # an index there may be the user's own
-            print(f"index: not updated ({index} is left alone; --index rewrites it)")
-        elif index.exists() and not a.force and a.out is None:
-            print(f"index: not updated ({index} exists; --force rewrites it)")
-        else:
-            check_unpublished(index, "index")
-            print(f"index: {write_index(index.parent)}")
-        return status
 
-    return handle
+def _handle(a: argparse.Namespace) -> int:
+    """Every refusal before the first report is built; then one report per group, then the index."""
+    root = a.root or _runs() / f"report-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    groups = _group_runs(a, root)
+    _refuse_outputs(groups, a)
+    status = _build_reports(groups, a)
+    _update_index(a, root)
+    return status
+
+
+def _group_runs(a: argparse.Namespace, root: Path) -> dict[Path, list[Path]]:
+    """Report folder -> its runs (`--out`, else ROOT/<node type>[x<GPUs>]); refuses an incomplete run first."""
+    from h3lab.workbench.publish import folder_name
+    from h3lab.workbench.rundata import load_sweep
+
+    groups: dict[Path, list[Path]] = {}
+    for run in a.runs:
+        sweep = load_sweep(run)
+        sweep.require_complete()  # before anything is written
+        groups.setdefault(a.out or root / folder_name(sweep), []).append(run)
+    return groups
+
+
+def _refuse_outputs(groups: dict[Path, list[Path]], a: argparse.Namespace) -> None:
+    """Raises ValueError for a report folder in reports/, inside a run it reports, or holding files without --force."""
+    from h3lab.io.rundir import check_unpublished
+
+    for out in groups:
+        check_unpublished(out, "--out" if a.out else "--root")
+        inside = [r for r in a.runs if out.resolve().is_relative_to(r.resolve())]
+        if inside:
+            raise ValueError(f"{str(out)!r} is inside the run {str(inside[0])!r} it reports; allowed: a folder outside")
+        if _holds_files(out) and not a.force:
+            raise ValueError(f"{str(out)!r} holds files; allowed: a new or empty folder, or --force to replace it")
+
+
+def _build_reports(groups: dict[Path, list[Path]], a: argparse.Namespace) -> int:
+    """Build each group's report; a stopped notebook is one line and status 1, the other reports still built."""
+    from h3lab.workbench.notebooks import NotebookError
+
+    status = 0
+    for out, runs in groups.items():
+        try:
+            page = build(runs, out, a)
+        except NotebookError as err:
+            print(f"h3lab report: {err}")
+            status = 1
+            continue
+        print(f"report: {page}")
+    return status
+
+
+def _update_index(a: argparse.Namespace, root: Path) -> None:
+    """Rewrite the index.html beside the reports: under --out only with --index, an existing one only with --force."""
+    from h3lab.io.rundir import check_unpublished
+    from h3lab.workbench.publish import write_index
+
+    index = a.out.resolve().parent / "index.html" if a.out is not None else root.resolve() / "index.html"
+    if a.out is not None and not a.index:  # an index there may be the user's own
+        print(f"index: not updated ({index} is left alone; --index rewrites it)")
+    elif index.exists() and not a.force and a.out is None:
+        print(f"index: not updated ({index} exists; --force rewrites it)")
+    else:
+        check_unpublished(index, "index")
+        print(f"index: {write_index(index.parent)}")
 
 
 def build(runs: list[Path], out: Path, a: argparse.Namespace) -> Path:
