@@ -191,19 +191,14 @@ def eager_block(
     Raises:
         ValueError: `parallel` with TP but no shard.
     """
-    if parallel is None and shard is not None:
-        parallel = EagerParallel(tp_size=dist.get_world_size())
-    if parallel is not None and parallel.tp_size > 1 and shard is None:
-        raise ValueError(f"tp_size={parallel.tp_size} needs this rank's tp_shard; allowed: shard=tp_shard(...)")
-    c, par = w.config, parallel
+    # the forward stays inline: its intermediates live until eager_block returns, as the measured
+    # baseline's do (h3lab.bench.block_memory charges this function's allocations by source line)
+    c, par = w.config, _parallel_of(shard, parallel)
     p = {k: v.detach().requires_grad_(backward) for k, v in (shard.items() if shard is not None else w.items())}
     x = b.hidden_states.detach().requires_grad_(backward)
     temb = b.temb.detach().requires_grad_(backward)
     Dh, D = c.attention_head_dim, c.hidden_size
-    tp, cp = par is not None and par.tp_size > 1, par is not None and par.cp_size > 1
-    f = (lambda t, site: _ToTP.apply(t, par, site)) if tp else (lambda t, site: t)
-    g = (lambda t, site: _FromTP.apply(t, par, site)) if tp else (lambda t, site: t)
-    seq = (lambda t, site: _GatherCP.apply(t, par, site)) if cp else (lambda t, site: t)
+    f, g, seq = _collectives(par)
     with torch.enable_grad() if backward else torch.no_grad():
         table = F.linear(F.silu(temb).to(torch.bfloat16), p["adaln_proj.linear.weight"], p["adaln_proj.linear.bias"])
         mods = [t.index_select(0, b.adaln_indices) for t in table.view(-1, NUM_ADALN_CHUNKS * D).chunk(6, -1)]
@@ -228,6 +223,28 @@ def eager_block(
     if par is not None:
         dtemb = _sync_grads(dw, dtemb, par)
     return {"out": out.detach(), "dx": grads[0], "dtemb": dtemb, **{f"dw.{k}": t for k, t in dw.items()}}
+
+
+def _parallel_of(shard: dict[str, Tensor] | None, parallel: EagerParallel | None) -> EagerParallel | None:
+    """`parallel`; a shard alone means Megatron TP over the default group; TP without a shard is a ValueError."""
+    if parallel is None and shard is not None:
+        parallel = EagerParallel(tp_size=dist.get_world_size())
+    if parallel is not None and parallel.tp_size > 1 and shard is None:
+        raise ValueError(f"tp_size={parallel.tp_size} needs this rank's tp_shard; allowed: shard=tp_shard(...)")
+    return parallel
+
+
+_Collective = Callable[[Tensor, str], Tensor]
+
+
+def _collectives(par: EagerParallel | None) -> tuple[_Collective, _Collective, _Collective]:
+    """(f, g, seq) of `par`: Megatron's f and g under TP, the K/V all-gather under CP; each the identity
+    where `par` splits nothing."""
+    tp, cp = par is not None and par.tp_size > 1, par is not None and par.cp_size > 1
+    f = (lambda t, site: _ToTP.apply(t, par, site)) if tp else (lambda t, site: t)
+    g = (lambda t, site: _FromTP.apply(t, par, site)) if tp else (lambda t, site: t)
+    seq = (lambda t, site: _GatherCP.apply(t, par, site)) if cp else (lambda t, site: t)
+    return f, g, seq
 
 
 def _sync_grads(dw: dict[str, Tensor], dtemb: Tensor, par: EagerParallel) -> Tensor:
