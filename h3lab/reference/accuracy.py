@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,37 +50,12 @@ def block_accuracy(weights: BlockWeights, batch: PackedBatch, *, with_diffusers:
     if with_diffusers is None:
         with_diffusers = diffusers_available()
     seconds: dict[str, float] = {}
-
-    def timed(name: str, fn, *args, **kwargs):
-        start = time.perf_counter()
-        result = fn(*args, **kwargs).tensors()
-        seconds[name] = time.perf_counter() - start
-        return result
-
     # results are reduced to statistics as soon as possible: a real block's FP64 result alone is 5 GB
-    ours = timed("canonical_bf16", canonical_block, weights, batch)
-    again = timed("canonical_bf16_again", canonical_block, weights, batch)
-    equal = {name: bitwise_equal(t, again[name]) for name, t in ours.items()}
-    del again
-    fp64 = timed("oracle_fp64", oracle_block, weights, batch)
-    tensors = {name: {k: None for k in COLUMNS} for name in fp64}
-    for name, ref in fp64.items():
-        tensors[name]["canonical_bf16_vs_fp64"] = error_stats(ours[name], ref)
+    ours = _timed(seconds, "canonical_bf16", canonical_block, weights, batch)
+    equal = _equal_to_a_second_run(seconds, weights, batch, ours)
+    tensors = _against_oracle(seconds, weights, batch, ours, with_diffusers)
     if with_diffusers:
-        theirs = timed("diffusers_bf16", diffusers_block, weights, batch, dtype=torch.bfloat16)
-        for name, ref in fp64.items():
-            tensors[name]["diffusers_bf16_vs_fp64"] = error_stats(theirs[name], ref)
-        del theirs
-    del fp64
-    if with_diffusers:
-        batch32 = dataclasses.replace(
-            batch, hidden_states=batch.hidden_states.float(), grad_out=batch.grad_out.float()
-        )  # bf16 -> fp32 is exact: the same inputs
-        weights32 = weights.to(dtype=torch.float32)
-        ours32 = timed("canonical_fp32", canonical_block, weights32, batch32)
-        theirs32 = timed("diffusers_fp32", diffusers_block, weights32, batch32, dtype=torch.float32)
-        for name, t in ours32.items():
-            tensors[name]["canonical_fp32_vs_diffusers_fp32"] = error_stats(t, theirs32[name].double())
+        _fp32_parity(seconds, weights, batch, tensors)
     return {
         "tensors": tensors,
         "determinism": {
@@ -91,6 +67,53 @@ def block_accuracy(weights: BlockWeights, batch: PackedBatch, *, with_diffusers:
         "seconds": seconds,
         "diffusers": bool(with_diffusers),
     }
+
+
+def _timed(seconds: dict[str, float], name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict:
+    """`fn(*args, **kwargs).tensors()`, its wall time recorded as `seconds[name]`."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs).tensors()
+    seconds[name] = time.perf_counter() - start
+    return result
+
+
+def _equal_to_a_second_run(
+    seconds: dict[str, float], weights: BlockWeights, batch: PackedBatch, ours: dict
+) -> dict[str, bool]:
+    """Tensor name -> whether a second canonical bf16 run gives the same bytes (the second run is dropped)."""
+    again = _timed(seconds, "canonical_bf16_again", canonical_block, weights, batch)
+    return {name: bitwise_equal(t, again[name]) for name, t in ours.items()}
+
+
+def _against_oracle(
+    seconds: dict[str, float], weights: BlockWeights, batch: PackedBatch, ours: dict, with_diffusers: bool
+) -> dict[str, dict[str, Any]]:
+    """The table with the bf16 columns against the FP64 oracle filled (diffusers' when it runs), the rest None;
+    the oracle's and diffusers' tensors are dropped once reduced."""
+    fp64 = _timed(seconds, "oracle_fp64", oracle_block, weights, batch)
+    tensors = {name: {k: None for k in COLUMNS} for name in fp64}
+    for name, ref in fp64.items():
+        tensors[name]["canonical_bf16_vs_fp64"] = error_stats(ours[name], ref)
+    if with_diffusers:
+        theirs = _timed(seconds, "diffusers_bf16", diffusers_block, weights, batch, dtype=torch.bfloat16)
+        for name, ref in fp64.items():
+            tensors[name]["diffusers_bf16_vs_fp64"] = error_stats(theirs[name], ref)
+        del theirs
+    return tensors
+
+
+def _fp32_parity(
+    seconds: dict[str, float], weights: BlockWeights, batch: PackedBatch, tensors: dict[str, dict[str, Any]]
+) -> None:
+    """Fill the fp32 parity column: the canonical block against diffusers', both on the exact fp32 copies."""
+    batch32 = dataclasses.replace(
+        batch, hidden_states=batch.hidden_states.float(), grad_out=batch.grad_out.float()
+    )  # bf16 -> fp32 is exact: the same inputs
+    weights32 = weights.to(dtype=torch.float32)
+    ours32 = _timed(seconds, "canonical_fp32", canonical_block, weights32, batch32)
+    theirs32 = _timed(seconds, "diffusers_fp32", diffusers_block, weights32, batch32, dtype=torch.float32)
+    for name, t in ours32.items():
+        tensors[name]["canonical_fp32_vs_diffusers_fp32"] = error_stats(t, theirs32[name].double())
 
 
 def format_table(report: dict[str, Any]) -> str:
