@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,18 @@ def execute(
         except BaseException as err:  # handed to the caller's thread below
             done["error"] = err
 
+    _run_killing_kernels_on_signal(work, name)
+    err = done.get("error")
+    if isinstance(err, pm.PapermillExecutionError):
+        raise NotebookError(name, err.cell_index, err.ename, err.evalue, output) from None
+    if err is not None:
+        raise err
+    return done["nb"]
+
+
+def _run_killing_kernels_on_signal(work: Callable[[], None], name: str) -> None:
+    """Run `work` in a thread and wait for it; an exception in this thread (Ctrl-C, SIGTERM, SIGHUP) kills
+    this process's kernels before it unwinds. The socket folders of gone kernels are removed either way."""
     # papermill waits on the kernel in a blocking poll that no signal interrupts: it runs in a thread,
     # so that Ctrl-C, SIGTERM or SIGHUP reach this one at once; the kernel is killed before they unwind
     thread = threading.Thread(target=work, name=f"papermill-{name}", daemon=True)
@@ -173,12 +185,6 @@ def execute(
         raise
     finally:
         _remove_socket_folders()
-    err = done.get("error")
-    if isinstance(err, pm.PapermillExecutionError):
-        raise NotebookError(name, err.cell_index, err.ename, err.evalue, output) from None
-    if err is not None:
-        raise err
-    return done["nb"]
 
 
 def run_reproduce(run_dir: Path, params: dict[str, Any]) -> Any:
