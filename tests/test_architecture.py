@@ -171,3 +171,34 @@ def test_the_cycle_finder_sees_a_planted_cycle(graph, expected):
 def test_the_layer_check_sees_a_planted_upward_import():
     assert _layer("h3lab.block") == CORE and _layer("h3lab.run.runner") == "run"
     assert "run" not in MAY_IMPORT[CORE] and "cli" not in MAY_IMPORT["workbench"]
+
+
+SCREEN_LINES, FILE_LINES = 60, 400  # a function that fits on a screen; a file one reads in one sitting
+
+
+def _long_without_reason(source: str) -> list[str]:
+    """The functions over SCREEN_LINES and the file over FILE_LINES without an "on purpose" reason: a
+    function's in the three lines above its decorators or def, or its first three; a file's in its
+    first three."""
+    lines = source.splitlines()
+    near = lambda a, b: any("on purpose" in line for line in lines[max(a, 0) : b])  # noqa: E731
+    bad = [f"{len(lines)} lines"] if len(lines) > FILE_LINES and not near(0, 3) else []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > SCREEN_LINES:
+            top = min([n.lineno, *(d.lineno for d in n.decorator_list)])
+            if not near(top - 4, n.lineno + 3):
+                bad.append(f"{n.name}: {n.end_lineno - n.lineno + 1} lines")
+    return bad
+
+
+def test_no_long_file_or_function_without_a_reason_at_its_top():
+    bad = {
+        str(p.relative_to(ROOT)): b for p in sorted(ROOT.rglob("*.py")) if (b := _long_without_reason(p.read_text()))
+    }
+    assert bad == {}, "split them, or say why they stay whole (# One function on purpose: ...)"
+
+
+def test_the_length_check_sees_a_long_function_and_its_reason():
+    body = "".join(f"    x{i} = {i}\n" for i in range(SCREEN_LINES))
+    assert _long_without_reason(f"def f():\n{body}") == [f"f: {SCREEN_LINES + 1} lines"]
+    assert _long_without_reason(f"# One function on purpose: a kernel\n@jit\ndef f():\n{body}") == []

@@ -26,7 +26,7 @@ from h3lab.parallel.algorithms import (
     hierarchical_tree_string,
     tree_string,
 )
-from h3lab.parallel.collectives import new_collective
+from h3lab.parallel.collective_groups import new_collective
 
 SHAPES = "1,7,9973,65537,33x17,3x5"
 # world -> (nproc_per_node, agents, worker args): every algorithm on all ranks, plus these extras

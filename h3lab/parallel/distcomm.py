@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from h3lab.parallel.assemble import units_of
-from h3lab.parallel.collectives import DeterministicCollective, new_collective
+from h3lab.parallel.collective_groups import new_collective
+from h3lab.parallel.collectives import DeterministicCollective
 from h3lab.parallel.layout import Layout
 from h3lab.parallel.procgroups import new_groups
 from h3lab.parallel.transport import Finish

@@ -28,7 +28,8 @@ from h3lab.io.jsonfile import write_json
 from h3lab.launch.lifeline import exit_now, watch
 from h3lab.metrics import bitwise_equal
 from h3lab.ops.fixed import balanced_tree, round_to
-from h3lab.parallel.collectives import DeterministicCollective, new_collective
+from h3lab.parallel.collective_groups import new_collective
+from h3lab.parallel.collectives import DeterministicCollective
 
 DEFAULT_SHAPES = "1,7,9973,65537,33x17,3x5"  # odd numels, 2-D, and fewer rows than members (empty chunks)
 # scatter_tree configs are checked pipelined too, with segments this small: 9973 and 65537 FP32
