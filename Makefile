@@ -28,7 +28,7 @@ publish: $(STAMP)
 	$(BIN)/h3lab publish --node $(NODE) $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check h3lab tests notebooks examples

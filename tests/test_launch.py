@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -45,3 +46,23 @@ def test_a_failing_worker_fails_the_launch(tmp_path):
     # the workers cannot write into a missing directory: torchrun reports the failure, nobody is left
     res = launch("tests.hello", [str(tmp_path / "missing")], nproc_per_node=2, log_dir=tmp_path, timeout_s=120)
     assert not res.ok and not res.timed_out and res.returncode != 0 and not leftovers(res.token)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"nproc_per_node": 0}, "nproc_per_node=0, agents=1; allowed: both >= 1"),
+        ({"nproc_per_node": 1, "agents": 0}, "nproc_per_node=1, agents=0; allowed: both >= 1"),
+        (
+            {"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29500"},
+            "rdzv_id=None for a multi-node launch; allowed: one string shared by every node",
+        ),
+        (
+            {"nproc_per_node": 1, "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "127.0.0.1:29500"},
+            "node_rank=2; allowed: 0..1 for nnodes=2",
+        ),
+    ],
+)
+def test_a_bad_launch_is_refused_naming_the_value_before_any_process(tmp_path, kwargs, expected):
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        launch("tests.hello", [], log_dir=tmp_path / "logs", timeout_s=10, **kwargs)

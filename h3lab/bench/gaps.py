@@ -64,7 +64,7 @@ def _busiest_stream(events: list[dict], trace_path: Path | str) -> list[dict]:
     others are profiler noise)."""
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     if not gpu:
-        raise ValueError(f"{trace_path}: no GPU events; was the profiler run with ProfilerActivity.CUDA?")
+        raise ValueError(f"{trace_path}: no GPU events; allowed: a trace profiled with ProfilerActivity.CUDA")
     streams = collections.Counter(e.get("args", {}).get("stream") for e in gpu)
     stream = streams.most_common(1)[0][0]
     return sorted((e for e in gpu if e.get("args", {}).get("stream") == stream), key=lambda e: e["ts"])

@@ -187,7 +187,7 @@ def launch(
         ValueError: bad process counts, more than MAX_LOCAL_PROCESSES here, a bad endpoint.
     """
     if nproc_per_node < 1 or agents < 1:
-        raise ValueError(f"nproc_per_node={nproc_per_node}, agents={agents}: both must be >= 1")
+        raise ValueError(f"nproc_per_node={nproc_per_node}, agents={agents}; allowed: both >= 1")
     local = rdzv_endpoint is None
     check_local_processes(nproc_per_node * (agents if local else 1))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ def _rendezvous(
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank={node_rank}; allowed: 0..{nnodes - 1} for nnodes={nnodes}")
     if rdzv_id is None:  # a token of this machine's own would never meet the other nodes'
-        raise ValueError("a multi-node launch needs rdzv_id, one string shared by every node")
+        raise ValueError("rdzv_id=None for a multi-node launch; allowed: one string shared by every node")
     return nnodes, [node_rank], rdzv_endpoint, host
 
 

@@ -51,7 +51,7 @@ def _run(spec: dict, rank: int, world: int, progress: Progress) -> dict:
     trace, write rank{r}.json; returns that record. Every phase ticks `progress`."""
     layout = Layout.parse(spec["layout"])
     if layout.world != world:
-        raise ValueError(f"layout {layout.name} needs {layout.world} ranks, torchrun started {world}")
+        raise ValueError(f"torchrun started {world} ranks for layout {layout.name}; allowed: {layout.world}")
     problem = Problem.from_dict(spec["problem"])
     device, transport = _join(problem, layout, progress)
     comm = _comm(spec, problem, layout, rank, device, progress)
