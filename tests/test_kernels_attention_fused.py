@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pandas as pd
 import pytest
 import torch
 
@@ -16,9 +17,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (the attention kernels are Triton kernels)")
 
+from h3lab.bench.attention_fused_bwd import BENCH_FORMAT
 from h3lab.triton import attention as att
 from h3lab.triton.attention_fused import attention_bwd_fused
 from h3lab.triton.configs import interpreting
+from h3lab.workbench.benchmarks import table
 from tests.conftest import assert_bitwise, gpu_kernels
 
 pytestmark = pytest.mark.usefixtures("chain_dot")
@@ -42,6 +45,9 @@ def _case(n_q: int, n_k: int, heads: int, dh: int, device: str, seed: int):
 def _check(args, node, cfg) -> None:
     q, do, stats, delta, k, v, scale = args
     dq, dk, dv = attention_bwd_fused(*args, config=cfg)
+    keys_first = attention_bwd_fused(*args, config=cfg, order="keys_first")
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), keys_first, strict=True):
+        assert_bitwise(a, b, f"fused {name}: heads first against keys first (the launch order moves no bit)")
     want_dk, want_dv = att.attention_bwd_kv(*args, node=node, config=cfg)
     assert_bitwise(dk, want_dk, "fused dk against the dk/dv kernel")
     assert_bitwise(dv, want_dv, "fused dv against the dk/dv kernel")
@@ -69,6 +75,8 @@ def test_interp_fused_backward_refuses_what_it_cannot_run():
     args, _ = _case(40, 50, 3, 32, "cpu", seed=1)
     with pytest.raises(ValueError, match=r"keys \['TMA'\] wrong; needs exactly \['BLOCK_M', 'BLOCK_N', 'num_stages'"):
         attention_bwd_fused(*args, config=KV32 | {"TMA": True})
+    with pytest.raises(ValueError, match=r"order 'heads'; allowed: \['heads_first', 'keys_first'\]"):
+        attention_bwd_fused(*args, config=KV32, order="heads")
     with pytest.raises(ValueError, match=r"keys \['num_stages'\] wrong"):
         attention_bwd_fused(*args, config={k: v for k, v in KV32.items() if k != "num_stages"})
     q, do, stats, delta, k, v, scale = args
@@ -82,3 +90,14 @@ def test_interp_fused_backward_refuses_what_it_cannot_run():
 def test_gpu_fused_backward(n_q, n_k, heads):
     args, node = _case(n_q, n_k, heads, 128, "cuda", seed=n_q)
     _check(args, node, KV128)
+
+
+def test_the_table_reads_both_record_formats():
+    """A v1 record timed the keys-first order only, as "fused"; v2 times both orders."""
+    one = {"split_ms": 10.0, "fused_ms": 23.0, "fused_over_split": 2.3, "bitwise_vs_split": {"dk": True, "dv": True}}
+    v1 = table("attention_fused", {"format": "h3lab-bench-attention-fused-bwd-v1", "rows": {"16384": one}})
+    assert v1.loc[16384, "keys-first ms"] == 23.0 and pd.isna(v1.loc[16384, "heads-first ms"])
+    two = one | {"fused_ms": 9.0, "fused_over_split": 0.9, "keys_first_ms": 23.0, "keys_first_over_split": 2.3}
+    v2 = table("attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": two | {"orders_bitwise": True}}})
+    assert v2.loc[16384, ["heads-first ms", "keys-first ms"]].tolist() == [9.0, 23.0]
+    assert v2.loc[16384, "orders bitwise"] and v2.loc[16384, "dk, dv bitwise"]

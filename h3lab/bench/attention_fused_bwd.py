@@ -7,7 +7,9 @@ backward (delta, dq kernel, dk/dv kernel; 7 GEMM-sized products) and h3lab.trito
 (delta, one kernel; 5 products, dq added per key block in order behind a turn counter), both on
 the pinned forward's statistics: median milliseconds (CUDA events, after a warm-up that compiles),
 whether the fused dk, dv bytes equal the pinned ones, dq's relative L2 distance to the pinned dq
-(another summation order, so other bits), and whether the fused call repeats bit for bit. What the
+(another summation order, so other bits), and whether the fused call repeats bit for bit. The fused
+kernel runs in both launch orders (attention_fused.ORDERS): "fused" is heads_first, "keys_first" the
+order that makes a head's key blocks wait in a wavefront; both must give the same bytes. What the
 figure answers: the cost of an ordered dq when the compute warps wait their turn themselves.
 """
 
@@ -27,7 +29,7 @@ from h3lab.metrics import bitwise_equal
 from h3lab.triton import attention as att
 from h3lab.triton.attention_fused import attention_bwd_fused
 
-BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v1"
+BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v2"  # v2: keys_first timed beside heads_first
 FUSED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # the dk/dv kernel's tile
 
 
@@ -42,21 +44,24 @@ def bench_rows(rows: int, heads: int, node: str | None = None) -> dict[str, Any]
         dq = att.attention_bwd_q(q, do, stats, delta, k, v, scale, node=node)
         return (dq, *att.attention_bwd_kv(q, do, stats, delta, k, v, scale, node=node))
 
-    def fused() -> tuple:
+    def fused(order: str = "heads_first") -> tuple:
         delta = att.attention_delta(do, o_ref, node=node)
-        return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED)
+        return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED, order=order)
 
     want, got, again = split(), fused(), fused()
+    other = fused("keys_first")
     dq_gap = float((got[0].double() - want[0].double()).norm() / want[0].double().norm())
     rec: dict[str, Any] = {"rows": rows, "keys": k.shape[0], "heads": heads, "fused_config": FUSED}
     rec["bitwise_vs_split"] = {"dk": bitwise_equal(got[1], want[1]), "dv": bitwise_equal(got[2], want[2])}
     rec["dq_rel_l2_vs_split"] = dq_gap
     rec["fused_repeat_bitwise"] = all(bitwise_equal(a, b) for a, b in zip(got, again, strict=True))
-    del want, got, again
-    for name, fn in (("split", split), ("fused", fused)):
+    rec["orders_bitwise"] = all(bitwise_equal(a, b) for a, b in zip(got, other, strict=True))
+    del want, got, again, other
+    for name, fn in (("split", split), ("fused", fused), ("keys_first", lambda: fused("keys_first"))):
         t = timed(fn)
         rec[f"{name}_ms"], rec[f"{name}_spread_ms"] = t["ms"], t["spread_ms"]
     rec["fused_over_split"] = rec["fused_ms"] / rec["split_ms"]
+    rec["keys_first_over_split"] = rec["keys_first_ms"] / rec["split_ms"]
     return rec
 
 

@@ -15,6 +15,15 @@ to a producer warp (asynchronous TMA reduce-add), which Triton does not let a ke
 Key block j spins until j - 1 has added, which needs j - 1 resident or done: CUDA dispatches a
 grid's blocks in launch order in practice (it does not promise it; FA3 relies on the same), and
 the interpreter runs them one after another in that order.
+
+The launch order decides how long a turn waits (ORDERS; the bits are the same under both, each
+query block's adds run in key-block order either way). "keys_first" (grid axis 0 = key blocks)
+fills the GPU with one head's key blocks: block j reaches query block i only after j - 1 has
+passed it, so the resident blocks of that head form a wavefront, block j starting j turns late,
+and a head's n_kb blocks finish after about n_qb + n_kb turns instead of n_qb. "heads_first"
+(axis 0 = heads) fills it with every head's first key blocks: a block waits only for the block of
+its own head one grid row earlier, a turn ahead at the start and far ahead once the first blocks
+end, so turns rarely wait (python -m h3lab.bench.attention_fused_bwd times both).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from torch import Tensor
 from h3lab.triton.attention import CONFIG_KEYS, F32, LOG2E, _bwd_meta, _bwd_operands, _row_desc, _strides
 from h3lab.triton.attention_bwd import _dkdv_grads, _key_tiles
 from h3lab.triton.configs import cdiv
+
+ORDERS = ("heads_first", "keys_first")  # the grid's fastest axis: heads, or key blocks (module docstring)
 
 
 # One function on purpose: a jit kernel; dq's ordered adds (a turn counter, acquire/release) sit in the
@@ -54,6 +65,7 @@ def attention_bwd_fused_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     """grads dk, dv [n_k, H, D] FP32 of this key block; dq [n_q, H, D] FP32 (zeroed) += this key block's
     part, in key-block order; turn [H, cdiv(n_q, BLOCK_M)] int32 (zeroed) counts the key blocks added.
@@ -62,8 +74,12 @@ def attention_bwd_fused_kernel(
     dk_ptr, dv_ptr = grads
     stride_gm, stride_gh = grad_strides
     stride_dqm, stride_dqh = dq_strides
-    j = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_FIRST:
+        h = tl.program_id(0)
+        j = tl.program_id(1)
+    else:
+        j = tl.program_id(0)
+        h = tl.program_id(1)
     col = h * HEAD_DIM
     h64 = h.to(tl.int64)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,9 +124,13 @@ def attention_bwd_fused(
     scale: float,
     *,
     config: Mapping[str, Any],
+    order: str = "heads_first",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 under `config` (BLOCK_M, BLOCK_N, num_warps, num_stages):
-    dk, dv are attention_bwd_kv's bytes with the same tile; dq is summed in key-block order."""
+    dk, dv are attention_bwd_kv's bytes with the same tile; dq is summed in key-block order. `order`,
+    one of ORDERS, is the launch order (the same bytes under each)."""
+    if order not in ORDERS:
+        raise ValueError(f"attention_bwd_fused order {order!r}; allowed: {list(ORDERS)}")
     unknown = set(config) ^ (CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})
     if unknown:
         allowed = sorted(CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})
@@ -130,7 +150,8 @@ def attention_bwd_fused(
     dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     turn = torch.zeros((H, cdiv(Q, config["BLOCK_M"])), dtype=torch.int32, device=q.device)
-    attention_bwd_fused_kernel[(cdiv(K, config["BLOCK_N"]), H)](
+    n_kb = cdiv(K, config["BLOCK_N"])
+    attention_bwd_fused_kernel[(H, n_kb) if order == "heads_first" else (n_kb, H)](
         *descs,
         (lse, delta),
         (k, v),
@@ -145,5 +166,6 @@ def attention_bwd_fused(
         _strides(dk),
         _strides(dq),
         **_bwd_meta(config, Dh, q.dtype),
+        HEADS_FIRST=order == "heads_first",
     )
     return dq.mul_(scale), dk, dv

@@ -157,20 +157,31 @@ def attention_long(record: dict) -> pd.DataFrame:
 
 
 def attention_fused(record: dict) -> pd.DataFrame:
-    """Per row count: the split backward's and the fused one's ms, their ratio, the fused dk/dv bits
-    against the split ones, the fused dq's distance to the split dq, and whether it repeats."""
+    """Per row count: the split backward's and the fused one's ms in both launch orders (a v1 record
+    timed keys first only, as "fused"), their ratios, the fused dk/dv bits against the split ones,
+    the fused dq's distance to the split dq, whether it repeats, whether both orders give its bytes."""
+    v1 = record.get("format", "").endswith("-v1")
     rows = []
     for n, r in record["rows"].items():
         bits = r.get("bitwise_vs_split") or {}
+        heads = (None, None) if v1 else (r.get("fused_ms"), r.get("fused_over_split"))
+        keys = (
+            (r.get("fused_ms"), r.get("fused_over_split"))
+            if v1
+            else (r.get("keys_first_ms"), r.get("keys_first_over_split"))
+        )
         rows.append(
             {
                 "rows": int(n),
                 "split ms": r.get("split_ms"),
-                "fused ms": r.get("fused_ms"),
-                "fused / split": r.get("fused_over_split"),
+                "heads-first ms": heads[0],
+                "heads-first / split": heads[1],
+                "keys-first ms": keys[0],
+                "keys-first / split": keys[1],
                 "dk, dv bitwise": bool(bits) and all(bits.values()),
                 "dq rel L2 vs split": r.get("dq_rel_l2_vs_split"),
                 "fused repeats bitwise": r.get("fused_repeat_bitwise"),
+                "orders bitwise": r.get("orders_bitwise"),
             }
         )
     return pd.DataFrame(rows).set_index("rows")
