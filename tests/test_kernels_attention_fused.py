@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the attention kernels are Triton kernels)")
 
 from h3lab.bench.attention_fused_bwd import BENCH_FORMAT
+from h3lab.bench.attention_fused_bwd import main as bench_main
 from h3lab.triton import attention as att
 from h3lab.triton.attention_fused import attention_bwd_fused
 from h3lab.triton.configs import interpreting
@@ -101,3 +102,10 @@ def test_the_table_reads_both_record_formats():
     v2 = table("attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": two | {"orders_bitwise": True}}})
     assert v2.loc[16384, ["heads-first ms", "keys-first ms"]].tolist() == [9.0, 23.0]
     assert v2.loc[16384, "orders bitwise"] and v2.loc[16384, "dk, dv bitwise"]
+
+
+def test_the_bench_refuses_fewer_than_two_repeats(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_main(["--out", str(tmp_path / "f.json"), "--repeats", "1"])
+    assert stop.value.code == 2 and "--repeats 1; allowed: >= 2" in capsys.readouterr().err
+    assert not (tmp_path / "f.json").exists()

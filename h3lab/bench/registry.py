@@ -99,7 +99,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "h3lab.bench.attention_fused_bwd",
         "attention-fused-bwd.json",
         "the split attention backward against a fused one with dq added in key-block order",
-        {"gpu": ("--rows", "16384,32768")},
+        {"gpu": ("--rows", "16384,32768", "--repeats", "200")},
         needs_cuda=True,
     ),
     Benchmark(
