@@ -15,17 +15,27 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 NODE_BY_CAPABILITY = {(9, 0): "sm90", (10, 0): "sm100"}
-# h3lab/kernels: in a checkout a link to its kernels/ (resolved: the checkout's files, which `h3lab verify
-# --record` writes), in an installed wheel the files themselves (pyproject.toml's package data); a copy of
-# a checkout that dropped the link reads its kernels/
-_PACKAGED, _CHECKOUT = (Path(__file__).resolve().parents[k] / "kernels" for k in (1, 2))
-KERNELS_DIR = Path(os.environ.get("H3LAB_KERNELS_DIR", (_PACKAGED if _PACKAGED.exists() else _CHECKOUT).resolve()))
+
+
+def kernels_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """The folder of the pinned files and golden sets: $H3LAB_KERNELS_DIR if set, else h3lab/kernels, in
+    a checkout a link to its kernels/ (resolved: the checkout's files, which `h3lab verify --record`
+    writes), in an installed wheel the files themselves (pyproject.toml's package data); a copy of a
+    checkout that dropped the link, or wrote it as a plain file, reads its kernels/."""
+    if "H3LAB_KERNELS_DIR" in environ:
+        return Path(environ["H3LAB_KERNELS_DIR"])
+    packaged, checkout = (Path(__file__).resolve().parents[k] / "kernels" for k in (1, 2))
+    return (packaged if packaged.is_dir() else checkout).resolve()
+
+
+KERNELS_DIR = kernels_dir()
 
 
 def cdiv(a: int, b: int) -> int:
