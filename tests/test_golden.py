@@ -260,3 +260,12 @@ def test_a_missing_model_is_one_line_that_names_it(monkeypatch, capsys, sets):
     err = capsys.readouterr().err.strip()
     assert "cannot compute block/trajectory/train here: no exact model of ex2.approx.ftz.f32 yet" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_record_into_an_installed_packages_sets_is_refused_before_any_digest(monkeypatch, tmp_path):
+    installed = tmp_path / "lib" / "python3.11" / "site-packages" / "h3lab" / "kernels" / "golden"
+    monkeypatch.setattr(golden, "GOLDEN_DIR", installed)
+    monkeypatch.setattr(golden, "reference_digests", lambda *a: pytest.fail("digests computed before the refusal"))
+    with pytest.raises(ValueError, match=r"torch\.json: an installed package's golden set, lost on reinstall; allowed"):
+        golden.record("torch", "cpu")
+    assert not installed.exists()

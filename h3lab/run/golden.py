@@ -149,6 +149,18 @@ def set_path(name: str) -> Path:
     return GOLDEN_DIR / f"{name}.json"
 
 
+def writable_set_path(name: str) -> Path:
+    """`set_path(name)`; ValueError where a record must not write: an installed package's copy, which
+    the next install replaces (a checkout's kernels/golden, or $H3LAB_KERNELS_DIR's, it may)."""
+    path = set_path(name)
+    if {"site-packages", "dist-packages"} & set(path.resolve().parts):
+        raise ValueError(
+            f"{path}: an installed package's golden set, lost on reinstall; allowed: a checkout's "
+            "kernels/golden (run from a clone), or a folder named by H3LAB_KERNELS_DIR"
+        )
+    return path
+
+
 def load_set(name: str) -> dict[str, Any] | None:
     """The published set `name`, or None when nothing is published for it."""
     path = set_path(name)
@@ -298,7 +310,7 @@ def record_emulated(backend: str, spot_check: dict[str, Any] | None = None) -> P
         entry["real_spot_check"] = {k: spot_check[k] for k in keys} | {"methods": sorted(spot_check["by_method"])}
     env = capture("cpu")
     entry |= {"date": time.strftime("%Y-%m-%d"), "environment": {k: env[k] for k in ("torch", "platform")}}
-    return write_json(set_path(published["set"]), published | {"emulated": entry})
+    return write_json(writable_set_path(published["set"]), published | {"emulated": entry})
 
 
 def _problems(parts: list[str]) -> dict[str, dict[str, Any]]:
@@ -348,6 +360,7 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
     name = set_name(backend, device)
     if backend in EMULATED:
         raise ValueError(f"backend {backend!r} never writes digests; allowed: record_emulated (h3lab verify --record)")
+    writable_set_path(name)  # refused before any digest is computed
     node = node_type(device)
     parts = list(CPU_PARTS) + (["real"] if real else [])
     published = load_set(name)
@@ -381,6 +394,6 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
             data[part] = merged[part]
     if old.get("emulated") is not None:  # the same digests: what the emulator reproduced still holds
         data["emulated"] = old["emulated"]
-    path = set_path(name)
+    path = writable_set_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_json(path, data)
