@@ -35,7 +35,7 @@ _PENDING: contextvars.ContextVar[list[tuple[Tensor, Verdict]] | None] = contextv
 def check_counts(counts_K: Tensor, verdict: Verdict) -> None:
     """`verdict(counts_K.tolist())` now, or when the enclosing `deferred_checks()` scope ends.
 
-    `counts_K`: a 1-D integer tensor of non-finite counts on any device.
+    `counts_K`: a 1-D integer tensor of non-finite counts on the device of every check of the scope.
     """
     assert counts_K.ndim == 1, counts_K.shape
     pending = _PENDING.get()

@@ -1,8 +1,8 @@
-"""One file on purpose: the plan seeds the index cache its checks read; tests patch both here (_facts_of, _decide).
-The row plan of one block step, decided on the host: the canonical row order, the facts its row
-kernels check, the segment layout of its AdaLN-row reductions and RoPE's largest position, and the
-index cache that keeps them for the step. Imports no Triton: the block enters the cache on any
-install, and the Triton launchers (h3lab.triton.rows, h3lab.triton.rope) read their facts here.
+"""The row plan of one block step, decided on the host, and the index cache that keeps it for the step:
+one file on purpose (the plan seeds the cache its checks read; tests patch both here: _facts_of,
+_decide). The plan: the canonical row order, the facts its row kernels check, the segment layout of
+its AdaLN-row reductions and RoPE's largest position. Imports no Triton: the block enters the cache
+on any install, and the Triton launchers (h3lab.triton.rows, h3lab.triton.rope) read their facts here.
 
 The plan. A block step needs, before its attention, the canonical row order
 (h3lab.ops.rows.key_order), the segment layout of its AdaLN-row reductions and the bounds of every

@@ -140,6 +140,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         # the deepest depth both sides fit: the eager side holds 20 bytes a parameter (bf16 weight and grad,
         # FP32 master, grad and moments), which at 10 blocks outgrows an H200 (reports/h200/README.md)
         {"h200": ("--config", "real", "--blocks", "0-8", *TRAIN_STEP_GPU)},
+        needs_cuda=True,
         timeout_s=1800.0,
     ),
     Benchmark(

@@ -56,7 +56,7 @@ def by_part(
     }
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     if not gpu:
-        raise ValueError(f"{trace_path}: no GPU events; was the profiler run with ProfilerActivity.CUDA?")
+        raise ValueError(f"{trace_path}: no GPU events; allowed: a trace profiled with ProfilerActivity.CUDA")
     bounds = _bounds(events, part_of)
     starts = [t for t, _ in bounds]
     launch_ts = sorted(launches.values())

@@ -88,11 +88,11 @@ def _join(problem: Problem, layout: Layout, progress: Progress) -> tuple[torch.d
 
 def _comm(
     spec: dict, problem: Problem, layout: Layout, rank: int, device: torch.device, progress: Progress
-) -> DistComm | None:
+) -> DistComm:
     """This rank's comm, after any fault aimed at it is injected (its collective hook ticks `progress`)."""
     on_call = faults.inject(str(rank), progress.tick)  # a `stop` fault: a hook that stops in the next collective
     progress.tick("fault check")
-    return build_comm(
+    comm = build_comm(
         layout,
         rank,
         mode=problem.mode,
@@ -101,6 +101,8 @@ def _comm(
         act_dtype=torch.bfloat16,
         on_call=on_call,
     )
+    assert comm is not None, layout.name  # a rank of a layout's world always has a comm
+    return comm
 
 
 def _compute(

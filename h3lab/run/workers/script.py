@@ -34,7 +34,7 @@ def run_rank(spec: dict) -> int:
 def _run_script(spec: dict, world: int, progress: Progress) -> dict:
     layout = Layout.parse(spec["layout"])
     if layout.world != world:
-        raise ValueError(f"layout {layout.name} needs {layout.world} ranks, torchrun started {world}")
+        raise ValueError(f"torchrun started {world} ranks for layout {layout.name}; allowed: {layout.world}")
     session = start_session(progress.tick)
     _run_command(spec["command"])
     session.recorder.save(Path(spec["dir"]) / f"rank{int(os.environ['RANK'])}.records")
