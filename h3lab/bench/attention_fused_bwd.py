@@ -50,13 +50,15 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None)
         return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED, order=order)
 
     want, got = split(), fused()
-    same = all(all(bitwise_equal(a, b) for a, b in zip(got, fused(), strict=True)) for _ in range(repeats - 1))
+    calls, same = 1, True
+    while same and calls < repeats:  # stops at the first call whose bytes differ
+        same, calls = all(bitwise_equal(a, b) for a, b in zip(got, fused(), strict=True)), calls + 1
     other = fused("keys_first")
     dq_gap = float((got[0].double() - want[0].double()).norm() / want[0].double().norm())
     rec: dict[str, Any] = {"rows": rows, "keys": k.shape[0], "heads": heads, "fused_config": FUSED}
     rec["bitwise_vs_split"] = {"dk": bitwise_equal(got[1], want[1]), "dv": bitwise_equal(got[2], want[2])}
     rec["dq_rel_l2_vs_split"] = dq_gap
-    rec["fused_repeats"], rec["fused_repeat_bitwise"] = repeats, same
+    rec["fused_calls"], rec["fused_repeat_bitwise"] = calls, same  # calls < --repeats: the last one differed
     rec["orders_bitwise"] = all(bitwise_equal(a, b) for a, b in zip(got, other, strict=True))
     del want, got, other
     for name, fn in (("split", split), ("fused", fused), ("keys_first", lambda: fused("keys_first"))):

@@ -14,10 +14,12 @@ It exists to measure what an ordered dq costs when the compute warps wait their 
 to a producer warp (asynchronous TMA reduce-add), which Triton does not let a kernel express.
 Key block j spins until j - 1 has added, which needs j - 1 resident or done: CUDA dispatches a
 grid's blocks in launch order in practice (it does not promise it; FA3 relies on the same), and
-the interpreter runs them one after another in that order.
+the interpreter runs them one at a time, grid axis 0 outermost: in either launch order below a
+head's key block j - 1 runs before its key block j.
 
-The launch order decides how long a turn waits (ORDERS; the bits are the same under both, each
-query block's adds run in key-block order either way). "keys_first" (grid axis 0 = key blocks)
+The launch order decides how long a turn waits on a GPU (ORDERS; the bits are the same under both,
+each query block's adds run in key-block order either way; CUDA dispatches grid axis 0 fastest).
+"keys_first" (grid axis 0 = key blocks)
 fills the GPU with one head's key blocks: block j reaches query block i only after j - 1 has
 passed it, so the resident blocks of that head form a wavefront, block j starting j turns late,
 and a head's n_kb blocks finish after about n_qb + n_kb turns instead of n_qb. "heads_first"
@@ -40,7 +42,7 @@ from h3lab.triton.attention import CONFIG_KEYS, F32, LOG2E, _bwd_meta, _bwd_oper
 from h3lab.triton.attention_bwd import _dkdv_grads, _key_tiles
 from h3lab.triton.configs import cdiv
 
-ORDERS = ("heads_first", "keys_first")  # the grid's fastest axis: heads, or key blocks (module docstring)
+ORDERS = ("heads_first", "keys_first")  # grid axis 0 (CUDA's fastest): heads, or key blocks (module docstring)
 
 
 # One function on purpose: a jit kernel; dq's ordered adds (a turn counter, acquire/release) sit in the
@@ -69,7 +71,8 @@ def attention_bwd_fused_kernel(
 ):
     """grads dk, dv [n_k, H, D] FP32 of this key block; dq [n_q, H, D] FP32 (zeroed) += this key block's
     part, in key-block order; turn [H, cdiv(n_q, BLOCK_M)] int32 (zeroed) counts the key blocks added.
-    stats (lse2, delta), keys (k, v); the strides are each tensor's (row, head) strides."""
+    stats (lse2, delta), keys (k, v); the strides are each tensor's (row, head) strides. HEADS_FIRST:
+    program_id(0) is the head and program_id(1) the key block; else the reverse."""
     lse_ptr, delta_ptr = stats
     dk_ptr, dv_ptr = grads
     stride_gm, stride_gh = grad_strides
