@@ -276,12 +276,20 @@ def test_timestep_sinusoid_is_diffusers_up_to_two_ulp():
         (lambda i: {"position_ids": i.position_ids.float()}, r"position_ids: dtype torch.float32; allowed"),
         (lambda i: {"num_condition_video_rows": 73}, r"num_condition_video_rows: 73; allowed: an int in \[0, 72\]"),
         (lambda i: {"video_rows": i.video_rows.bfloat16()}, r"video_rows: dtype torch.bfloat16; allowed"),
+        (lambda i: {"position_ids": i.position_ids[:, :2]}, r"position_ids: shape \[96, 2\]; allowed: \[S, 3\]"),
+        (lambda i: {"video_rows": i.video_rows[0]}, r"video_rows: shape \[16\]; allowed: 2-D \[rows, channels\]"),
+        (lambda i: {"timestep": i.timestep.double()}, r"timestep: torch.float64 \[\d+\]; allowed: 1-D float32"),
+        (lambda i: {"token_tags": i.token_tags.int()}, r"token_tags: torch.int32 \[96\]; allowed: int64 \[96\]"),
+        (lambda i: {"logical_keys": i.logical_keys[:, :1]}, r"logical_keys: torch.int64 \[96, 1\]; allowed: int64"),
+        (lambda i: {"logical_keys": i.logical_keys * 0}, r"logical_keys: keys must be unique; allowed: one row"),
+        (lambda i: {"video_rows": i.video_rows * float("nan")}, r"video_rows: holds inf or NaN; allowed: finite"),
     ],
 )
 def test_bad_inputs_fail_naming_the_field(change, message):
     inputs = model_inputs(TINY, seed=0)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         inputs.replace(**change(inputs))
+    assert "; allowed:" in str(err.value) and "\n" not in str(err.value)  # one line, what is allowed named
 
 
 def test_inputs_that_do_not_fit_the_weights_fail():

@@ -67,7 +67,7 @@ class ModelInputs:
         _expect(
             S >= 1 and self.position_ids.shape == (S, 3),
             "position_ids",
-            f"shape {list(self.position_ids.shape)}, expected [S, 3]",
+            f"shape {list(self.position_ids.shape)}; allowed: [S, 3] with S >= 1",
         )
         _expect(
             self.position_ids.dtype in POSITION_DTYPES,
@@ -84,18 +84,24 @@ class ModelInputs:
             ("text_rows", "text_indices"),
         ):
             rows, idx = getattr(self, name), getattr(self, rows_name)
-            _expect(rows.ndim == 2, name, f"must be 2-D [rows, channels], got shape {list(rows.shape)}")
+            _expect(rows.ndim == 2, name, f"shape {list(rows.shape)}; allowed: 2-D [rows, channels]")
             _expect(
                 idx.ndim == 1 and idx.dtype == torch.int64,
                 rows_name,
-                f"must be 1-D int64, got {idx.dtype} {list(idx.shape)}",
+                f"{idx.dtype} {list(idx.shape)}; allowed: 1-D int64",
             )
-            _expect(idx.shape[0] == rows.shape[0], rows_name, f"{idx.shape[0]} indices for {rows.shape[0]} {name}")
+            _expect(
+                idx.shape[0] == rows.shape[0],
+                rows_name,
+                f"{idx.shape[0]} indices for {rows.shape[0]} {name}; allowed: one per row",
+            )
             allowed = (torch.float32, torch.bfloat16) if name == "text_rows" else (torch.float32,)
             _expect(rows.dtype in allowed, name, f"dtype {rows.dtype}; allowed: {list(allowed)}")
-            _expect(bool(torch.isfinite(rows).all()), name, "holds inf or NaN")
+            _expect(bool(torch.isfinite(rows).all()), name, "holds inf or NaN; allowed: finite rows")
         _expect(
-            self.text_rows.shape[0] >= 1, "text_rows", "needs at least one text row (the text stream sets the dtype)"
+            self.text_rows.shape[0] >= 1,
+            "text_rows",
+            "0 rows; allowed: at least one text row (the text stream sets the dtype)",
         )
 
     def _check_partition(self, S: int) -> None:
@@ -104,7 +110,7 @@ class ModelInputs:
         _expect(
             every.numel() == S and torch.equal(every.sort().values, torch.arange(S, device=every.device)),
             "video_indices/audio_indices/text_indices",
-            f"must partition the {S} packed rows [0, {S}) exactly once",
+            f"must partition the {S} packed rows [0, {S}) exactly once; allowed: each row in one stream, once",
         )
 
     def _check_timestep(self) -> None:
@@ -113,7 +119,7 @@ class ModelInputs:
         _expect(
             t.ndim == 1 and t.shape[0] >= 1 and t.dtype == torch.float32,
             "timestep",
-            f"must be 1-D float32 [T], got {t.dtype} {list(t.shape)}",
+            f"{t.dtype} {list(t.shape)}; allowed: 1-D float32 [T] with T >= 1",
         )
         if not bool(((t >= 0) & (t <= 1)).all()):  # the values read back only to name them
             _expect(False, "timestep", f"values {t.tolist()}; allowed: [0, 1] unscaled (t = 1 - sigma)")
@@ -126,7 +132,7 @@ class ModelInputs:
         ):
             x = getattr(self, name)
             _expect(
-                x.shape == (S,) and x.dtype == torch.int64, name, f"must be int64 [{S}], got {x.dtype} {list(x.shape)}"
+                x.shape == (S,) and x.dtype == torch.int64, name, f"{x.dtype} {list(x.shape)}; allowed: int64 [{S}]"
             )
             low, high = torch.stack([x.min(), x.max()]).tolist()  # one read-back, not four
             _expect(low >= lo and high <= hi, name, f"values span [{low}, {high}]; allowed: [{lo}, {hi}]")
@@ -137,10 +143,14 @@ class ModelInputs:
         _expect(
             k.shape == (S, 2) and k.dtype == torch.int64,
             "logical_keys",
-            f"must be int64 [{S}, 2], got {k.dtype} {list(k.shape)}",
+            f"{k.dtype} {list(k.shape)}; allowed: int64 [{S}, 2]",
         )
-        _expect(bool((k[:, 0] >= 0).all()), "logical_keys", "first key < 0 marks padding; model inputs carry none")
-        _expect(torch.unique(k, dim=0).shape[0] == S, "logical_keys", "keys must be unique")
+        _expect(
+            bool((k[:, 0] >= 0).all()),
+            "logical_keys",
+            "first key < 0 marks padding; allowed: first keys >= 0 (model inputs carry no padding)",
+        )
+        _expect(torch.unique(k, dim=0).shape[0] == S, "logical_keys", "keys must be unique; allowed: one row per key")
 
     def _check_condition_counts(self) -> None:
         """Each conditioning count is an int in [0, that stream's rows]."""
@@ -154,7 +164,11 @@ class ModelInputs:
     def _check_one_device(self) -> None:
         """Every tensor field lives on one device."""
         devices = {f.device for f in self.tensors().values()}
-        _expect(len(devices) == 1, "ModelInputs", f"tensors on several devices {sorted(map(str, devices))}")
+        _expect(
+            len(devices) == 1,
+            "ModelInputs",
+            f"tensors on several devices {sorted(map(str, devices))}; allowed: one device",
+        )
 
     def key_order(self, part: str) -> Tensor:
         """`h3lab.ops.rows.key_order` of one part's logical keys (KEY_PARTS: "video", "audio", "text",
