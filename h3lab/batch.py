@@ -76,33 +76,37 @@ class PackedBatch:
             f"missing ({type(g).__name__}); allowed: a [S, D] tensor of hidden_states' dtype, the "
             "upstream gradient (a forward-only step: torch.zeros((), dtype=...).expand(S, D))",
         )
-        _expect(h.ndim == 2, "hidden_states", f"must be 2-D [S, hidden], got shape {list(h.shape)}")
+        _expect(h.ndim == 2, "hidden_states", f"shape {list(h.shape)}; allowed: 2-D [S, hidden]")
         _expect(
             h.dtype in ACTIVATION_DTYPES,
             "hidden_states",
             f"dtype {h.dtype} not allowed; allowed: {list(ACTIVATION_DTYPES)}",
         )
         S, D = h.shape
-        _expect(S >= 1, "hidden_states", "needs at least one row")
+        _expect(S >= 1, "hidden_states", "0 rows; allowed: at least one row")
         _expect(
             self.temb.ndim == 2 and self.temb.shape[0] >= 1,
             "temb",
-            f"must be [timesteps, time_embed_dim], got shape {list(self.temb.shape)}",
+            f"shape {list(self.temb.shape)}; allowed: [timesteps, time_embed_dim] with timesteps >= 1",
         )
         _expect(
             self.temb.dtype == torch.float32,
             "temb",
-            f"must be float32 (the time embedder's dtype), got {self.temb.dtype}",
+            f"dtype {self.temb.dtype}; allowed: torch.float32 (the time embedder's dtype)",
         )
-        _expect(tuple(g.shape) == (S, D), "grad_out", f"shape {list(g.shape)} != hidden_states {[S, D]}")
-        _expect(g.dtype == h.dtype, "grad_out", f"dtype {g.dtype} != hidden_states dtype {h.dtype}")
+        _expect(tuple(g.shape) == (S, D), "grad_out", f"shape {list(g.shape)}; allowed: {[S, D]}, hidden_states' shape")
+        _expect(g.dtype == h.dtype, "grad_out", f"dtype {g.dtype}; allowed: {h.dtype}, hidden_states' dtype")
         for name, want in (("adaln_indices", (S,)), ("position_ids", (S, 3)), ("logical_keys", (S, 2))):
             t = getattr(self, name)
             allowed = POSITION_DTYPES if name == "position_ids" else (torch.int64,)
-            _expect(tuple(t.shape) == want, name, f"shape {list(t.shape)}, expected {list(want)}")
+            _expect(tuple(t.shape) == want, name, f"shape {list(t.shape)}; allowed: {list(want)}")
             _expect(t.dtype in allowed, name, f"dtype {t.dtype}; allowed: {list(allowed)}")
         devices = {t.device for t in (h, g, self.temb, self.adaln_indices, self.position_ids, self.logical_keys)}
-        _expect(len(devices) == 1, "PackedBatch", f"tensors on several devices {sorted(map(str, devices))}")
+        _expect(
+            len(devices) == 1,
+            "PackedBatch",
+            f"tensors on several devices {sorted(map(str, devices))}; allowed: one device",
+        )
         _expect(
             h.device.type in SUPPORTED_DEVICES,
             "PackedBatch",
@@ -120,7 +124,7 @@ class PackedBatch:
         if keys.shape[0] != torch.unique(keys, dim=0).shape[0]:
             _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
             dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
-            raise ValueError(f"logical_keys: duplicate active key {dup}; active keys must be unique")
+            raise ValueError(f"logical_keys: duplicate active key {dup}; allowed: each active key once")
 
     def _check_finite(self, fields: tuple[str, ...] = ("hidden_states", "grad_out", "temb", "position_ids")) -> None:
         """NaN or Inf in an input the block reads: refused, with one host sync for all of `fields`

@@ -403,7 +403,7 @@ def _decide(meta_h: Tensor, num_segments: int) -> tuple[np.ndarray, np.ndarray, 
     dup = np.flatnonzero((s0[1:] == s0[:-1]) & (s1[1:] == s1[:-1]))
     if dup.size:
         key = [int(s0[dup[0]]), int(s1[dup[0]])]
-        raise ValueError(f"logical_keys: duplicate active key {key}; active keys must be unique")
+        raise ValueError(f"logical_keys: duplicate active key {key}; allowed: each active key once")
     seg_o = seg[order]
     if seg_o.size and (seg_o.min() < 0 or seg_o.max() >= num_segments):
         raise ValueError(f"segment_R[order]: values in [{seg_o.min()}, {seg_o.max()}]; allowed: [0, {num_segments})")

@@ -143,6 +143,27 @@ def test_non_finite_inputs_are_refused(batch, field, index, value, match):
         PackedBatch(**fields)
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda f: {"hidden_states": f["hidden_states"][0]},
+            r"hidden_states: shape \[\d+\]; allowed: 2-D \[S, hidden\]",
+        ),
+        (lambda f: {"temb": f["temb"].double()}, r"temb: dtype torch.float64; allowed: torch.float32"),
+        (lambda f: {"grad_out": f["grad_out"][:-1]}, r"grad_out: shape \[26, \d+\]; allowed: \[27, \d+\]"),
+        (lambda f: {"grad_out": f["grad_out"].float()}, r"grad_out: dtype torch.float32; allowed: torch.bfloat16"),
+        (lambda f: {"adaln_indices": f["adaln_indices"][:-1]}, r"adaln_indices: shape \[26\]; allowed: \[27\]"),
+        (lambda f: {"logical_keys": f["logical_keys"] * 0}, r"logical_keys: duplicate active key \[0, 0\]; allowed"),
+    ],
+)
+def test_a_malformed_batch_is_refused_naming_what_is_allowed(batch, change, match):
+    fields = _fields(batch)
+    with pytest.raises(ValueError, match=match) as err:
+        PackedBatch(**(fields | change(fields)))
+    assert "; allowed:" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_padding_rows_may_hold_anything(batch):
     fields = _fields(batch)
     fields["hidden_states"][-1] = math.nan  # padding: dropped by every reduction

@@ -23,7 +23,7 @@ def key_order(keys_R2: Tensor) -> Tensor:
     sorted_keys = k[order]
     if sorted_keys.shape[0] > 1 and bool((sorted_keys[1:] == sorted_keys[:-1]).all(dim=1).any()):
         i = int((sorted_keys[1:] == sorted_keys[:-1]).all(dim=1).nonzero()[0, 0])
-        raise ValueError(f"logical_keys: duplicate active key {sorted_keys[i].tolist()}; active keys must be unique")
+        raise ValueError(f"logical_keys: duplicate active key {sorted_keys[i].tolist()}; allowed: each active key once")
     return active[order]
 
 
