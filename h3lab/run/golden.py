@@ -360,7 +360,7 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
     name = set_name(backend, device)
     if backend in EMULATED:
         raise ValueError(f"backend {backend!r} never writes digests; allowed: record_emulated (h3lab verify --record)")
-    writable_set_path(name)  # refused before any digest is computed
+    path = writable_set_path(name)  # refused before any digest is computed
     node = node_type(device)
     parts = list(CPU_PARTS) + (["real"] if real else [])
     published = load_set(name)
@@ -394,6 +394,5 @@ def record(backend: str, device: str, *, real: bool = False, replace_set: bool =
             data[part] = merged[part]
     if old.get("emulated") is not None:  # the same digests: what the emulator reproduced still holds
         data["emulated"] = old["emulated"]
-    path = writable_set_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_json(path, data)
