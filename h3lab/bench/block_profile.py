@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import statistics
@@ -113,11 +114,11 @@ class _Measured:
     laps: list[float]  # block_step's own event laps
     idle: dict  # the marked run's GPU gaps (h3lab.bench.gaps)
 
-    @property
+    @functools.cached_property  # derived once from `events`; a frozen dataclass allows it (no __setattr__)
     def kernels(self) -> list:
         return cuda_kernels(self.events)
 
-    @property
+    @functools.cached_property
     def kernel_s(self) -> float:
         return sum(e.self_device_time_total for e in self.kernels) / 1e6
 
