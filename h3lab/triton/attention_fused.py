@@ -19,13 +19,13 @@ head's key block j - 1 runs before its key block j.
 
 The launch order decides how long a turn waits on a GPU (ORDERS; the bits are the same under both,
 each query block's adds run in key-block order either way; CUDA dispatches grid axis 0 fastest).
-"keys_first" (grid axis 0 = key blocks)
-fills the GPU with one head's key blocks: block j reaches query block i only after j - 1 has
-passed it, so the resident blocks of that head form a wavefront, block j starting j turns late,
-and a head's n_kb blocks finish after about n_qb + n_kb turns instead of n_qb. "heads_first"
-(axis 0 = heads) fills it with every head's first key blocks: a block waits only for the block of
-its own head one grid row earlier, a turn ahead at the start and far ahead once the first blocks
-end, so turns rarely wait (python -m h3lab.bench.attention_fused_bwd times both).
+"keys_first" (grid axis 0 = key blocks) fills the GPU with one head's key blocks: block j reaches
+query block i only after j - 1 has passed it, so the resident blocks of that head form a
+wavefront, block j starting j turns late, and a head's n_kb blocks finish after about n_qb + n_kb
+turns instead of n_qb. "heads_first" (axis 0 = heads) fills it with every head's first key
+blocks: a block waits only for the block of its own head one grid row earlier, a turn ahead at
+the start and far ahead once the first blocks end, so turns rarely wait (python -m
+h3lab.bench.attention_fused_bwd times both).
 """
 
 from __future__ import annotations
