@@ -82,7 +82,9 @@ def test_both_sides_mark_the_steps_parts_in_order(tmp_path):
     canonical = train_profile._canonical_trace(a, weights, inputs, tmp_path)
     eager = train_profile._eager_trace(a, weights, inputs, tmp_path)
     step = [*PARTS, "sample + embed"]  # the update's end opens the next step's sample + embed
-    assert [p for _, p in _bounds(_events(canonical), train_profile.canonical_part)] == step * 2
+    # the canonical side's traced gradients sit apart, between its backward and its clip
+    traced = [*PARTS[: PARTS.index("clip")], train_profile.TRACE, *PARTS[PARTS.index("clip") :], "sample + embed"]
+    assert [p for _, p in _bounds(_events(canonical), train_profile.canonical_part)] == traced * 2
     assert [p for _, p in _bounds(_events(eager), train_profile.EAGER_PARTS.get)] == ["sample + embed", *step * 2]
 
 

@@ -14,7 +14,9 @@ activity). Each kernel is charged to the part of the step the host was in when i
   (the embedders and the token refiner, each block, the output norm and projections) and its `mark`
   hook as its phases end.
 The parts, on both sides: sample + embed, stack forward, head, loss, head backward, stack
-backward, embed backward (the token refiner, the embedders, the time MLP), clip, update. The
+backward, embed backward (the token refiner, the embedders, the time MLP), clip, update; the
+canonical side has one more between backward and clip, "trace (profiling only)": its trace hook
+stacks each block's unit gradients, work the timed step does not do, kept out of the clip. The
 record: per side and part the GPU time, launches, the host's time in the part and its longest
 kernels; the parts side by side (ratio canonical / eager of GPU time). The profiler slows the
 host, so the profiled steps' wall time is not the step's (h3lab.bench.train_step times it); a
@@ -49,6 +51,8 @@ from h3lab.train.objective import FlowObjective
 from h3lab.train.step import Trainer, step_seed
 
 FIRST = "sample + embed"
+# the profile's own work: the traced gradients' stacks (Trainer.step's "trace" mark), no part of a timed step
+TRACE = "trace (profiling only)"
 # a canonical marker (a trace name without its `step{k}.` prefix, or `phase:<mark>`) -> the part it opens
 CANONICAL_PARTS = {
     "embed.hidden": "stack forward",
@@ -57,7 +61,8 @@ CANONICAL_PARTS = {
     "loss.d.audio": "head backward",
     "d.stack.out": "stack backward",
     "d.stack.in": "embed backward",
-    "phase:backward": "clip",
+    "phase:backward": TRACE,
+    "phase:trace": "clip",
     "phase:clip": "update",
     "phase:update": FIRST,  # the next profiled step begins
 }

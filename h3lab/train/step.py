@@ -126,7 +126,8 @@ class Trainer:
         `trace` sees, under `step{k}.`, every op of `model_grads` in execution order, then every
         gradient the optimizer reads, in canonical order (`_traced_grads`); the optimizer reads what it
         returns. `mark(phase)` is called as "backward" (the gradients), "clip" and "update" end (a
-        profiler's hook, h3lab.bench.train_profile).
+        profiler's hook, h3lab.bench.train_profile); with a trace also as "trace" once the gradients
+        are traced (between backward and clip: the stacks of unit gradients an untraced step never makes).
 
         Raises:
             ValueError: `k` is not the next step.
@@ -160,6 +161,8 @@ class Trainer:
         grads = {p: pieces[p] for p in self.optimizer.order if p in pieces} | pieces
         if tr is not None:
             grads = _traced_grads(grads, self.comm.units, tr)
+            if mark is not None:
+                mark("trace")
         record = self.optimizer.step(grads, mark)
         self.steps_taken = k
         timings = {"forward_s": g.timings["forward_s"], "backward_s": g.timings["backward_s"], **record.timings}
