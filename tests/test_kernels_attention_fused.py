@@ -72,12 +72,30 @@ def test_interp_fused_backward(n_q, n_k, heads):
 
 
 @interp
+def test_interp_fused_diagnostics_add_the_same_partials():
+    """The interpreter runs one program at a time, a head's key blocks in order: without turns the
+    adds still come in key-block order, so "unordered" gives the kernel's bytes here (not on a GPU);
+    "skipped" leaves dq zero and dk, dv as they are."""
+    args, _ = _case(101, 150, 2, 32, "cpu", seed=3)
+    want = attention_bwd_fused(*args, config=KV32)
+    unordered = attention_bwd_fused(*args, config=KV32, dq_mode="unordered")
+    for name, a, b in zip(("dq", "dk", "dv"), want, unordered, strict=True):
+        assert_bitwise(a, b, f"unordered {name} in the interpreter's program order")
+    dq, dk, dv = attention_bwd_fused(*args, config=KV32, dq_mode="skipped")
+    assert not dq.any() and want[0].abs().sum() > 0
+    assert_bitwise(dk, want[1], "dk without dq")
+    assert_bitwise(dv, want[2], "dv without dq")
+
+
+@interp
 def test_interp_fused_backward_refuses_what_it_cannot_run():
     args, _ = _case(40, 50, 3, 32, "cpu", seed=1)
     with pytest.raises(ValueError, match=r"keys \['TMA'\] wrong; needs exactly \['BLOCK_M', 'BLOCK_N', 'num_stages'"):
         attention_bwd_fused(*args, config=KV32 | {"TMA": True})
     with pytest.raises(ValueError, match=r"order 'heads'; allowed: \['heads_first', 'keys_first'\]"):
         attention_bwd_fused(*args, config=KV32, order="heads")
+    with pytest.raises(ValueError, match=r"dq_mode 'any'; allowed: \['ordered', 'unordered', 'skipped'\]"):
+        attention_bwd_fused(*args, config=KV32, dq_mode="any")
     with pytest.raises(ValueError, match=r"keys \['num_stages'\] wrong"):
         attention_bwd_fused(*args, config={k: v for k, v in KV32.items() if k != "num_stages"})
     q, do, stats, delta, k, v, scale = args
@@ -94,14 +112,21 @@ def test_gpu_fused_backward(n_q, n_k, heads):
 
 
 def test_the_table_reads_both_record_formats():
-    """A v1 record timed the keys-first order only, as "fused"; v2 times both orders."""
+    """A v1 record timed the keys-first order only, as "fused"; v2 times both orders; v3 adds the
+    diagnostics."""
     one = {"split_ms": 10.0, "fused_ms": 23.0, "fused_over_split": 2.3, "bitwise_vs_split": {"dk": True, "dv": True}}
     v1 = table("attention_fused", {"format": "h3lab-bench-attention-fused-bwd-v1", "rows": {"16384": one}})
     assert v1.loc[16384, "keys-first ms"] == 23.0 and pd.isna(v1.loc[16384, "heads-first ms"])
     two = one | {"fused_ms": 9.0, "fused_over_split": 0.9, "keys_first_ms": 23.0, "keys_first_over_split": 2.3}
-    v2 = table("attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": two | {"orders_bitwise": True}}})
+    v2_format = "h3lab-bench-attention-fused-bwd-v2"
+    v2 = table("attention_fused", {"format": v2_format, "rows": {"16384": two | {"orders_bitwise": True}}})
     assert v2.loc[16384, ["heads-first ms", "keys-first ms"]].tolist() == [9.0, 23.0]
     assert v2.loc[16384, "orders bitwise"] and v2.loc[16384, "dk, dv bitwise"]
+    assert pd.isna(v2.loc[16384, "no dq / split"])
+    three = two | {"unordered_over_split": 1.5, "unordered_keys_first_over_split": 1.4, "no_dq_over_split": 0.7}
+    v3 = table("attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": three}})
+    got = v3.loc[16384, ["unordered / split", "unordered keys-first / split", "no dq / split"]].tolist()
+    assert got == [1.5, 1.4, 0.7]
 
 
 def test_the_bench_refuses_fewer_than_two_repeats(tmp_path, capsys):

@@ -11,13 +11,16 @@ whether the fused dk, dv bytes equal the pinned ones, dq's relative L2 distance 
 (a turn released before its adds are visible shows here: FlashAttention issue #2244). The fused
 kernel runs in both launch orders (attention_fused.ORDERS): "fused" is heads_first, "keys_first" the
 order that makes a head's key blocks wait in a wavefront; both must give the same bytes. What the
-figure answers: the cost of an ordered dq when the compute warps wait their turn themselves.
+figure answers: the cost of an ordered dq when the compute warps wait their turn themselves. Two
+diagnostics split that cost (attention_fused.DQ_MODES; their dq is never used): "unordered" adds
+the same partials without turns (in both launch orders), "no_dq" skips dq's product and adds.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ from h3lab.metrics import bitwise_equal
 from h3lab.triton import attention as att
 from h3lab.triton.attention_fused import attention_bwd_fused
 
-BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v2"  # v2: keys_first timed beside heads_first
+BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v3"  # v2: keys_first beside heads_first; v3: diagnostics
 FUSED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # the dk/dv kernel's tile
 
 
@@ -45,9 +48,9 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None)
         dq = att.attention_bwd_q(q, do, stats, delta, k, v, scale, node=node)
         return (dq, *att.attention_bwd_kv(q, do, stats, delta, k, v, scale, node=node))
 
-    def fused(order: str = "heads_first") -> tuple:
+    def fused(order: str = "heads_first", dq_mode: str = "ordered") -> tuple:
         delta = att.attention_delta(do, o_ref, node=node)
-        return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED, order=order)
+        return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED, order=order, dq_mode=dq_mode)
 
     want, got = split(), fused()
     calls, same = 1, True
@@ -61,12 +64,25 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None)
     rec["fused_calls"], rec["fused_repeat_bitwise"] = calls, same  # calls < --repeats: the last one differed
     rec["orders_bitwise"] = all(bitwise_equal(a, b) for a, b in zip(got, other, strict=True))
     del want, got, other
-    for name, fn in (("split", split), ("fused", fused), ("keys_first", lambda: fused("keys_first"))):
+    for name, fn in _timed_sides(split, fused).items():
         t = timed(fn)
         rec[f"{name}_ms"], rec[f"{name}_spread_ms"] = t["ms"], t["spread_ms"]
-    rec["fused_over_split"] = rec["fused_ms"] / rec["split_ms"]
-    rec["keys_first_over_split"] = rec["keys_first_ms"] / rec["split_ms"]
+        if name != "split":
+            rec[f"{name}_over_split"] = rec[f"{name}_ms"] / rec["split_ms"]
     return rec
+
+
+def _timed_sides(split: Callable[[], tuple], fused: Callable[..., tuple]) -> dict[str, Callable[[], tuple]]:
+    """What is timed, by the record's name for it: the pinned split, the fused kernel in each launch
+    order, and the diagnostics (module docstring)."""
+    return {
+        "split": split,
+        "fused": fused,
+        "keys_first": lambda: fused("keys_first"),
+        "unordered": lambda: fused(dq_mode="unordered"),
+        "unordered_keys_first": lambda: fused("keys_first", "unordered"),
+        "no_dq": lambda: fused(dq_mode="skipped"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

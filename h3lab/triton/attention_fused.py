@@ -43,6 +43,10 @@ from h3lab.triton.attention_bwd import _dkdv_grads, _key_tiles
 from h3lab.triton.configs import cdiv
 
 ORDERS = ("heads_first", "keys_first")  # grid axis 0 (CUDA's fastest): heads, or key blocks (module docstring)
+# what happens to dq's partials: "ordered" is the kernel; "unordered" (atomic adds in whatever order the
+# blocks arrive: other bits run to run) and "skipped" (no dq at all) exist only so that
+# h3lab.bench.attention_fused_bwd can split the time of the turns from the adds' and the products'
+DQ_MODES = ("ordered", "unordered", "skipped")
 
 
 # One function on purpose: a jit kernel; dq's ordered adds (a turn counter, acquire/release) sit in the
@@ -68,11 +72,13 @@ def attention_bwd_fused_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    DQ_MODE: tl.constexpr,
 ):
     """grads dk, dv [n_k, H, D] FP32 of this key block; dq [n_q, H, D] FP32 (zeroed) += this key block's
     part, in key-block order; turn [H, cdiv(n_q, BLOCK_M)] int32 (zeroed) counts the key blocks added.
     stats (lse2, delta), keys (k, v); the strides are each tensor's (row, head) strides. HEADS_FIRST:
-    program_id(0) is the head and program_id(1) the key block; else the reverse."""
+    program_id(0) is the head and program_id(1) the key block; else the reverse. DQ_MODE: the index
+    of DQ_MODES (0, ordered: the kernel; 1 and 2 are diagnostics)."""
     lse_ptr, delta_ptr = stats
     dk_ptr, dv_ptr = grads
     stride_gm, stride_gh = grad_strides
@@ -103,14 +109,17 @@ def attention_bwd_fused_kernel(
         delta = tl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
         dk, dv, ds_t = _dkdv_grads(dk, dv, k, v, q, do, lse, delta, row_ok, qk_scale, True, DOT_PREC)
         ds_t = tl.where(key_ok[:, None], ds_t, 0.0)  # padded keys: k = 0, but their p may overflow
-        part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # [BLOCK_M, Dh] over this key block
-        turn = turn_ptr + h * n_qb + i
-        while tl.atomic_cas(turn, j, j, sem="acquire") != j:
-            pass
-        ptrs = dq_ptr + h64 * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :]
-        tl.atomic_add(ptrs, part, mask=row_ok[:, None], sem="relaxed")
-        tl.debug_barrier()  # every thread's adds issued before the turn passes on
-        tl.atomic_xchg(turn, j + 1, sem="release")
+        if DQ_MODE != 2:
+            part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # [BLOCK_M, Dh] over this key block
+            turn = turn_ptr + h * n_qb + i
+            if DQ_MODE == 0:
+                while tl.atomic_cas(turn, j, j, sem="acquire") != j:
+                    pass
+            ptrs = dq_ptr + h64 * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :]
+            tl.atomic_add(ptrs, part, mask=row_ok[:, None], sem="relaxed")
+            if DQ_MODE == 0:
+                tl.debug_barrier()  # every thread's adds issued before the turn passes on
+                tl.atomic_xchg(turn, j + 1, sem="release")
     dk = dk * scale
     out = h64 * stride_gh + key_rows * stride_gm + offs_d[None, :]
     tl.store(dk_ptr + out, dk, mask=key_ok[:, None])
@@ -128,12 +137,16 @@ def attention_bwd_fused(
     *,
     config: Mapping[str, Any],
     order: str = "heads_first",
+    dq_mode: str = "ordered",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 under `config` (BLOCK_M, BLOCK_N, num_warps, num_stages):
     dk, dv are attention_bwd_kv's bytes with the same tile; dq is summed in key-block order. `order`,
-    one of ORDERS, is the launch order (the same bytes under each)."""
+    one of ORDERS, is the launch order (the same bytes under each); `dq_mode`, one of DQ_MODES, is
+    "ordered" but for the benchmark's diagnostics."""
     if order not in ORDERS:
         raise ValueError(f"attention_bwd_fused order {order!r}; allowed: {list(ORDERS)}")
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"attention_bwd_fused dq_mode {dq_mode!r}; allowed: {list(DQ_MODES)}")
     unknown = set(config) ^ (CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})
     if unknown:
         allowed = sorted(CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})
@@ -170,5 +183,6 @@ def attention_bwd_fused(
         _strides(dq),
         **_bwd_meta(config, Dh, q.dtype),
         HEADS_FIRST=order == "heads_first",
+        DQ_MODE=DQ_MODES.index(dq_mode),
     )
     return dq.mul_(scale), dk, dv
