@@ -61,9 +61,11 @@ class Backend(Protocol):
     def chain_mm(self, a_MK: Tensor, b_KN: Tensor) -> Tensor: ...
     # the training step, with the references' bits on every backend: each tensor's sum of squares
     # (h3lab.ops.squares.sum_of_squares) as one FP32 [P] tensor; AdamW on many pieces (h3lab.ops.adamw),
-    # with a [P] bool of the pieces whose weights it left NaN or Inf
+    # with a [P] bool of the pieces whose weights it left NaN or Inf, run only where `go` is true
     def sums_of_squares(self, xs: Sequence[Tensor]) -> Tensor: ...
-    def adamw_updates(self, pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor) -> Tensor: ...
+    def adamw_updates(
+        self, pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, go: Tensor | None = None
+    ) -> Tensor: ...
     # the canonical row order (h3lab.ops.rows.key_order), as a function to call when it is needed:
     # a GPU backend starts reading the metadata to the host now and checks every index its row
     # reductions and RoPE will read when called (a host sync mid-block drains the GPU's queue)

@@ -18,12 +18,16 @@ from h3lab.workbench.benchmarks import table
 from tests.conftest import REQUEST_CHECKS
 
 SIDES = ["parallelize_flow", "trainer", "eager", "parallelize_custom"]
-# The one site where a flow step syncs more than Trainer's: the finiteness checks' read-back
-# (h3lab.finite.deferred_checks), once per model call. Trainer's step is one call (model_grads: forward
+# The two sites where a flow step syncs more than Trainer's. The finiteness checks' read-back
+# (h3lab.finite.deferred_checks), once per model call: Trainer's step is one call (model_grads: forward
 # and backward in one scope); through parallelize it is two, the user's loss between them, and the
-# forward's refusal must come before its output reaches the user's code.
+# forward's refusal must come before its output reaches the user's code. The clip's refusal of a
+# non-finite norm: h3lab.optim.clip_grad_norm_ raises when called (the user's code goes on from it),
+# where Trainer's AdamW.step reads the norm's finiteness after its updates, with their flags.
 FINITE = "h3lab/finite.py:_first_refusal"
 ONE_READ_BACK_PER_CALL = {"parallelize_flow": 2, "trainer": 1}
+CLIP = "h3lab/train/adamw.py:clipped_norm"
+BEYOND_TRAINER = {FINITE: ONE_READ_BACK_PER_CALL, CLIP: {"parallelize_flow": 1, "trainer": 0}}
 
 
 def test_the_record_holds_bitwise_verdicts_and_every_sides_timed_steps(tmp_path, capsys):
@@ -55,7 +59,7 @@ def test_the_record_holds_bitwise_verdicts_and_every_sides_timed_steps(tmp_path,
         and t.loc[("tp1", 0, "parallelize_flow"), "bitwise"]
         and t.loc[("tp2", 1, "parallelize_custom"), "bitwise"]
     )
-    assert r["host_syncs"]["parallelize_flow beyond trainer"] == {FINITE: ONE_READ_BACK_PER_CALL}
+    assert r["host_syncs"]["parallelize_flow beyond trainer"] == BEYOND_TRAINER
     assert r["host_syncs"]["total"]["trainer"] > 0
     calls = {"sample", "forward", "loss", "backward", "clip", "update", "model_forward", "model_backward"}
     assert set(r["phases_median_s"]["parallelize_flow"]) == calls
@@ -65,8 +69,9 @@ def test_the_record_holds_bitwise_verdicts_and_every_sides_timed_steps(tmp_path,
 
 def test_a_flow_step_syncs_the_host_only_where_a_trainer_step_does():
     """Step 3 of each (the optimizer's state made at step 1): every site of the parallelized model's host
-    syncs is one of Trainer's, at most as often, but for the finiteness read-back (FINITE). A second check
-    of the request inside the forward, or a row name copied from the host, adds sites or counts."""
+    syncs is one of Trainer's, at most as often, but for the finiteness read-back and the clip's refusal
+    (BEYOND_TRAINER). A second check of the request inside the forward, or a row name copied from the
+    host, adds sites or counts."""
     spec = {"layout": "tp1", "device": "cpu", "config": "tiny", "layers": "1", "rows": "96", "seed": "0"}
     ctx = context(spec | {"backend": "torch", "steps": "1"})
     counts = {}
@@ -77,7 +82,7 @@ def test_a_flow_step_syncs_the_host_only_where_a_trainer_step_does():
     flow, trainer = counts["flow"], counts["trainer"]
     assert trainer.keys() >= REQUEST_CHECKS  # the counter sees the request's checks
     beyond = {s: (n, trainer.get(s, 0)) for s, n in flow.items() if n > trainer.get(s, 0)}
-    assert beyond == {FINITE: tuple(ONE_READ_BACK_PER_CALL.values())}
+    assert beyond == {site: tuple(n.values()) for site, n in BEYOND_TRAINER.items()}
 
 
 @pytest.mark.parametrize(

@@ -237,6 +237,42 @@ def test_adamw_updates_flag_a_weight_that_overflowed_its_dtype_on_gpu():
     assert_bitwise(got, want, "flags")
 
 
+def _held_back(device: str, node: str | None) -> None:
+    """go = false: the reference and the kernel leave every master, moment and weight as it was and
+    set no flag, on updates that would have changed every element (and flagged the overflowing ones)."""
+    hyper = AdamWHyper(lr=1e-2)
+    s = step_scalars(hyper, 0.9, 0.999, torch.device(device))
+    coef = torch.tensor(0.5, dtype=F32, device=device)
+    g = torch.Generator().manual_seed(5)
+    for fn, kw in ((ref_adamw.adamw_updates, {}), (adamw.adamw_updates, {"node": node})):
+        pieces = []
+        for dtype, value, strided, _ in FLAG_CASES:
+            shape = (8, 16) if strided else (70,)
+            master, m, v, grad = (torch.randn(shape, generator=g).to(device) for _ in range(4))
+            master[0] = value
+            w = torch.randn(8, 48, generator=g).to(device, dtype)[:, 16:32] if strided else master.to(dtype)
+            pieces.append((master, m, v.abs(), grad, w))
+        before = [[t.clone() for t in piece] for piece in pieces]
+        flags = fn(pieces, coef, s, torch.tensor(False, device=device), **kw)
+        assert flags.tolist() == [False] * len(pieces), fn
+        for k, (piece, was) in enumerate(zip(pieces, before, strict=True)):
+            for name, t, t0 in zip(("master", "exp_avg", "exp_avg_sq", "grad", "weight"), piece, was, strict=True):
+                assert_bitwise(t, t0, f"{fn.__module__} piece {k} {name} with go false")
+        flags = fn(pieces, coef, s, torch.tensor(True, device=device), **kw)  # the same update, let run
+        assert flags.tolist() == [c[-1] for c in FLAG_CASES], fn
+        assert all(not torch.equal(piece[0], was[0]) for piece, was in zip(pieces, before, strict=True))
+
+
+@interp
+def test_adamw_updates_held_back_change_nothing():
+    _held_back("cpu", NODE)
+
+
+@gpu
+def test_adamw_updates_held_back_change_nothing_on_gpu():
+    _held_back("cuda", None)
+
+
 def test_adamw_updates_refuse_what_they_cannot_read():
     m, coef = torch.zeros(4, 6)[:, :3], torch.tensor(1.0)
     with pytest.raises(
@@ -247,6 +283,8 @@ def test_adamw_updates_refuse_what_they_cannot_read():
     m = torch.zeros(4, 3)
     with pytest.raises(ValueError, match=r"adamw_updates: s has strides \(2,\); allowed: contiguous"):
         adamw.adamw_updates([(m, m, m, m, m)], coef, torch.zeros(16)[::2], node=NODE)
+    with pytest.raises(ValueError, match=r"adamw_updates: go torch.int64 \[1\]; allowed: a 0-d torch.bool"):
+        adamw.adamw_updates([(m, m, m, m, m)], coef, torch.zeros(8), torch.ones(1, dtype=torch.int64), node=NODE)
     with pytest.raises(ValueError, match=r"adamw_updates: piece 1: a 3-D piece"):
         x = torch.zeros(2, 2, 2)
         adamw.adamw_updates([(m, m, m, m, m), (x, x, x, x, x)], coef, torch.zeros(8), node=NODE)

@@ -50,9 +50,14 @@ def adamw_update(
     weight.copy_(round_to(master, weight.dtype))
 
 
-def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor) -> Tensor:
+def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, go: Tensor | None = None) -> Tensor:
     """`adamw_update` of every piece (master, exp_avg, exp_avg_sq, grad, weight) in order, each with
-    `coef` and `s`; [P] bool on the pieces' device: whether piece k's weight holds a NaN or Inf after it."""
+    `coef` and `s`; [P] bool on the pieces' device: whether piece k's weight holds a NaN or Inf after it.
+    `go` (0-d bool on that device; None: true): false leaves every piece as it was (no flag set), so a
+    caller can queue the update before it knows whether the step may run (the GPU kernels read it
+    there; here it is read on the host)."""
+    if go is not None and not bool(go):
+        return torch.zeros(len(pieces), dtype=torch.bool, device=s.device)
     for master, exp_avg, exp_avg_sq, grad, weight in pieces:
         adamw_update(master, exp_avg, exp_avg_sq, grad, coef, s, weight)
     if not pieces:

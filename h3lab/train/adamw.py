@@ -10,8 +10,10 @@ bit may differ between machines).
 
 A step updates every piece or none: the clip's global norm needs every gradient, so one step count
 serves all pieces. A NaN or Inf in any gradient (or squares that overflow FP32) makes the norm
-non-finite; the step then raises `NonFiniteGradError` before it changes anything (catching it skips
-the step). The norm has the same bits on every rank, so every rank of a layout raises together.
+non-finite; the step then raises `NonFiniteGradError` having changed nothing (catching it skips the
+step): its updates were queued behind the norm and read its finiteness on the device, so they ran
+nowhere, and the host learns it with the weights' flags in the step's one read. The norm has the
+same bits on every rank, so every rank of a layout raises together.
 An update that leaves a NaN or Inf in a weight (finite gradients, an overflowing learning rate)
 raises `NonFiniteWeightError` naming the step and the pieces (the update itself says which: no
 second pass over the weights); the weights then hold those values.
@@ -30,6 +32,7 @@ from torch import Tensor
 from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 from h3lab.config import H3Config
+from h3lab.host import to_device
 from h3lab.ops.adamw import ADAMW_SCALARS
 from h3lab.train.clip import GradNorm, clip_coefficient, global_grad_norm, to_f32
 from h3lab.train.pieces import Piece, piece_label, rank_pieces
@@ -83,7 +86,7 @@ def step_scalars(hyper: AdamWHyper, beta1_pow: float, beta2_pow: float, device: 
         "eps": hyper.eps,
     }
     assert tuple(values) == ADAMW_SCALARS, "h3lab.ops.adamw changed its scalars"
-    return torch.tensor([to_f32(v) for v in values.values()], dtype=torch.float32, device=device)
+    return to_device([to_f32(v) for v in values.values()], torch.float32, device)  # no host sync
 
 
 def next_beta_pows(hyper: AdamWHyper, pows: tuple[float, float]) -> tuple[float, float]:
@@ -109,13 +112,18 @@ def clipped_norm(
     """
     gn = global_grad_norm(grads, comm, config, backend)
     if not bool(torch.isfinite(gn.total)):
-        bad = [piece_label(p, "dw") for p in gn.nonfinite_pieces()]
-        where = f"non-finite sums of squares in {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad else "overflow"
-        raise NonFiniteGradError(
-            f"{at}: gradient norm {float(gn.norm)} ({where}); step refused, nothing "
-            "changed; allowed: finite gradients whose sum of squares fits FP32"
-        )
+        raise nonfinite_norm(gn, at)
     return gn, clip_coefficient(gn.norm, max_norm)
+
+
+def nonfinite_norm(gn: GradNorm, at: str) -> NonFiniteGradError:
+    """The refusal of a step whose global norm is NaN or Inf, naming the pieces (host syncs)."""
+    bad = [piece_label(p, "dw") for p in gn.nonfinite_pieces()]
+    where = f"non-finite sums of squares in {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad else "overflow"
+    return NonFiniteGradError(
+        f"{at}: gradient norm {float(gn.norm)} ({where}); step refused, nothing "
+        "changed; allowed: finite gradients whose sum of squares fits FP32"
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,9 +146,9 @@ class StepRecord:
     step: int  # steps taken, this one included
     grad_norm: Tensor  # 0-d float32, before clipping; identical on every rank
     clip_coef: Tensor  # 0-d float32
-    # clip_s: checks, the global norm (its gather included) and the coefficient, up to the host's
-    # finiteness check, which waits for them; update_s: every piece's update and write-back, then the
-    # weights' finiteness check, which waits for them. Wall clock of this rank.
+    # clip_s: checks, the global norm (its gather included) and the coefficient, queued; update_s:
+    # every piece's update and write-back queued, then the one read of the norm's and the weights'
+    # finiteness, which waits for all of it. Wall clock of this rank.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -191,27 +199,30 @@ class AdamW:
         """Clip by the global norm, update every piece, write the weights (module docstring); `mark(phase)`
         is called as "clip" and "update" end (a profiler's or a timer's hook).
 
+        The updates are queued behind the norm without waiting for it: they run only where it is finite
+        (the kernels read that), and one host read after them says whether they ran and which weights
+        they left NaN or Inf, so the GPU never drains between the clip and the update.
+
         Raises:
             ValueError: gradients that do not match the weights' pieces, shapes, device or float dtypes.
             NonFiniteGradError: the global norm is NaN or Inf (nothing was changed).
         """
         start = time.perf_counter()
         self._check(grads)
-        gn, coef = clipped_norm(
-            grads,
-            comm=self.comm,
-            config=self.config,
-            backend=self.be,
-            max_norm=self.hyper.max_grad_norm,
-            at=f"step {self.step_count + 1}",
-        )
+        gn = global_grad_norm(grads, self.comm, self.config, self.be)
+        finite = torch.isfinite(gn.total)
+        coef = clip_coefficient(gn.norm, self.hyper.max_grad_norm)
         clipped = time.perf_counter()
         if mark is not None:
             mark("clip")
         pows = next_beta_pows(self.hyper, self._beta_pows)
         s = step_scalars(self.hyper, *pows, self.device)
         pieces = [(st.master, st.exp_avg, st.exp_avg_sq, grads[p], self.weights[p]) for p, st in self.state.items()]
-        self._check_finite_weights(self.be.adamw_updates(pieces, coef, s))
+        nonfinite = self.be.adamw_updates(pieces, coef, s, go=finite)
+        ran, *flags = torch.cat([finite.reshape(1), nonfinite]).tolist()  # the step's one host read
+        if not ran:
+            raise nonfinite_norm(gn, f"step {self.step_count + 1}")
+        self._check_finite_weights(flags)
         timings = {"clip_s": clipped - start, "update_s": time.perf_counter() - clipped}
         if mark is not None:
             mark("update")
@@ -224,10 +235,10 @@ class AdamW:
         maxima = torch._foreach_norm(list(self.weights.values()), math.inf, dtype=torch.float32)
         return dict(zip(self.weights, torch.stack(maxima).tolist(), strict=True))
 
-    def _check_finite_weights(self, nonfinite: Tensor) -> None:
-        """Raise NonFiniteWeightError naming the pieces the update left NaN or Inf in (`nonfinite`, [P]
-        bool in the state's order, as the update says; one host sync: waits for the update)."""
-        bad = [piece_label(p, "w") for p, b in zip(self.state, nonfinite.tolist(), strict=True) if b]
+    def _check_finite_weights(self, nonfinite: list[bool]) -> None:
+        """Raise NonFiniteWeightError naming the pieces the update left NaN or Inf in (`nonfinite`, one
+        bool per piece in the state's order, as the update said)."""
+        bad = [piece_label(p, "w") for p, b in zip(self.state, nonfinite, strict=True) if b]
         if bad:
             shown = f"{bad[:4]}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}"
             raise NonFiniteWeightError(

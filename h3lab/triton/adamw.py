@@ -64,6 +64,7 @@ def adamw_kernel(
     starts_ptr,
     coef_ptr,
     s_ptr,
+    go_ptr,
     bad_ptr,
     T,
     G_DTYPE: tl.constexpr,
@@ -77,7 +78,7 @@ def adamw_kernel(
     # gradient and weight are; each program updates one TILE_R x TILE_C tile of the piece viewed as
     # [R, C] (the state contiguous, the gradient and the weight through their strides: no integer
     # division per element) and sets bad[k] = 1 where a weight it wrote is NaN or Inf (every such
-    # store writes 1: no race)
+    # store writes 1: no race); go[0] == 0 masks every load and store: nothing changes, no flag is set
     lo, q = program_tensor(starts_ptr, T, SEARCH)  # q: this program's tile of the piece
     row = table_ptr + lo * 13
     master_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
@@ -91,14 +92,15 @@ def adamw_kernel(
         master_ptr, m_ptr, v_ptr = tl.multiple_of(master_ptr, 16), tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16)
         g_ptr, w_ptr = tl.multiple_of(g_ptr, 16), tl.multiple_of(w_ptr, 16)
         C, s_gr, s_wr = tl.multiple_of(C, 8), tl.multiple_of(s_gr, 8), tl.multiple_of(s_wr, 8)
+    live = tl.load(go_ptr).to(tl.int64)  # 1: update; 0: every mask below is empty
     if TILE_R == 1:  # one row (contiguous: element i at offset i everywhere)
         i = q * TILE_C + tl.arange(0, TILE_C)
-        mask = i < C
+        mask = i < C * live
         g_off, w_off = i, i
     else:
         r = (q // tiles_c) * TILE_R + tl.arange(0, TILE_R)[:, None]
         c = (q % tiles_c) * TILE_C + tl.arange(0, TILE_C)[None, :]
-        mask = (r < R) & (c < C)
+        mask = (r < R * live) & (c < C)
         i = r * C + c
         if ALIGNED:  # columns back to back too (the launcher checked)
             g_off, w_off = r * s_gr + c, r * s_wr + c
@@ -147,9 +149,12 @@ def _check_piece(k: int, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gr
             raise ValueError(f"{at} {name} is {t.dtype} {list(t.shape)}; allowed: {list(dtypes)}, {list(shape)}")
 
 
-def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, *, node: str | None = None) -> Tensor:
+def adamw_updates(
+    pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, go: Tensor | None = None, *, node: str | None = None
+) -> Tensor:
     """h3lab.ops.adamw.adamw_updates in one launch per group of like pieces (module docstring): the
-    same arguments, the same bytes, the same [P] bool of pieces left NaN or Inf.
+    same arguments, the same bytes, the same [P] bool of pieces left NaN or Inf; `go` (0-d bool,
+    None: true) is read by the kernels, never by the host: false, and nothing changes.
 
     Each piece is (master, exp_avg, exp_avg_sq, grad, weight): the first three contiguous FP32 of
     the piece's shape (0-, 1- or 2-D); `grad` and `weight` of that shape with any strides (a unit's
@@ -167,7 +172,12 @@ def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, *, node
         )
     if not s.is_contiguous():
         raise ValueError(f"adamw_updates: s has strides {s.stride()}; allowed: contiguous")
-    device = check_device("adamw_updates", coef, s, *(t for piece in pieces for t in piece))
+    if go is not None and (go.shape != () or go.dtype != torch.bool):
+        raise ValueError(f"adamw_updates: go {go.dtype} {list(go.shape)}; allowed: a 0-d torch.bool")
+    device = check_device(
+        "adamw_updates", coef, s, *([] if go is None else [go]), *(t for piece in pieces for t in piece)
+    )
+    go_i8 = (torch.ones(1, dtype=torch.bool, device=device) if go is None else go.reshape(1)).view(torch.int8)
     bad = torch.zeros(len(pieces), dtype=torch.int8, device=device)
     cfg = configs.pinned("adamw", node or configs.node_of(device))
     groups: dict[tuple[torch.dtype, torch.dtype, bool, bool], list[tuple[int, Tensor, Tensor]]] = {}
@@ -177,7 +187,7 @@ def adamw_updates(pieces: Sequence[AdamWPiece], coef: Tensor, s: Tensor, *, node
             aligned = _aligned((master, m, v, g2, w2), flat)
             groups.setdefault((grad.dtype, weight.dtype, flat, aligned), []).append((k, g2, w2))
     for (g_dtype, w_dtype, flat, aligned), members in groups.items():
-        _launch(pieces, members, coef, s, bad, g_dtype, w_dtype == torch.bfloat16, flat, aligned, cfg)
+        _launch(pieces, members, (coef, s, go_i8, bad), g_dtype, w_dtype == torch.bfloat16, flat, aligned, cfg)
     return bad.bool()
 
 
@@ -205,9 +215,7 @@ def _aligned(read: AdamWPiece, flat: bool) -> bool:
 def _launch(
     pieces: Sequence[AdamWPiece],
     members: list[tuple[int, Tensor, Tensor]],
-    coef: Tensor,
-    s: Tensor,
-    bad: Tensor,
+    scalars: tuple[Tensor, Tensor, Tensor, Tensor],
     g_dtype: torch.dtype,
     w_bf16: bool,
     flat: bool,
@@ -217,7 +225,8 @@ def _launch(
     """One launch over `members` (piece k with its gradient and weight as `_read_as` gives them; one
     gradient dtype, one weight dtype, one layout, one alignment): contiguous ones (`flat`) as one
     row in tiles of 1 x BLOCK, the others [R, C] in tiles of BLOCK / TILE_C x TILE_C; `aligned`: the
-    hinted build (`_aligned` holds for each)."""
+    hinted build (`_aligned` holds for each); `scalars`: (coef, s, go as int8 [1], the flags bad)."""
+    coef, s, go, bad = scalars
     tile_c = cfg["BLOCK"] if flat else cfg["TILE_C"]
     rows, starts = [], [0]
     for k, g2, w2 in members:
@@ -235,6 +244,7 @@ def _launch(
         programs,
         coef,
         s,
+        go,
         bad,
         len(members),
         G_DTYPE=tl.bfloat16 if g_dtype == torch.bfloat16 else tl.float32,
@@ -254,7 +264,8 @@ def variants(node: str) -> list[Variant]:
     gradients, each contiguous (one row) and strided ([R, C] tiles), aligned (vectorised) or not; a
     model's ~350 pieces: SEARCH 9."""
     cfg = configs.pinned("adamw", node)
-    types = {"table_ptr": "*i64", "starts_ptr": "*i64", "coef_ptr": "*fp32", "s_ptr": "*fp32", "bad_ptr": "*i8"}
+    types = {"table_ptr": "*i64", "starts_ptr": "*i64", "coef_ptr": "*fp32", "s_ptr": "*fp32", "go_ptr": "*i8"}
+    types["bad_ptr"] = "*i8"
     out = []
     for w_bf16, g_dtype in ((True, tl.bfloat16), (False, tl.float32)):
         for flat in (True, False):
