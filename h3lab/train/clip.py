@@ -30,6 +30,7 @@ from torch import Tensor
 from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 from h3lab.config import NUM_UNITS, H3Config
+from h3lab.host import to_device
 from h3lab.ops.fixed import pair_sum, sqrt_f32
 from h3lab.train.pieces import Piece, canonical_pieces, rank_pieces
 
@@ -87,7 +88,7 @@ def global_grad_norm(grads: Mapping[Piece, Tensor], comm: BlockComm, config: H3C
     slot = {p: k for k, p in enumerate(own)}
     col = {c: k for k, c in enumerate(columns)}
     index = [slot[p] if p.unit is None else len(own) + p.unit * len(columns) + col[(p.block, p.name)] for p in order]
-    piece_sums = torch.cat(sources).index_select(0, torch.tensor(index, device=device))
+    piece_sums = torch.cat(sources).index_select(0, to_device(index, torch.int64, device))  # no host sync
     total = pair_sum(piece_sums)
     return GradNorm(norm=sqrt_f32(total), total=total, piece_sums=piece_sums, order=order)
 

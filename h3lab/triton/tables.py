@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from h3lab.host import to_device
+
 
 @triton.jit
 def program_tensor(starts_ptr, T, SEARCH: tl.constexpr):
@@ -29,9 +31,5 @@ def search_steps(num_tensors: int) -> int:
 
 
 def on_device(values: list, device: torch.device) -> Tensor:
-    """An int64 tensor of `values` on `device`; on CUDA through pinned memory, so the copy waits
-    for neither the host nor the work queued before it."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """An int64 tensor of `values` on `device`, queued without a host sync (h3lab.host.to_device)."""
+    return to_device(values, torch.int64, device)

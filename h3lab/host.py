@@ -1,0 +1,20 @@
+"""Small host values onto a device without draining it.
+
+`torch.tensor(values, device=cuda)` copies from pageable memory and waits for the copy, so for the
+whole stream: a host sync that leaves the GPU idle until the host queues more. Through pinned memory
+the copy is queued like a kernel (torch's pinned allocator keeps the buffer until the copy is done).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of `values` in `dtype` on `device`; on CUDA through pinned memory, so the copy waits
+    for neither the host nor the work queued before it (on a CPU: the tensor itself)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
