@@ -75,6 +75,21 @@ def test_chain_mm_is_the_reference_chain(M, K, N, case):
     _check_chain(M, K, N, case, seed=M + K + N, device="cpu", node=NODE)
 
 
+@interp
+@pytest.mark.parametrize("unroll", [2, 3, 8])
+def test_chain_mm_unrolled_is_the_reference_chain(unroll):
+    """UNROLL steps of k loaded together, added in order; K not a multiple of UNROLL (a tail of +0 adds)."""
+    for M, K, N in [(37, 29, 70), (3, 200, 5), (5, 1, 2)]:
+        for case in CHAIN_CASES:
+            a_dtype, b_dtype, scale = case
+            a = _awkward(M, K, seed=K, dtype=a_dtype, device="cpu", scale=scale)
+            b = _awkward(N, K, seed=K + 1, dtype=b_dtype, device="cpu", scale=1e-3 * scale).t()
+            cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "UNROLL": unroll, "num_warps": 1}
+            assert_bitwise(chain.chain_mm(a, b, config=cfg), ref_chain_mm(a, b), f"chain_mm {M}x{K}x{N} {case}")
+    with pytest.raises(ValueError, match=r"chain_mm config keys \['BLOCK_M'\]; allowed: exactly"):
+        chain.chain_mm(a, b, config={"BLOCK_M": 16})
+
+
 @gpu
 @pytest.mark.parametrize(("M", "K", "N"), [(4096, 5376, 96), (96, 3000, 5376), (3, 5376, 2688)])
 @pytest.mark.parametrize("case", CHAIN_CASES)

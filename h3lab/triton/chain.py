@@ -17,6 +17,8 @@ Dimension legend: M rows, K reduced, N columns.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -27,34 +29,64 @@ from h3lab.triton.gemm_host import check_device, check_operand
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "UNROLL", "num_warps")
 MAX_ELEMENTS = 2**31 - 1  # per operand: its contiguous copy's offsets k * stride + m must fit int32
 
 
 @triton.jit
 def chain_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K, s_ak, s_am, s_bk, s_bn, s_cm, s_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    s_ak,
+    s_am,
+    s_bk,
+    s_bn,
+    s_cm,
+    s_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
-    # c[m, n] = ((0 + a[0,m] b[0,n]) + a[1,m] b[1,n]) + ..., k ascending, one rounding at the store
+    # c[m, n] = ((0 + a[0,m] b[0,n]) + a[1,m] b[1,n]) + ..., k ascending, one rounding at the store.
+    # UNROLL steps of k load first and add in order after: more loads in flight, the same adds. A
+    # step past K loads a = b = 0 and adds +0, exact: the chain starts at +0 and never holds -0
+    # (x + y is -0 only for x = y = -0), so acc + 0 == acc.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_col = a_ptr + rm.to(tl.int64) * s_am
+    b_row = b_ptr + rn * s_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, K):
-        a = tl.load(a_ptr + k * s_ak + rm.to(tl.int64) * s_am, mask=rm < M, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + k * s_bk + rn * s_bn, mask=rn < N, other=0.0).to(tl.float32)
-        acc += a[:, None] * b[None, :]
+    for k0 in range(0, K, UNROLL):
+        parts = ()
+        for j in tl.static_range(UNROLL):
+            k = k0 + j
+            live = (k < K).to(tl.int32)  # past K: every mask empty (a scalar bound, not a scalar & vector)
+            a = tl.load(a_col + k * s_ak, mask=rm < M * live, other=0.0).to(tl.float32)
+            b = tl.load(b_row + k * s_bk, mask=rn < N * live, other=0.0).to(tl.float32)
+            parts = parts + ((a, b),)  # noqa: RUF005 (a jit tuple grows by +, not by unpacking)
+        for j in tl.static_range(UNROLL):
+            a, b = parts[j]
+            acc += a[:, None] * b[None, :]
     c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None) -> Tensor:
+def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None, config: Mapping[str, int] | None = None) -> Tensor:
     """FP32 [M, N] = a @ b as h3lab.ops.chain.chain_mm computes it (module docstring).
 
     Args:
         a_MK, b_KN: 2-D bf16 or fp32 tensors, any strides (copied so that each k step reads
             contiguous rows of a^T and b).
+        config: CONFIG_KEYS instead of the node's pinned "chain" entry (every tile gives the same
+            bits; h3lab.bench.chain_bench times them).
 
     Raises:
-        ValueError: shapes, dtypes, devices, a node without a pinned "chain" entry.
+        ValueError: shapes, dtypes, devices, a node without a pinned "chain" entry, a config
+            without exactly CONFIG_KEYS.
     """
     check_operand("chain_mm", "a_MK", a_MK)
     check_operand("chain_mm", "b_KN", b_KN)
@@ -67,18 +99,22 @@ def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None) -> Tensor:
     (M, K), (K2, N) = a_MK.shape, b_KN.shape
     if K != K2:
         raise ValueError(f"chain_mm: a_MK {tuple(a_MK.shape)}, b_KN {tuple(b_KN.shape)}; allowed: the same K")
-    cfg = configs.pinned("chain", node or configs.node_of(device))
+    cfg = configs.pinned("chain", node or configs.node_of(device)) if config is None else config
+    if set(cfg) - {"comment"} != set(CONFIG_KEYS):
+        raise ValueError(f"chain_mm config keys {sorted(cfg)}; allowed: exactly {list(CONFIG_KEYS)}")
     c = torch.zeros((M, N), dtype=F32, device=device)
     if M and N and K:
         a_KM = a_MK.t().contiguous()
         b_KN = b_KN.contiguous()
-        launch_chain(a_KM, b_KN, c, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"])
+        launch_chain(a_KM, b_KN, c, (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["UNROLL"]), cfg["num_warps"])
     return c
 
 
-def launch_chain(a_KM: Tensor, b_KN: Tensor, c_MN: Tensor, block_m: int, block_n: int, num_warps: int) -> None:
-    """c = the chain over k of a[k, m] * b[k, n] (`chain_kernel`), any strides, rounded once to c's dtype."""
+def launch_chain(a_KM: Tensor, b_KN: Tensor, c_MN: Tensor, tile: tuple[int, int, int], num_warps: int) -> None:
+    """c = the chain over k of a[k, m] * b[k, n] (`chain_kernel`), any strides, rounded once to c's dtype;
+    `tile`: (BLOCK_M, BLOCK_N, UNROLL)."""
     (K, M), N = a_KM.shape, b_KN.shape[1]
+    block_m, block_n, unroll = tile
     chain_kernel[(configs.cdiv(M, block_m), configs.cdiv(N, block_n))](
         a_KM,
         b_KN,
@@ -94,6 +130,7 @@ def launch_chain(a_KM: Tensor, b_KN: Tensor, c_MN: Tensor, block_m: int, block_n
         c_MN.stride(1),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        UNROLL=unroll,
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
@@ -103,5 +140,5 @@ def variants(node: str) -> list[Variant]:
     """The float32 modules' GEMM: a bf16 activation against an fp32 weight."""
     cfg = configs.pinned("chain", node)
     types = {"a_ptr": "*bf16", "b_ptr": "*fp32", "c_ptr": "*fp32"}
-    const = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+    const = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "UNROLL": cfg["UNROLL"]}
     return [Variant("chain", "chain_mm", chain_kernel, types, const, options(cfg, stages=False))]

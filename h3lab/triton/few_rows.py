@@ -158,7 +158,8 @@ def mm_few_k(a_KM: Tensor, b_KN: Tensor, out_dtype: torch.dtype = torch.float32,
         raise ValueError(f"mm_few_k: out_dtype {out_dtype}; allowed: {list(OUT_DTYPES)}")
     c = torch.empty((M, N), dtype=out_dtype, device=device)
     if M and N:
-        launch_chain(a_KM, b_KN, c, cfg["outer_BLOCK_M"], cfg["outer_BLOCK_N"], cfg["outer_num_warps"])
+        tile = (cfg["outer_BLOCK_M"], cfg["outer_BLOCK_N"], 1)  # K <= max_k: one step of k at a time
+        launch_chain(a_KM, b_KN, c, tile, cfg["outer_num_warps"])
     return c
 
 
@@ -169,7 +170,7 @@ def variants(node: str) -> list[Variant]:
     const = {"BLOCK_T": 16, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
     out = [Variant("few_rows", "unit_mm_few_rows", _unit_partial_kernel, types, const, options(cfg))]
     types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
-    const = {"BLOCK_M": cfg["outer_BLOCK_M"], "BLOCK_N": cfg["outer_BLOCK_N"]}
+    const = {"BLOCK_M": cfg["outer_BLOCK_M"], "BLOCK_N": cfg["outer_BLOCK_N"], "UNROLL": 1}
     opts = {"num_warps": cfg["outer_num_warps"], "enable_fp_fusion": False}
     out.append(Variant("few_rows", "mm_few_k", chain_kernel, types, const, opts))
     return out
