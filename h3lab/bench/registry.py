@@ -79,6 +79,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         needs_cuda=True,
     ),
     Benchmark(
+        "chain",
+        "h3lab.bench.chain_bench",
+        "chain.json",
+        "the float32 modules' chain GEMM over its tiles at the training step's shapes, cuBLAS FP32 beside",
+        {"gpu": ("--candidates", "all")},
+        needs_cuda=True,
+    ),
+    Benchmark(
         "attention",
         "h3lab.bench.attention_bench",
         "attention.json",

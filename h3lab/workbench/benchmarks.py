@@ -107,6 +107,27 @@ def gemm(record: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index(["kernel", "shape", "rows"])
 
 
+def chain(record: dict) -> pd.DataFrame:
+    """Per shape of the float32 modules' chain GEMM: the pinned tile's ms, the fastest candidate's,
+    cuBLAS's FP32 GEMM (other bits), and whether every candidate gave the pinned bytes."""
+    rows = []
+    for r in record["shapes"]:
+        fastest = r.get("fastest") or {}
+        rows.append(
+            {
+                "shape": f"{r['what']} {r['M']}x{r['K']}x{r['N']}",
+                "pinned ms": r["pinned_ms"],
+                "fastest ms": fastest.get("ms"),
+                "fastest tile": "x".join(str(fastest[k]) for k in ("BLOCK_M", "BLOCK_N", "UNROLL", "num_warps"))
+                if fastest
+                else None,
+                "cuBLAS FP32 ms": r["cublas_fp32_ms"],
+                "all tiles bitwise": all(t["bitwise"] for t in r["tiles"]),
+            }
+        )
+    return pd.DataFrame(rows).set_index("shape")
+
+
 def attention(record: dict) -> pd.DataFrame:
     """Per shape: the pinned kernels' fwd and bwd ms, and fwd+bwd against SDPA's default and flash."""
     rows = []
@@ -331,6 +352,7 @@ TABLES: dict[str, Callable[[Any], pd.DataFrame]] = {
     "block_long": block_gpu,
     "block_cpu": block_cpu,
     "gemm": gemm,
+    "chain": chain,
     "attention": attention,
     "attention_long": attention_long,
     "attention_fused": attention_fused,
