@@ -1,9 +1,11 @@
-"""Every host synchronisation one canonical GPU block makes, with the h3lab line that made it.
+"""Every host synchronisation one canonical GPU block (or training step) makes, with the h3lab line that made it.
 
-`python -m h3lab.bench.sync_sites [--rows 264] [--config real]` runs the block twice (the first
-compiles) under torch.cuda.set_sync_debug_mode("warn") and prints, per call site, how many times
-the second run synchronised there. A sync mid-block drains the GPU's queue; the host must then
-refill it before the GPU has work again.
+`python -m h3lab.bench.sync_sites [--rows 264] [--config real] [--train-blocks N] [--out F.json]`
+runs the block twice (the first compiles) under torch.cuda.set_sync_debug_mode("warn") and prints,
+per call site, how many times the second run synchronised there; with `--train-blocks N`, the
+training step of blocks 0..N-1 with the embedders, refiner and heads (`Trainer.step`, step 3: the
+optimizer's state made at step 1) instead. `--out` also writes {"total", "sites"} as JSON. A sync
+mid-step drains the GPU's queue; the host must then refill it before the GPU has work again.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import collections
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from h3lab.backend import get_backend
 from h3lab.batch import packed_batch
 from h3lab.block import canonical_block
-from h3lab.config import H3Config
+from h3lab.config import NAMED_CONFIGS, H3Config
+from h3lab.io.jsonfile import write_json
 from h3lab.weights import synthetic_block
 
 
@@ -31,6 +35,24 @@ def sync_sites(config: str, rows: int, backend: str) -> dict[str, int]:
     canonical_block(w, b, backend=be)
     torch.cuda.synchronize()
     return sites_of(lambda: canonical_block(w, b, backend=be), skip="sync_sites")
+
+
+def train_step_sites(config: str, rows: int, blocks: int, backend: str) -> dict[str, int]:
+    """The host synchronisations of `Trainer.step(3)` of blocks 0..blocks-1 (real weights' dtypes)."""
+    from h3lab.model.packing import request_of_rows
+    from h3lab.model.weights import SyntheticWeights
+    from h3lab.train.adamw import AdamWHyper
+    from h3lab.train.step import Trainer
+
+    dev = torch.device("cuda")
+    c = H3Config.named(config).replace(num_layers=blocks)
+    weights = SyntheticWeights(c, seed=0, device=dev, generator=dev)
+    inputs = request_of_rows(c, rows, 1).to(dev)
+    hyper = AdamWHyper(lr=1e-5, max_grad_norm=1.0)
+    t = Trainer(weights, inputs, blocks=range(blocks), hyper=hyper, seed=0, backend=get_backend(backend, dev))
+    t.step(1)
+    t.step(2)
+    return sites_of(lambda: t.step(3), skip="sync_sites")
 
 
 def sites_of(run: Callable[[], object], skip: str) -> dict[str, int]:
@@ -62,17 +84,33 @@ def under_sync_warnings(run: Callable[[], object], seen: Callable[..., None]) ->
         torch.cuda.set_sync_debug_mode(before)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=264)
-    ap.add_argument("--config", default="real")
+    ap.add_argument("--config", default="real", choices=sorted(NAMED_CONFIGS))
     ap.add_argument("--backend", default="triton", choices=("triton", "torch"))
-    a = ap.parse_args()
-    sites = sync_sites(a.config, a.rows, a.backend)
-    print(f"{sum(sites.values())} synchronisations in one block ({a.backend}, {a.rows} rows):")
+    ap.add_argument("--train-blocks", type=int, default=None, help="the training step of blocks 0..N-1 instead")
+    ap.add_argument("--out", type=Path, default=None, help="also write {total, sites} here (JSON)")
+    a = ap.parse_args(argv)
+    if a.rows < 1 or (a.train_blocks is not None and a.train_blocks < 1):
+        ap.error(f"--rows {a.rows}, --train-blocks {a.train_blocks}; allowed: rows >= 1, train blocks >= 1")
+    if not torch.cuda.is_available():
+        ap.error("no CUDA device; allowed: a GPU node (the sites are what CUDA reports)")
+    if a.train_blocks is None:
+        sites, what = sync_sites(a.config, a.rows, a.backend), "one block"
+    else:
+        sites, what = (
+            train_step_sites(a.config, a.rows, a.train_blocks, a.backend),
+            f"one step of {a.train_blocks} blocks",
+        )
+    total = sum(sites.values())
+    print(f"{total} synchronisations in {what} ({a.backend}, {a.rows} rows):")
     for site, n in sorted(sites.items(), key=lambda kv: -kv[1]):
         print(f"  {n:3d}  {site}")
+    if a.out is not None:
+        write_json(a.out, {"total": total, "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1]))})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
