@@ -13,6 +13,7 @@ FP32 denormals (squares and products that underflow), ragged tails and strided v
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -90,8 +91,49 @@ def test_chain_mm_unrolled_is_the_reference_chain(unroll):
         chain.chain_mm(a, b, config={"BLOCK_M": 16})
 
 
+@interp
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("UNROLL", 0, "an int >= 1"),
+        ("UNROLL", -1, "an int >= 1"),
+        ("BLOCK_M", 24, "a power of two"),
+        ("num_warps", 2.0, "a power of two"),
+    ],
+)
+def test_chain_mm_refuses_a_config_value_it_cannot_run(key, value, allowed):
+    a, b = torch.randn(4, 5), torch.randn(5, 3)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "UNROLL": 8, "num_warps": 4} | {key: value}
+    with pytest.raises(ValueError, match=rf"chain_mm config {key} {value!r}; allowed: {allowed}"):
+        chain.chain_mm(a, b, config=cfg)
+
+
+@interp
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0 in numpy: the NaN wanted
+def test_chain_mm_special_values_are_the_reference_chain_on_a_tail():
+    """-0, Inf and NaN operands, K not a multiple of the pinned UNROLL: the +0 adds past K leave them."""
+    _special_chain("cpu", NODE)
+
+
 @gpu
-@pytest.mark.parametrize(("M", "K", "N"), [(4096, 5376, 96), (96, 3000, 5376), (3, 5376, 2688)])
+def test_chain_mm_special_values_are_the_reference_chain_on_a_tail_on_gpu():
+    _special_chain("cuda", None)
+
+
+def _special_chain(device: str, node: str | None) -> None:
+    for K in (1, 7, 13):
+        a = torch.randn(9, K, generator=torch.Generator().manual_seed(K)).to(device)
+        b = torch.randn(K, 6, generator=torch.Generator().manual_seed(K + 1)).to(device)
+        a[0] = -0.0
+        b[:, 1] = -0.0
+        a[2, 0], a[3, -1], b[0, 2] = math.inf, -math.inf, math.nan
+        assert_bitwise(chain.chain_mm(a, b, node=node), ref_chain_mm(a, b), f"chain_mm special values, K {K}")
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("M", "K", "N"), [(4096, 5376, 96), (96, 3000, 5376), (3, 5376, 2688), (37, 29, 70), (96, 3001, 130), (5, 1, 2)]
+)
 @pytest.mark.parametrize("case", CHAIN_CASES)
 def test_chain_mm_is_the_reference_chain_on_gpu(M, K, N, case):
     _check_chain(M, K, N, case, seed=M + K + N, device="cuda", node=None)
@@ -265,7 +307,7 @@ def _held_back(device: str, node: str | None) -> None:
             shape = (8, 16) if strided else (70,)
             master, m, v, grad = (torch.randn(shape, generator=g).to(device) for _ in range(4))
             master[0] = value
-            w = torch.randn(8, 48, generator=g).to(device, dtype)[:, 16:32] if strided else master.to(dtype)
+            w = torch.randn(8, 48, generator=g).to(device, dtype)[:, 16:32] if strided else master.to(dtype, copy=True)
             pieces.append((master, m, v.abs(), grad, w))
         before = [[t.clone() for t in piece] for piece in pieces]
         flags = fn(pieces, coef, s, torch.tensor(False, device=device), **kw)
@@ -275,7 +317,8 @@ def _held_back(device: str, node: str | None) -> None:
                 assert_bitwise(t, t0, f"{fn.__module__} piece {k} {name} with go false")
         flags = fn(pieces, coef, s, torch.tensor(True, device=device), **kw)  # the same update, let run
         assert flags.tolist() == [c[-1] for c in FLAG_CASES], fn
-        assert all(not torch.equal(piece[0], was[0]) for piece, was in zip(pieces, before, strict=True))
+        for piece, was in zip(pieces, before, strict=True):  # it ran: the finite masters moved
+            assert not torch.equal(piece[0][1:], was[0][1:]), fn
 
 
 @interp
@@ -286,6 +329,43 @@ def test_adamw_updates_held_back_change_nothing():
 @gpu
 def test_adamw_updates_held_back_change_nothing_on_gpu():
     _held_back("cuda", None)
+
+
+@interp
+@pytest.mark.parametrize("value", [math.nan, math.inf, 3e19])  # 3e19: finite, its square overflows FP32
+def test_a_step_refused_through_the_kernel_changes_nothing(value):
+    """AdamW.step with the kernel's updates queued behind a non-finite norm: NonFiniteGradError, and
+    every weight, master, moment, the step count and the beta powers as they were."""
+    from h3lab.backend import get_backend
+    from h3lab.comm import LocalComm
+    from h3lab.train.adamw import AdamW, NonFiniteGradError
+    from tests.train_ranks import NARROW, model_weights, random_grads
+
+    class KernelUpdates(type(get_backend("torch"))):
+        def adamw_updates(self, pieces, coef, s, go=None):
+            return adamw.adamw_updates(pieces, coef, s, go, node=NODE)
+
+    config = NARROW.replace(num_layers=1)
+    weights = model_weights(config, range(1), range(8), seed=3)
+    opt = AdamW(weights, config=config, comm=LocalComm(), hyper=AdamWHyper(lr=1e-3), backend=KernelUpdates())
+    opt.step(random_grads(weights, config, seed=4, scale=1e-2))
+    before = {p: [t.clone() for t in (w, *vars(opt.state[p]).values())] for p, w in opt.weights.items()}
+    counts = (opt.step_count, opt._beta_pows)
+    grads = random_grads(weights, config, seed=5, scale=1e-2)
+    first = next(iter(grads))
+    grads[first] = grads[first].clone()
+    grads[first].view(-1)[0] = value
+    with pytest.raises(NonFiniteGradError, match=r"step 2: gradient norm .*step refused, nothing changed"):
+        opt.step(grads)
+    assert (opt.step_count, opt._beta_pows) == counts
+    for p, was in before.items():
+        for name, t, t0 in zip(
+            ("weight", "master", "exp_avg", "exp_avg_sq"),
+            (opt.weights[p], *vars(opt.state[p]).values()),
+            was,
+            strict=True,
+        ):
+            assert_bitwise(t, t0, f"{p} {name} after a refused step")
 
 
 def test_adamw_updates_refuse_what_they_cannot_read():

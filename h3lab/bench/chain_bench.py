@@ -59,8 +59,9 @@ def bench_shape(what: str, M: int, K: int, N: int, a_dtype: torch.dtype, tiles: 
     rec["pinned_ms"] = timed(lambda: chain.chain_mm(a, b))["ms"]
     rec["pinned"] = {k: pinned[k] for k in chain.CONFIG_KEYS}
     rec["cublas_fp32_ms"] = timed(lambda: a.float() @ b)["ms"]
-    best = min(rec["tiles"], key=lambda r: r["ms"])
-    rec["fastest"] = {k: best[k] for k in (*chain.CONFIG_KEYS, "ms")}
+    if rec["tiles"]:  # --candidates pinned times the pin alone: no fastest, no comparison
+        best = min(rec["tiles"], key=lambda r: r["ms"])
+        rec["fastest"] = {k: best[k] for k in (*chain.CONFIG_KEYS, "ms")}
     return rec
 
 

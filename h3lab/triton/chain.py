@@ -18,6 +18,7 @@ Dimension legend: M rows, K reduced, N columns.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import triton
@@ -53,8 +54,9 @@ def chain_kernel(
 ):
     # c[m, n] = ((0 + a[0,m] b[0,n]) + a[1,m] b[1,n]) + ..., k ascending, one rounding at the store.
     # UNROLL steps of k load first and add in order after: more loads in flight, the same adds. A
-    # step past K loads a = b = 0 and adds +0, exact: the chain starts at +0 and never holds -0
-    # (x + y is -0 only for x = y = -0), so acc + 0 == acc.
+    # step past K loads a = b = 0 and adds +0, which leaves acc's bits as they are for every acc but
+    # -0 (Inf and NaN included), and the chain never holds -0: it starts at +0, and x + y is -0 only
+    # for x = y = -0.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     a_col = a_ptr + rm.to(tl.int64) * s_am
@@ -75,7 +77,7 @@ def chain_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None, config: Mapping[str, int] | None = None) -> Tensor:
+def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None, config: Mapping[str, Any] | None = None) -> Tensor:
     """FP32 [M, N] = a @ b as h3lab.ops.chain.chain_mm computes it (module docstring).
 
     Args:
@@ -100,14 +102,24 @@ def chain_mm(a_MK: Tensor, b_KN: Tensor, *, node: str | None = None, config: Map
     if K != K2:
         raise ValueError(f"chain_mm: a_MK {tuple(a_MK.shape)}, b_KN {tuple(b_KN.shape)}; allowed: the same K")
     cfg = configs.pinned("chain", node or configs.node_of(device)) if config is None else config
-    if set(cfg) - {"comment"} != set(CONFIG_KEYS):
-        raise ValueError(f"chain_mm config keys {sorted(cfg)}; allowed: exactly {list(CONFIG_KEYS)}")
+    _check_config(cfg)
     c = torch.zeros((M, N), dtype=F32, device=device)
     if M and N and K:
         a_KM = a_MK.t().contiguous()
         b_KN = b_KN.contiguous()
         launch_chain(a_KM, b_KN, c, (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["UNROLL"]), cfg["num_warps"])
     return c
+
+
+def _check_config(cfg: Mapping[str, Any]) -> None:
+    if set(cfg) - {"comment"} != set(CONFIG_KEYS):
+        raise ValueError(f"chain_mm config keys {sorted(cfg)}; allowed: exactly {list(CONFIG_KEYS)}")
+    for key in CONFIG_KEYS:
+        v = cfg[key]
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if not ok or (key != "UNROLL" and v & (v - 1)):
+            allowed = "an int >= 1" if key == "UNROLL" else "a power of two"
+            raise ValueError(f"chain_mm config {key} {v!r}; allowed: {allowed}")
 
 
 def launch_chain(a_KM: Tensor, b_KN: Tensor, c_MN: Tensor, tile: tuple[int, int, int], num_warps: int) -> None:

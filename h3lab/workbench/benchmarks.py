@@ -122,7 +122,7 @@ def chain(record: dict) -> pd.DataFrame:
                 if fastest
                 else None,
                 "cuBLAS FP32 ms": r["cublas_fp32_ms"],
-                "all tiles bitwise": all(t["bitwise"] for t in r["tiles"]),
+                "all tiles bitwise": all(t["bitwise"] for t in r["tiles"]) if r["tiles"] else None,
             }
         )
     return pd.DataFrame(rows).set_index("shape")
