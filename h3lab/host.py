@@ -13,8 +13,9 @@ from torch import Tensor
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A 1-D tensor of `values` in `dtype` on `device`; on CUDA through pinned memory, so the copy waits
-    for neither the host nor the work queued before it (on a CPU: the tensor itself)."""
+    for neither the host nor the work queued before it (on a CPU: the tensor itself; another device:
+    a plain copy)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host if device.type == "cpu" else host.to(device)

@@ -21,3 +21,9 @@ def test_a_cpu_is_refused(capsys):
     with pytest.raises(SystemExit) as stop:
         sync_sites.main(["--train-blocks", "2"])
     assert stop.value.code == 2 and "no CUDA device; allowed: a GPU node" in capsys.readouterr().err
+
+
+def test_too_few_rows_for_a_step_are_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        sync_sites.main(["--train-blocks", "2", "--rows", "1", "--config", "tiny"])
+    assert stop.value.code == 2 and "--rows 1 for a training step; allowed: >= " in capsys.readouterr().err

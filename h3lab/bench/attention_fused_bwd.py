@@ -13,7 +13,8 @@ kernel runs in both launch orders (attention_fused.ORDERS): "fused" is heads_fir
 order that makes a head's key blocks wait in a wavefront; both must give the same bytes. What the
 figure answers: the cost of an ordered dq when the compute warps wait their turn themselves. Two
 diagnostics split that cost (attention_fused.DQ_MODES; their dq is never used): "unordered" adds
-the same partials without turns (in both launch orders), "no_dq" skips dq's product and adds.
+the same partials without turns (in both launch orders), "skipped" (recorded as no_dq) drops dq's
+product and adds.
 """
 
 from __future__ import annotations

@@ -186,7 +186,9 @@ def custom_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
 
 def trainer_step(ctx: types.SimpleNamespace) -> tuple[Step, Weights]:
     """`trainer`'s step; its phases are its own clocks' (`TrainStep.timings`: model_forward's,
-    model_backward's, the clip's, the update's; each up to a host sync)."""
+    model_backward's, the clip's, the update's). The clip's ends when the clip is queued and the
+    update's waits for both (AdamW.step reads the norm's finiteness after the updates), where the
+    flow's clip waits for its norm (clip_grad_norm_ refuses when called): compare clip + update."""
     from h3lab.backend import get_backend
     from h3lab.train.adamw import AdamWHyper
     from h3lab.train.step import Trainer

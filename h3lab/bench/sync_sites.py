@@ -24,6 +24,7 @@ from h3lab.batch import packed_batch
 from h3lab.block import canonical_block
 from h3lab.config import NAMED_CONFIGS, H3Config
 from h3lab.io.jsonfile import write_json
+from h3lab.model.packing import min_request_rows
 from h3lab.weights import synthetic_block
 
 
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.rows < 1 or (a.train_blocks is not None and a.train_blocks < 1):
         ap.error(f"--rows {a.rows}, --train-blocks {a.train_blocks}; allowed: rows >= 1, train blocks >= 1")
+    least = min_request_rows(H3Config.named(a.config))
+    if a.train_blocks is not None and a.rows < least:
+        ap.error(f"--rows {a.rows} for a training step; allowed: >= {least} (a request of every stream, {a.config})")
     if not torch.cuda.is_available():
         ap.error("no CUDA device; allowed: a GPU node (the sites are what CUDA reports)")
     if a.train_blocks is None:

@@ -11,9 +11,10 @@ bit may differ between machines).
 A step updates every piece or none: the clip's global norm needs every gradient, so one step count
 serves all pieces. A NaN or Inf in any gradient (or squares that overflow FP32) makes the norm
 non-finite; the step then raises `NonFiniteGradError` having changed nothing (catching it skips the
-step): its updates were queued behind the norm and read its finiteness on the device, so they ran
-nowhere, and the host learns it with the weights' flags in the step's one read. The norm has the
-same bits on every rank, so every rank of a layout raises together.
+step): its updates were queued behind the norm and run only where it is finite (the Triton kernels
+read that on the device, the torch reference on the host), and the host learns it with the
+weights' flags in one read after the updates. The norm has the same bits on every rank, so every
+rank of a layout raises together.
 An update that leaves a NaN or Inf in a weight (finite gradients, an overflowing learning rate)
 raises `NonFiniteWeightError` naming the step and the pieces (the update itself says which: no
 second pass over the weights); the weights then hold those values.
@@ -200,8 +201,10 @@ class AdamW:
         is called as "clip" and "update" end (a profiler's or a timer's hook).
 
         The updates are queued behind the norm without waiting for it: they run only where it is finite
-        (the kernels read that), and one host read after them says whether they ran and which weights
-        they left NaN or Inf, so the GPU never drains between the clip and the update.
+        (the Triton kernels read that on the device, so on the triton backend the GPU does not drain
+        between the clip and the update; the torch reference reads it on the host), and one host read
+        after them says whether they ran and which weights they left NaN or Inf. So `mark("clip")` is
+        called also for a step that is then refused (no "update" follows).
 
         Raises:
             ValueError: gradients that do not match the weights' pieces, shapes, device or float dtypes.
