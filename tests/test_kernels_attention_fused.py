@@ -8,6 +8,9 @@ the call. Interpreter (FP32, tl.dot as conftest's chain_dot) on CPU; `-m gpu` on
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -134,3 +137,52 @@ def test_the_bench_refuses_fewer_than_two_repeats(tmp_path, capsys):
         bench_main(["--out", str(tmp_path / "f.json"), "--repeats", "1"])
     assert stop.value.code == 2 and "--repeats 1; allowed: >= 2" in capsys.readouterr().err
     assert not (tmp_path / "f.json").exists()
+
+
+COMPILE_SM90 = """
+import re
+from h3lab.bench.compile_pinned import build
+from h3lab.triton.attention_fused_sm90 import variant
+k = build(variant(), "sm90")
+ptx = k.asm["ptx"]
+print("shared", k.metadata.shared)
+print("ptx", ptx)
+"""
+
+
+def test_gluon_fused_backward_compiles_for_sm90_with_its_ordering_instructions():
+    """No GPU needed: the Gluon candidate (h3lab.triton.attention_fused_sm90) builds for sm90 with the
+    installed Triton, fits shared memory, adds dq by TMA reduce and releases a turn only after the
+    bulk wait that covers the global writes (no `.read`), acquiring turns by ld.acquire. In a
+    subprocess without TRITON_INTERPRET (Gluon cannot compile interpreted helpers)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shared = int(re.search(r"^shared (\d+)$", done.stdout, re.M).group(1))
+    ptx = done.stdout.split("ptx ", 1)[1]
+    assert shared <= 232_448, shared  # sm90's shared memory per block
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
+    waits = [m.start() for m in re.finditer(r"cp\.async\.bulk\.wait_group 0;", ptx)]
+    release = ptx.index("atom.global.gpu.release.exch.b32")
+    assert waits and waits[0] < release and "cp.async.bulk.wait_group.read" not in ptx
+    assert "ld.global.acquire.gpu.b32" in ptx and ptx.count("wgmma.mma_async") >= 5
+
+
+@gpu
+@pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (4096, 4032, 8)])
+def test_gpu_gluon_fused_backward_gives_the_candidates_bytes(n_q, n_k, heads):
+    """dk, dv: the pinned dk/dv kernel's bytes (KV128); dq: the Triton candidate's (the same adds in
+    the same key-block order, here TMA reduce-adds); 20 calls give one set of bytes."""
+    from h3lab.triton.attention_fused_sm90 import attention_bwd_fused_sm90
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon candidate is Hopper-only (sm90)")
+    args, node = _case(n_q, n_k, heads, 128, "cuda", seed=n_q)
+    got = attention_bwd_fused_sm90(*args)
+    want_dk, want_dv = att.attention_bwd_kv(*args, node=node, config=KV128)
+    assert_bitwise(got[1], want_dk, "Gluon fused dk against the dk/dv kernel")
+    assert_bitwise(got[2], want_dv, "Gluon fused dv against the dk/dv kernel")
+    assert_bitwise(got[0], attention_bwd_fused(*args, config=KV128)[0], "Gluon fused dq against the candidate's")
+    for _ in range(20):
+        for name, a, b in zip(("dq", "dk", "dv"), got, attention_bwd_fused_sm90(*args), strict=True):
+            assert_bitwise(a, b, f"Gluon fused {name}, call to call")

@@ -1,0 +1,348 @@
+"""A fused attention backward for Hopper in Gluon, dq added in key-block order by its own warp: a candidate.
+
+Status: compiled for sm90 without a GPU (the installed Triton: tests/test_kernels_attention_fused.py;
+a prototype of the same kernel also with Triton 3.6, the GPU nodes'), never run on one; no launcher
+of h3lab.triton.attention calls it. Its GPU test (same file, `-m gpu`) says whether it keeps the bits
+it is written for:
+- dk, dv: the pinned dk/dv kernel's (attention_bwd, BLOCK_M 64 query rows, BLOCK_N 128 keys): per key
+  block, over query blocks ascending, S^T = K Q^T, P^T = exp2(S^T * qk_scale - lse2), dP^T = V dO^T,
+  dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, as one wgmma chain each;
+- dq: h3lab.triton.attention_fused's ("ordered"): a query row's dq = ((0 + P_0) + P_1) + ... over key
+  blocks j, P_j = dS_j K_j an FP32 [64, 128] tile, then times scale on the host. Here the adds are TMA
+  reduce-adds (cp.reduce.async.bulk .add.f32) where the candidate uses per-element atomics: whether
+  the two round alike is the GPU test's first question.
+
+Why a second fused kernel. The Triton candidate waits for its turns in the compute warps and adds dq
+element by element (reports/h200/attention-fused-bwd.json: 2.65x the split backward at 16384 rows,
+1.51x without the turns, 0.81x without dq). As FlashAttention-3's deterministic backward does
+(hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp, `store_dq`), one program per (head, key block) runs
+- a producer warp: K_j and V_j once, then Q_i and dO_i of every query block into a STAGES-deep ring;
+- the compute partition (8 warps, two warpgroups over the 128 keys): the five GEMMs per query block,
+  writing P_i^j into one of DQ_SLOTS shared-memory slots and going on;
+- a dQ warp: waits until turn[h, i] == j (key blocks 0..j-1 have added), bulk-adds the slot into the
+  FP32 dq, waits for the add's global writes (`cp.async.bulk.wait_group 0`, not `.read`: released
+  after `.read`, FlashAttention issue #2244's dq varied run to run), then releases turn j + 1.
+The compute warps block only when the dQ warp is DQ_SLOTS tiles behind. Key block j spins until j - 1
+has added, so j - 1 must be resident or done: CUDA dispatches a grid's blocks in launch order in
+practice (not promised; FA3 and the Triton candidate rely on the same); the grid is (H, n_kb), heads
+fastest. Shared memory at STAGES 2, DS_SLOTS 1, DQ_SLOTS 2: 213,292 of 232,448 bytes.
+
+Launcher: `attention_bwd_fused_sm90`. Dimension legend: Q query rows, K keys, H heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from h3lab.triton.attention import LOG2E, _bwd_operands
+from h3lab.triton.attention_fwd_sm90 import MAXNREG, _desc, _smem_layout
+from h3lab.triton.configs import cdiv, interpreting
+from h3lab.triton.variant import ATTENTION_FP_FUSION, Variant
+
+F32 = torch.float32
+BLOCK_M, BLOCK_N, HEAD_DIM = 64, 128, 128  # query rows, keys, head dim: the pinned dk/dv kernel's tile
+STAGES, DS_SLOTS, DQ_SLOTS = 2, 1, 2  # what fits 232,448 bytes of shared memory (module docstring)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.9 renamed it
+
+
+@builtin
+def _tma_reduce_add_36(desc, coord, src, _semantic=None):
+    """Triton 3.6: the Gluon builder has the TMA reduce but no Python name for it (3.8+: async_atomic_add)."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+_tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+
+
+@gluon.jit
+def _bulk_wait_visible(lane):
+    # the bulk adds' global writes complete (not only their shared-memory reads: no .read), then every
+    # lane of the warp past it before lane 0 releases the turn
+    gl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0; fence.proxy.async.global; bar.warp.sync -1; mov.u32 $0, 0;",
+        "=r,r",
+        [lane],
+        gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _ld_acquire(ptrs):
+    return gl.inline_asm_elementwise(
+        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptrs], gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _producer(descs, bufs, bars, n_q, STAGES: gl.constexpr):
+    """One warp: K_j and V_j, then Q_i and dO_i of every query block i into ring slot i % STAGES."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    q_bufs, do_bufs, k_smem, v_smem = bufs
+    kv_bar, q_full, q_empty = bars
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    DH: gl.constexpr = q_desc.block_type.shape[1]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    col = gl.program_id(0) * DH
+    j = gl.program_id(1)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    _tma_load(k_desc, [j * BN, col], kv_bar, k_smem)
+    _tma_load(v_desc, [j * BN, col], kv_bar, v_smem)
+    for i in range(gl.cdiv(n_q, BM)):
+        s = i % STAGES
+        mbarrier.wait(q_empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(q_full.index(s), 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [i * BM, col], q_full.index(s), q_bufs.index(s))
+        _tma_load(do_desc, [i * BM, col], q_full.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _dq_writer(dq_desc, dq_smem, bars, turn_ptr, n_q):
+    """One warp: per query block, wait for this key block's turn, bulk-add its dq tile, release the next."""
+    dq_full, dq_empty = bars
+    BM: gl.constexpr = dq_desc.block_type.shape[0]
+    DH: gl.constexpr = dq_desc.block_type.shape[1]
+    SLOTS: gl.constexpr = dq_smem.type.shape[0]
+    h = gl.program_id(0)
+    j = gl.program_id(1)
+    n_qb = gl.cdiv(n_q, BM)
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=lanes)
+    for i in range(n_qb):
+        slot = i % SLOTS
+        turns = turn_ptr + h * n_qb + i + lane * 0  # every lane reads the one counter
+        seen = _ld_acquire(turns)
+        while gl.max(seen, 0) != j:
+            seen = _ld_acquire(turns)
+        mbarrier.wait(dq_full.index(slot), (i // SLOTS) & 1)
+        _tma_reduce_add(dq_desc, [i * BM, h * DH], dq_smem.index(slot))
+        _bulk_wait_visible(lane)
+        gl.atomic_xchg(turns, gl.full([32], 1, gl.int32, lanes) * (j + 1), mask=lane == 0, sem="release", scope="gpu")
+        mbarrier.arrive(dq_empty.index(slot), count=1)
+
+
+# One function on purpose: a query block's five GEMMs and the softmax between them are one pipeline
+# of wgmma issues and waits; split, its tokens and accumulators would cross function boundaries.
+@gluon.jit
+def _compute(bufs, bars, io, STAGES: gl.constexpr):
+    """The default partition (8 warps): dk, dv over every query block; each block's dq tile to the dQ warp."""
+    q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem = bufs
+    kv_bar, q_full, q_empty, dq_full, dq_empty = bars
+    lse_ptr, delta_ptr, dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh = io
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    DH: gl.constexpr = q_bufs.type.shape[2]
+    BN: gl.constexpr = k_smem.type.shape[0]
+    SLOTS: gl.constexpr = dq_smem.type.shape[0]
+    mma_kq: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [8, 1], [16, BM, 16])
+    mma_kd: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [8, 1], [16, DH, 16])
+    mma_qd: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, DH // 2, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_kd, k_width=2)
+    h = gl.program_id(0)
+    j = gl.program_id(1)
+    zero_s = gl.zeros([BN, BM], gl.float32, mma_kq)
+    zero_q = gl.zeros([BM, DH], gl.float32, mma_qd)
+    dk = gl.zeros([BN, DH], gl.float32, mma_kd)
+    dv = gl.zeros([BN, DH], gl.float32, mma_kd)
+    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_kq))
+    key_ok = (j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_kq))) < n_k
+    stat = h.to(gl.int64) * n_q
+    mbarrier.wait(kv_bar, 0)
+    for i in range(gl.cdiv(n_q, BM)):
+        s = i % STAGES
+        rows = i * BM + cols
+        row_ok = rows < n_q
+        mbarrier.wait(q_full.index(s), (i // STAGES) & 1)
+        q_s, do_s = q_bufs.index(s), do_bufs.index(s)
+        s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, is_async=True)
+        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, is_async=True)
+        lse = gl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0)
+        delta = gl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
+        st = warpgroup_mma_wait(1, deps=(s_tok,))
+        p = gl.where(row_ok[None, :], gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), operand)
+        dpt = warpgroup_mma_wait(0, deps=(dp_tok,))
+        ds = gl.where(key_ok[:, None], p * (dpt - delta[None, :]), 0.0).to(gl.bfloat16)  # padded keys add nothing
+        ds_slot = ds_smem.index(i % ds_smem.type.shape[0])
+        ds_slot.store(ds)
+        fence_async_shared()
+        ds_op = gl.convert_layout(ds, operand)
+        # dV issued with dQ and dK, after dS: issued right after P it spills inside the loop
+        dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        dq_tok = warpgroup_mma(ds_slot.permute((1, 0)), k_smem, zero_q, is_async=True)
+        dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        dv, part = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))
+        slot = i % SLOTS
+        mbarrier.wait(dq_empty.index(slot), ((i // SLOTS) & 1) ^ 1)
+        dq_smem.index(slot).store(part)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(slot), count=1)
+        dk = warpgroup_mma_wait(0, deps=(dk_tok,))
+        mbarrier.arrive(q_empty.index(s), count=1)
+    r = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_kd))
+    c = gl.arange(0, DH, layout=gl.SliceLayout(0, mma_kd))
+    off = h.to(gl.int64) * stride_gh + r.to(gl.int64)[:, None] * stride_gm + c[None, :]
+    gl.store(dk_ptr + off, dk * scale, mask=(r < n_k)[:, None])
+    gl.store(dv_ptr + off, dv, mask=(r < n_k)[:, None])
+
+
+# One function on purpose: a Gluon kernel; its shared memory and barriers are allocated where
+# warp_specialize hands them to the partitions, and its signature is the launcher's.
+@gluon.jit(do_not_specialize=["n_q", "n_k"])
+def attention_bwd_fused_sm90_kernel(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    dq_desc,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    turn_ptr,
+    n_q,
+    n_k,
+    qk_scale,
+    scale,
+    stride_gm,
+    stride_gh,
+    STAGES: gl.constexpr,
+    DS_SLOTS: gl.constexpr,
+    DQ_SLOTS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """grid (H, n_kb): dk, dv [n_k, H, Dh] FP32 of key block program_id(1), head program_id(0); dq
+    [n_q, H * Dh] FP32 (zeroed) += its tiles in key-block order; turn [H, cdiv(n_q, 64)] int32 (zeroed)."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    DH: gl.constexpr = q_desc.block_type.shape[1]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, DH], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, DH], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, DH], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, DH], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.bfloat16)
+    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [DS_SLOTS, BN, BM], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, BM, DH], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(DQ_SLOTS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    io = (lse_ptr, delta_ptr, dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh)
+    bufs = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem)
+    gl.warp_specialize(
+        [
+            (_compute, (bufs, (kv_bar, q_full, q_empty, dq_full, dq_empty), io, STAGES)),
+            (
+                _producer,
+                (
+                    (q_desc, do_desc, k_desc, v_desc),
+                    (q_bufs, do_bufs, k_smem, v_smem),
+                    (kv_bar, q_full, q_empty),
+                    n_q,
+                    STAGES,
+                ),
+            ),
+            (_dq_writer, (dq_desc, dq_smem, (dq_full, dq_empty), turn_ptr, n_q)),
+        ],
+        [1, 1],
+        [24, 24],
+    )
+
+
+# ---- host side -----------------------------------------------------------------------------------
+
+
+def _dq_desc(dq: Tensor) -> TensorDescriptor:
+    """dq [Q, H, Dh] FP32 as a [Q, H * Dh] descriptor of [BLOCK_M, Dh] blocks (TMA clips rows past Q)."""
+    q, h, dh = dq.shape
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, dh], gl.float32)
+    return TensorDescriptor(dq, [q, h * dh], [dq.stride(0), 1], [BLOCK_M, dh], layout)
+
+
+def attention_bwd_fused_sm90(
+    q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 (module docstring): bf16 q, dO, k, v with Dh 128, heads
+    side by side, on an sm90 GPU, compiled (not the interpreter).
+
+    Raises:
+        ValueError: another dtype, head dim, layout or device.
+    """
+    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    (Q, H, Dh), K = q.shape, k.shape[0]
+    if interpreting() or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"attention_bwd_fused_sm90 on {q.device}; allowed: a compiled run on an sm90 GPU")
+    if q.dtype != torch.bfloat16 or Dh != HEAD_DIM or Q == 0 or K == 0:
+        raise ValueError(
+            f"attention_bwd_fused_sm90: {q.dtype} q {tuple(q.shape)}, k {tuple(k.shape)}; allowed: torch.bfloat16, "
+            f"Dh {HEAD_DIM}, Q > 0, K > 0"
+        )
+    dq = torch.zeros((Q, H, Dh), dtype=F32, device=q.device)
+    dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
+    dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
+    turn = torch.zeros((H, cdiv(Q, BLOCK_M)), dtype=torch.int32, device=q.device)
+    attention_bwd_fused_sm90_kernel[(H, cdiv(K, BLOCK_N))](
+        _desc(q.contiguous(), BLOCK_M),
+        _desc(do.contiguous(), BLOCK_M),
+        _desc(k.contiguous(), BLOCK_N),
+        _desc(v.contiguous(), BLOCK_N),
+        _dq_desc(dq),
+        lse,
+        delta,
+        dk,
+        dv,
+        turn,
+        Q,
+        K,
+        scale * LOG2E,
+        scale,
+        dk.stride(0),
+        dk.stride(1),
+        STAGES=STAGES,
+        DS_SLOTS=DS_SLOTS,
+        DQ_SLOTS=DQ_SLOTS,
+        num_warps=8,
+        maxnreg=MAXNREG,
+        enable_fp_fusion=ATTENTION_FP_FUSION,
+    )
+    return dq.mul_(scale), dk, dv
+
+
+def variant() -> Variant:
+    """Its one build at the real shapes' argument types (h3lab.bench.compile_pinned.build compiles it;
+    not in any `variants(node)`: nothing pins it)."""
+    lq, lk = _smem_layout(BLOCK_M, HEAD_DIM, torch.bfloat16), _smem_layout(BLOCK_N, HEAD_DIM, torch.bfloat16)
+    ldq = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    types = {f"{n}_desc": f"tensordesc<bf16[{BLOCK_M},{HEAD_DIM}],{lq!r}>" for n in ("q", "do")}
+    types |= {f"{n}_desc": f"tensordesc<bf16[{BLOCK_N},{HEAD_DIM}],{lk!r}>" for n in ("k", "v")}
+    types |= {"dq_desc": f"tensordesc<fp32[{BLOCK_M},{HEAD_DIM}],{ldq!r}>", "turn_ptr": "*i32"}
+    types |= {n: "*fp32" for n in ("lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr")} | {"qk_scale": "fp32", "scale": "fp32"}
+    const = {"STAGES": STAGES, "DS_SLOTS": DS_SLOTS, "DQ_SLOTS": DQ_SLOTS, "num_warps": 8}
+    opts = {"num_warps": 8, "num_stages": 1, "maxnreg": MAXNREG, "enable_fp_fusion": ATTENTION_FP_FUSION}
+    what = "gluon fused backward, head_dim 128, dq by its own warp"
+    return Variant("attention_fused", what, attention_bwd_fused_sm90_kernel, types, const, opts, align_pointers=False)
