@@ -14,7 +14,8 @@ order that makes a head's key blocks wait in a wavefront; both must give the sam
 figure answers: the cost of an ordered dq when the compute warps wait their turn themselves. Two
 diagnostics split that cost (attention_fused.DQ_MODES; their dq is never used): "unordered" adds
 the same partials without turns (in both launch orders), "skipped" (recorded as no_dq) drops dq's
-product and adds.
+product and adds. `--gluon` adds h3lab.triton.attention_fused_sm90 (sm90): its bytes against the
+Triton candidate's dq and the split dk, dv, over `--repeats` calls, and its time as "gluon".
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v3"  # v2: keys_first beside hea
 FUSED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # the dk/dv kernel's tile
 
 
-def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None) -> dict[str, Any]:
+def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None, gluon: bool = False) -> dict[str, Any]:
     x = make_inputs(rows, heads, seed=rows)
     q, k, v, do = x["q"], x["k"], x["v"], x["do"]
     scale = DH**-0.5
@@ -53,6 +54,12 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None)
         delta = att.attention_delta(do, o_ref, node=node)
         return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED, order=order, dq_mode=dq_mode)
 
+    def gluon_fused() -> tuple:
+        from h3lab.triton.attention_fused_sm90 import attention_bwd_fused_sm90
+
+        delta = att.attention_delta(do, o_ref, node=node)
+        return attention_bwd_fused_sm90(q, do, stats, delta, k, v, scale)
+
     want, got = split(), fused()
     calls, same = 1, True
     while same and calls < repeats:  # stops at the first call whose bytes differ
@@ -64,13 +71,28 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None)
     rec["dq_rel_l2_vs_split"] = dq_gap
     rec["fused_calls"], rec["fused_repeat_bitwise"] = calls, same  # calls < --repeats: the last one differed
     rec["orders_bitwise"] = all(bitwise_equal(a, b) for a, b in zip(got, other, strict=True))
+    if gluon:
+        rec["gluon"] = _gluon_bits(gluon_fused, got, want, repeats)
     del want, got, other
-    for name, fn in _timed_sides(split, fused).items():
+    sides = _timed_sides(split, fused) | ({"gluon": gluon_fused} if gluon else {})
+    for name, fn in sides.items():
         t = timed(fn)
         rec[f"{name}_ms"], rec[f"{name}_spread_ms"] = t["ms"], t["spread_ms"]
         if name != "split":
             rec[f"{name}_over_split"] = rec[f"{name}_ms"] / rec["split_ms"]
     return rec
+
+
+def _gluon_bits(gluon: Callable[[], tuple], fused: tuple, split: tuple, repeats: int) -> dict[str, Any]:
+    """The Gluon candidate's bytes: dq against the Triton candidate's, dk and dv against the split
+    kernels', and whether `repeats` calls give one set of bytes."""
+    got = gluon()
+    out = {"dq_vs_fused": bitwise_equal(got[0], fused[0])}
+    out |= {"dk_vs_split": bitwise_equal(got[1], split[1]), "dv_vs_split": bitwise_equal(got[2], split[2])}
+    calls, same = 1, True
+    while same and calls < repeats:
+        same, calls = all(bitwise_equal(a, b) for a, b in zip(got, gluon(), strict=True)), calls + 1
+    return out | {"calls": calls, "repeat_bitwise": same}
 
 
 def _timed_sides(split: Callable[[], tuple], fused: Callable[..., tuple]) -> dict[str, Callable[[], tuple]]:
@@ -92,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="16384,32768")
     ap.add_argument("--heads", type=int, default=56)
     ap.add_argument("--repeats", type=int, default=2, help="fused calls whose bytes must all be equal (>= 2)")
+    ap.add_argument("--gluon", action="store_true", help="also check and time the Gluon candidate (sm90)")
     a = ap.parse_args(argv)
     if a.repeats < 2:
         ap.error(f"--repeats {a.repeats}; allowed: >= 2")
@@ -104,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     record: dict[str, Any] = {"format": BENCH_FORMAT, "env": capture_env(torch.device("cuda")), "rows": {}}
     for n in rows:
-        record["rows"][n] = r = bench_rows(n, a.heads, a.repeats)
+        record["rows"][n] = r = bench_rows(n, a.heads, a.repeats, gluon=a.gluon)
         record["wall_s"] = round(time.perf_counter() - t0, 1)
         write_json(a.out, record)
         print(n, {k: v for k, v in r.items() if not k.endswith("spread_ms")}, flush=True)
