@@ -13,9 +13,10 @@ it is written for:
   the two round alike is the GPU test's first question.
 
 Why a second fused kernel. The Triton candidate waits for its turns in the compute warps and adds dq
-element by element (reports/h200/attention-fused-bwd.json: 2.65x the split backward at 16384 rows,
-1.51x without the turns, 0.81x without dq). As FlashAttention-3's deterministic backward does
-(hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp, `store_dq`), one program per (head, key block) runs
+element by element, and each costs more than the split backward saves (reports/h200/
+attention-fused-bwd.json times it with and without them). As FlashAttention-3's deterministic
+backward does (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp, `store_dq`), one program per (head, key
+block) runs
 - a producer warp: K_j and V_j once, then Q_i and dO_i of every query block into a STAGES-deep ring;
 - the compute partition (8 warps, two warpgroups over the 128 keys): the five GEMMs per query block,
   writing P_i^j into one of DQ_SLOTS shared-memory slots and going on;
