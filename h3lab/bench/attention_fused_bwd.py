@@ -61,9 +61,7 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None,
         return attention_bwd_fused_sm90(q, do, stats, delta, k, v, scale)
 
     want, got = split(), fused()
-    calls, same = 1, True
-    while same and calls < repeats:  # stops at the first call whose bytes differ
-        same, calls = all(bitwise_equal(a, b) for a, b in zip(got, fused(), strict=True)), calls + 1
+    calls, same = _repeats_bitwise(fused, got, repeats)
     other = fused("keys_first")
     dq_gap = float((got[0].double() - want[0].double()).norm() / want[0].double().norm())
     rec: dict[str, Any] = {"rows": rows, "keys": k.shape[0], "heads": heads, "fused_config": FUSED}
@@ -89,10 +87,17 @@ def _gluon_bits(gluon: Callable[[], tuple], fused: tuple, split: tuple, repeats:
     got = gluon()
     out = {"dq_vs_fused": bitwise_equal(got[0], fused[0])}
     out |= {"dk_vs_split": bitwise_equal(got[1], split[1]), "dv_vs_split": bitwise_equal(got[2], split[2])}
+    calls, same = _repeats_bitwise(gluon, got, repeats)
+    return out | {"calls": calls, "repeat_bitwise": same}
+
+
+def _repeats_bitwise(fn: Callable[[], tuple], first: tuple, repeats: int) -> tuple[int, bool]:
+    """(calls made, whether each gave `first`'s bytes): `fn` called until `repeats` calls in all, `first`
+    counted, stopping at the first call whose bytes differ."""
     calls, same = 1, True
     while same and calls < repeats:
-        same, calls = all(bitwise_equal(a, b) for a, b in zip(got, gluon(), strict=True)), calls + 1
-    return out | {"calls": calls, "repeat_bitwise": same}
+        same, calls = all(bitwise_equal(a, b) for a, b in zip(first, fn(), strict=True)), calls + 1
+    return calls, same
 
 
 def _timed_sides(split: Callable[[], tuple], fused: Callable[..., tuple]) -> dict[str, Callable[[], tuple]]:
