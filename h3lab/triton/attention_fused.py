@@ -23,9 +23,10 @@ each query block's adds run in key-block order either way; CUDA dispatches grid 
 query block i only after j - 1 has passed it, so the resident blocks of that head form a
 wavefront, block j starting j turns late, and a head's n_kb blocks finish after about n_qb + n_kb
 turns instead of n_qb. "heads_first" (axis 0 = heads) fills it with every head's first key
-blocks: a block waits only for the block of its own head one grid row earlier, a turn ahead at
-the start and far ahead once the first blocks end, so turns rarely wait (python -m
-h3lab.bench.attention_fused_bwd times both).
+blocks, each waiting only for its own head's block one grid row earlier. That wavefront was
+expected to be the cost; the H200 says otherwise: heads_first is the slower order, and most of the
+time goes to the turns and the per-element dq atomics themselves (python -m
+h3lab.bench.attention_fused_bwd times both orders and the diagnostics, reports/h200/).
 """
 
 from __future__ import annotations
