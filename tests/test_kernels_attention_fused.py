@@ -116,7 +116,7 @@ def test_gpu_fused_backward(n_q, n_k, heads):
 
 def test_the_table_reads_both_record_formats():
     """A v1 record timed the keys-first order only, as "fused"; v2 times both orders; v3 adds the
-    diagnostics."""
+    diagnostics; v4 the Gluon candidate's other order and diagnostics."""
     one = {"split_ms": 10.0, "fused_ms": 23.0, "fused_over_split": 2.3, "bitwise_vs_split": {"dk": True, "dv": True}}
     v1 = table("attention_fused", {"format": "h3lab-bench-attention-fused-bwd-v1", "rows": {"16384": one}})
     assert v1.loc[16384, "keys-first ms"] == 23.0 and pd.isna(v1.loc[16384, "heads-first ms"])
@@ -130,6 +130,11 @@ def test_the_table_reads_both_record_formats():
     v3 = table("attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": three}})
     got = v3.loc[16384, ["unordered / split", "unordered keys-first / split", "no dq / split"]].tolist()
     assert got == [1.5, 1.4, 0.7]
+    assert pd.isna(v3.loc[16384, "gluon heads-first / split"])
+    four = three | {"gluon_over_split": 1.0, "gluon_heads_first_over_split": 1.7, "gluon_no_dq_over_split": 1.05}
+    v4 = table("attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": four}})
+    got = v4.loc[16384, ["gluon / split", "gluon heads-first / split", "gluon no dq adds / split"]].tolist()
+    assert got == [1.0, 1.7, 1.05]
 
 
 def test_the_bench_refuses_fewer_than_two_repeats(tmp_path, capsys):
@@ -152,9 +157,10 @@ print("ptx", ptx)
 
 def test_gluon_fused_backward_compiles_for_sm90_with_its_ordering_instructions():
     """No GPU needed: the Gluon candidate (h3lab.triton.attention_fused_sm90) builds for sm90 with the
-    installed Triton, fits shared memory, adds dq by TMA reduce and releases a turn only after the
-    bulk wait that covers the global writes (no `.read`), acquiring turns by ld.acquire. In a
-    subprocess without TRITON_INTERPRET (Gluon cannot compile interpreted helpers)."""
+    installed Triton, fits shared memory, adds dq by TMA reduce, acquires turns by ld.acquire and
+    releases each only after a bulk wait that covers the adds' global writes (the last bulk wait
+    before every release has no `.read`). In a subprocess without TRITON_INTERPRET (Gluon cannot
+    compile interpreted helpers)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -162,9 +168,12 @@ def test_gluon_fused_backward_compiles_for_sm90_with_its_ordering_instructions()
     ptx = done.stdout.split("ptx ", 1)[1]
     assert shared <= 232_448, shared  # sm90's shared memory per block
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
-    waits = [m.start() for m in re.finditer(r"cp\.async\.bulk\.wait_group 0;", ptx)]
-    release = ptx.index("atom.global.gpu.release.exch.b32")
-    assert waits and waits[0] < release and "cp.async.bulk.wait_group.read" not in ptx
+    waits = [(m.start(), m.group(1)) for m in re.finditer(r"cp\.async\.bulk\.wait_group(\.read)? \d;", ptx)]
+    releases = [m.start() for m in re.finditer(r"st\.release\.gpu\.global\.b32", ptx)]
+    assert releases and "atom.global.gpu.release" not in ptx
+    for at in releases:
+        before = [kind for pos, kind in waits if pos < at]
+        assert before and before[-1] is None, f"the bulk wait before the release at {at} is {before[-1:]}"
     assert "ld.global.acquire.gpu.b32" in ptx and ptx.count("wgmma.mma_async") >= 5
 
 
@@ -172,7 +181,8 @@ def test_gluon_fused_backward_compiles_for_sm90_with_its_ordering_instructions()
 @pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (4096, 4032, 8)])
 def test_gpu_gluon_fused_backward_gives_the_candidates_bytes(n_q, n_k, heads):
     """dk, dv: the pinned dk/dv kernel's bytes (KV128); dq: the Triton candidate's (the same adds in
-    the same key-block order, here TMA reduce-adds); 20 calls give one set of bytes."""
+    the same key-block order, here TMA reduce-adds), under both launch orders; 20 calls give one set
+    of bytes."""
     from h3lab.triton.attention_fused_sm90 import attention_bwd_fused_sm90
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -183,6 +193,8 @@ def test_gpu_gluon_fused_backward_gives_the_candidates_bytes(n_q, n_k, heads):
     assert_bitwise(got[1], want_dk, "Gluon fused dk against the dk/dv kernel")
     assert_bitwise(got[2], want_dv, "Gluon fused dv against the dk/dv kernel")
     assert_bitwise(got[0], attention_bwd_fused(*args, config=KV128)[0], "Gluon fused dq against the candidate's")
+    for name, a, b in zip(("dq", "dk", "dv"), got, attention_bwd_fused_sm90(*args, order="heads_first"), strict=True):
+        assert_bitwise(a, b, f"Gluon fused {name}, keys_first against heads_first")
     for _ in range(20):
         for name, a, b in zip(("dq", "dk", "dv"), got, attention_bwd_fused_sm90(*args), strict=True):
             assert_bitwise(a, b, f"Gluon fused {name}, call to call")

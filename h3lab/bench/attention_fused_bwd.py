@@ -15,7 +15,9 @@ figure answers: the cost of an ordered dq when the compute warps wait their turn
 diagnostics split that cost (attention_fused.DQ_MODES; their dq is never used): "unordered" adds
 the same partials without turns (in both launch orders), "skipped" (recorded as no_dq) drops dq's
 product and adds. `--gluon` adds h3lab.triton.attention_fused_sm90 (sm90): its bytes against the
-Triton candidate's dq and the split dk, dv, over `--repeats` calls, and its time as "gluon".
+Triton candidate's dq and the split dk, dv, in both launch orders and over `--repeats` calls, its
+time as "gluon" (keys_first, its default) and "gluon_heads_first", and its diagnostics as
+"gluon_unordered" and "gluon_no_dq".
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from h3lab.metrics import bitwise_equal
 from h3lab.triton import attention as att
 from h3lab.triton.attention_fused import attention_bwd_fused
 
-BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v3"  # v2: keys_first beside heads_first; v3: diagnostics
+BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v4"  # v2: keys_first; v3: diagnostics; v4: Gluon's
 FUSED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # the dk/dv kernel's tile
 
 
@@ -54,11 +56,11 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None,
         delta = att.attention_delta(do, o_ref, node=node)
         return attention_bwd_fused(q, do, stats, delta, k, v, scale, config=FUSED, order=order, dq_mode=dq_mode)
 
-    def gluon_fused() -> tuple:
+    def gluon_fused(order: str = "keys_first", dq_mode: str = "ordered") -> tuple:
         from h3lab.triton.attention_fused_sm90 import attention_bwd_fused_sm90
 
         delta = att.attention_delta(do, o_ref, node=node)
-        return attention_bwd_fused_sm90(q, do, stats, delta, k, v, scale)
+        return attention_bwd_fused_sm90(q, do, stats, delta, k, v, scale, order=order, dq_mode=dq_mode)
 
     want, got = split(), fused()
     calls, same = _repeats_bitwise(fused, got, repeats)
@@ -72,7 +74,7 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None,
     if gluon:
         rec["gluon"] = _gluon_bits(gluon_fused, got, want, repeats)
     del want, got, other
-    sides = _timed_sides(split, fused) | ({"gluon": gluon_fused} if gluon else {})
+    sides = _timed_sides(split, fused) | (_gluon_sides(gluon_fused) if gluon else {})
     for name, fn in sides.items():
         t = timed(fn)
         rec[f"{name}_ms"], rec[f"{name}_spread_ms"] = t["ms"], t["spread_ms"]
@@ -81,12 +83,13 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None,
     return rec
 
 
-def _gluon_bits(gluon: Callable[[], tuple], fused: tuple, split: tuple, repeats: int) -> dict[str, Any]:
+def _gluon_bits(gluon: Callable[..., tuple], fused: tuple, split: tuple, repeats: int) -> dict[str, Any]:
     """The Gluon candidate's bytes: dq against the Triton candidate's, dk and dv against the split
-    kernels', and whether `repeats` calls give one set of bytes."""
+    kernels', whether heads_first gives them too, and whether `repeats` calls give one set of bytes."""
     got = gluon()
     out = {"dq_vs_fused": bitwise_equal(got[0], fused[0])}
     out |= {"dk_vs_split": bitwise_equal(got[1], split[1]), "dv_vs_split": bitwise_equal(got[2], split[2])}
+    out["orders_bitwise"] = all(bitwise_equal(a, b) for a, b in zip(got, gluon("heads_first"), strict=True))
     calls, same = _repeats_bitwise(gluon, got, repeats)
     return out | {"calls": calls, "repeat_bitwise": same}
 
@@ -110,6 +113,17 @@ def _timed_sides(split: Callable[[], tuple], fused: Callable[..., tuple]) -> dic
         "unordered": lambda: fused(dq_mode="unordered"),
         "unordered_keys_first": lambda: fused("keys_first", "unordered"),
         "no_dq": lambda: fused(dq_mode="skipped"),
+    }
+
+
+def _gluon_sides(gluon: Callable[..., tuple]) -> dict[str, Callable[[], tuple]]:
+    """The Gluon candidate's timed sides: its default (keys_first), the other launch order, and its
+    diagnostics (dq added without turns, no dq adds)."""
+    return {
+        "gluon": gluon,
+        "gluon_heads_first": lambda: gluon("heads_first"),
+        "gluon_unordered": lambda: gluon(dq_mode="unordered"),
+        "gluon_no_dq": lambda: gluon(dq_mode="skipped"),
     }
 
 

@@ -1,32 +1,34 @@
-"""A fused attention backward for Hopper in Gluon, dq added in key-block order by its own warp: a candidate.
+"""A fused attention backward for Hopper in Gluon, dq added in key-block order by its own warp.
 
-Status: compiled for sm90 without a GPU (the installed Triton: tests/test_kernels_attention_fused.py;
-a prototype of the same kernel also with Triton 3.6, the GPU nodes'), never run on one; no launcher
-of h3lab.triton.attention calls it. Its GPU test (same file, `-m gpu`) says whether it keeps the bits
-it is written for:
+Status: a candidate, timed beside the pinned split backward by h3lab.bench.attention_fused_bwd
+(`--gluon`, record reports/h200/attention-fused-bwd.json); no launcher of h3lab.triton.attention
+calls it: it must run faster than the split before it is pinned (and its dq bits, other than the
+split's, written into the contract). Its bits:
 - dk, dv: the pinned dk/dv kernel's (attention_bwd, BLOCK_M 64 query rows, BLOCK_N 128 keys): per key
   block, over query blocks ascending, S^T = K Q^T, P^T = exp2(S^T * qk_scale - lse2), dP^T = V dO^T,
   dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, as one wgmma chain each;
 - dq: h3lab.triton.attention_fused's ("ordered"): a query row's dq = ((0 + P_0) + P_1) + ... over key
   blocks j, P_j = dS_j K_j an FP32 [64, 128] tile, then times scale on the host. Here the adds are TMA
-  reduce-adds (cp.reduce.async.bulk .add.f32) where the candidate uses per-element atomics: whether
-  the two round alike is the GPU test's first question.
+  reduce-adds (cp.reduce.async.bulk .add.f32), there per-element atomics: the two round alike (the
+  GPU test in tests/test_kernels_attention_fused.py compares the bytes).
 
-Why a second fused kernel. The Triton candidate waits for its turns in the compute warps and adds dq
-element by element, and each costs more than the split backward saves (reports/h200/
-attention-fused-bwd.json times it with and without them). As FlashAttention-3's deterministic
-backward does (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp, `store_dq`), one program per (head, key
-block) runs
+As FlashAttention-3's deterministic backward does (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp,
+`store_dq`), one program per (head, key block) runs
 - a producer warp: K_j and V_j once, then Q_i and dO_i of every query block into a STAGES-deep ring;
 - the compute partition (8 warps, two warpgroups over the 128 keys): the five GEMMs per query block,
   writing P_i^j into one of DQ_SLOTS shared-memory slots and going on;
-- a dQ warp: waits until turn[h, i] == j (key blocks 0..j-1 have added), bulk-adds the slot into the
-  FP32 dq, waits for the add's global writes (`cp.async.bulk.wait_group 0`, not `.read`: released
-  after `.read`, FlashAttention issue #2244's dq varied run to run), then releases turn j + 1.
+- a dQ warp: waits until turn[h, i] == j (key blocks 0..j-1 have added), bulk-adds the slot, hands
+  the slot back once the add has read it (`cp.async.bulk.wait_group.read`), and releases turn i
+  only after the add's global writes are done (`cp.async.bulk.wait_group` without `.read`: released
+  after `.read`, FlashAttention issue #2244's dq varied run to run). It releases turn i - 1 after
+  issuing add i, so two adds are in flight.
 The compute warps block only when the dQ warp is DQ_SLOTS tiles behind. Key block j spins until j - 1
 has added, so j - 1 must be resident or done: CUDA dispatches a grid's blocks in launch order in
-practice (not promised; FA3 and the Triton candidate rely on the same); the grid is (H, n_kb), heads
-fastest. Shared memory at STAGES 2, DS_SLOTS 1, DQ_SLOTS 2: 213,292 of 232,448 bytes.
+practice (not promised; FA3 and the Triton candidate rely on the same). The default launch order is
+keys_first (grid axis 0, CUDA's fastest, is the key block): the programs running at once are one
+head's key blocks, which read the same Q and dO tiles and add into the same dq rows, all within L2;
+heads_first spreads them over every head's rows, past L2 (the record times both). Shared memory at
+STAGES 2, DS_SLOTS 1, DQ_SLOTS 2: 213,292 of 232,448 bytes.
 
 Launcher: `attention_bwd_fused_sm90`. Dimension legend: Q query rows, K keys, H heads, Dh head dim.
 """
@@ -50,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3lab.triton.attention import LOG2E, _bwd_operands
+from h3lab.triton.attention_fused import DQ_MODES, ORDERS
 from h3lab.triton.attention_fwd_sm90 import MAXNREG, _desc, _smem_layout
 from h3lab.triton.configs import cdiv, interpreting
 from h3lab.triton.variant import ATTENTION_FP_FUSION, Variant
@@ -73,17 +76,17 @@ _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 
 @gluon.jit
-def _bulk_wait_visible(lane):
-    # the bulk adds' global writes complete (not only their shared-memory reads: no .read), then every
-    # lane of the warp past it before lane 0 releases the turn
-    gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0; fence.proxy.async.global; bar.warp.sync -1; mov.u32 $0, 0;",
-        "=r,r",
-        [lane],
-        gl.int32,
-        is_pure=False,
-        pack=1,
-    )
+def _bulk_wait(lane, PENDING: gl.constexpr, READS_ONLY: gl.constexpr):
+    # at most PENDING (0 or 1) bulk groups still pending: with READS_ONLY only their shared-memory
+    # reads done (the slot may be refilled), else their global writes too (the turn may be released:
+    # no .read, FlashAttention issue #2244), then every lane of the warp past it
+    if READS_ONLY:
+        asm: gl.constexpr = "cp.async.bulk.wait_group.read 0; bar.warp.sync -1; mov.u32 $0, 0;"
+    elif PENDING == 0:
+        asm: gl.constexpr = "cp.async.bulk.wait_group 0; fence.proxy.async.global; bar.warp.sync -1; mov.u32 $0, 0;"
+    else:
+        asm: gl.constexpr = "cp.async.bulk.wait_group 1; fence.proxy.async.global; bar.warp.sync -1; mov.u32 $0, 0;"
+    gl.inline_asm_elementwise(asm, "=r,r", [lane], gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -94,7 +97,31 @@ def _ld_acquire(ptrs):
 
 
 @gluon.jit
-def _producer(descs, bufs, bars, n_q, STAGES: gl.constexpr):
+def _st_release(ptrs, values):
+    # every lane stores the same value to the one counter; a store, not an atom: nothing returns
+    gl.inline_asm_elementwise(
+        "st.release.gpu.global.b32 [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptrs, values], gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _wait_turn(turns, j):
+    seen = _ld_acquire(turns)
+    while gl.max(seen, 0) != j:
+        seen = _ld_acquire(turns)
+
+
+@gluon.jit
+def _head_and_key_block(KEYS_FIRST: gl.constexpr):
+    # grid axis 0, CUDA's fastest: the key block (keys_first) or the head (heads_first)
+    if KEYS_FIRST:
+        return gl.program_id(1), gl.program_id(0)
+    else:
+        return gl.program_id(0), gl.program_id(1)
+
+
+@gluon.jit
+def _producer(descs, bufs, bars, n_q, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
     """One warp: K_j and V_j, then Q_i and dO_i of every query block i into ring slot i % STAGES."""
     q_desc, do_desc, k_desc, v_desc = descs
     q_bufs, do_bufs, k_smem, v_smem = bufs
@@ -102,8 +129,8 @@ def _producer(descs, bufs, bars, n_q, STAGES: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     DH: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
-    col = gl.program_id(0) * DH
-    j = gl.program_id(1)
+    h, j = _head_and_key_block(KEYS_FIRST)
+    col = h * DH
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [j * BN, col], kv_bar, k_smem)
     _tma_load(v_desc, [j * BN, col], kv_bar, v_smem)
@@ -116,34 +143,43 @@ def _producer(descs, bufs, bars, n_q, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _dq_writer(dq_desc, dq_smem, bars, turn_ptr, n_q):
-    """One warp: per query block, wait for this key block's turn, bulk-add its dq tile, release the next."""
+def _dq_writer(dq_desc, dq_smem, bars, turn_ptr, n_q, DQ_MODE: gl.constexpr, KEYS_FIRST: gl.constexpr):
+    """One warp: per query block i, wait for this key block's turn, bulk-add its dq tile, hand the slot
+    back once the add has read it, and release turn i - 1 once add i - 1's writes are done (two adds
+    in flight; the last released after its own). DQ_MODE 1 (unordered) adds without turns, 2 (skipped)
+    only hands the slots back: diagnostics whose dq is not the kernel's."""
     dq_full, dq_empty = bars
     BM: gl.constexpr = dq_desc.block_type.shape[0]
     DH: gl.constexpr = dq_desc.block_type.shape[1]
     SLOTS: gl.constexpr = dq_smem.type.shape[0]
-    h = gl.program_id(0)
-    j = gl.program_id(1)
+    h, j = _head_and_key_block(KEYS_FIRST)
     n_qb = gl.cdiv(n_q, BM)
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     lane = gl.arange(0, 32, layout=lanes)
+    nxt = gl.full([32], 1, gl.int32, lanes) * (j + 1)
+    turns = turn_ptr + h * n_qb + lane * 0  # every lane reads the one counter
     for i in range(n_qb):
         slot = i % SLOTS
-        turns = turn_ptr + h * n_qb + i + lane * 0  # every lane reads the one counter
-        seen = _ld_acquire(turns)
-        while gl.max(seen, 0) != j:
-            seen = _ld_acquire(turns)
+        if DQ_MODE == 0:
+            _wait_turn(turns + i, j)
         mbarrier.wait(dq_full.index(slot), (i // SLOTS) & 1)
-        _tma_reduce_add(dq_desc, [i * BM, h * DH], dq_smem.index(slot))
-        _bulk_wait_visible(lane)
-        gl.atomic_xchg(turns, gl.full([32], 1, gl.int32, lanes) * (j + 1), mask=lane == 0, sem="release", scope="gpu")
+        if DQ_MODE != 2:
+            _tma_reduce_add(dq_desc, [i * BM, h * DH], dq_smem.index(slot))
+        _bulk_wait(lane, 0, True)
         mbarrier.arrive(dq_empty.index(slot), count=1)
+        if i > 0:
+            _bulk_wait(lane, 1, False)
+            if DQ_MODE == 0:
+                _st_release(turns + i - 1, nxt)
+    _bulk_wait(lane, 0, False)
+    if DQ_MODE == 0:
+        _st_release(turns + n_qb - 1, nxt)
 
 
 # One function on purpose: a query block's five GEMMs and the softmax between them are one pipeline
 # of wgmma issues and waits; split, its tokens and accumulators would cross function boundaries.
 @gluon.jit
-def _compute(bufs, bars, io, STAGES: gl.constexpr):
+def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
     """The default partition (8 warps): dk, dv over every query block; each block's dq tile to the dQ warp."""
     q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem = bufs
     kv_bar, q_full, q_empty, dq_full, dq_empty = bars
@@ -156,8 +192,7 @@ def _compute(bufs, bars, io, STAGES: gl.constexpr):
     mma_kd: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [8, 1], [16, DH, 16])
     mma_qd: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, DH // 2, 16])
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_kd, k_width=2)
-    h = gl.program_id(0)
-    j = gl.program_id(1)
+    h, j = _head_and_key_block(KEYS_FIRST)
     zero_s = gl.zeros([BN, BM], gl.float32, mma_kq)
     zero_q = gl.zeros([BM, DH], gl.float32, mma_qd)
     dk = gl.zeros([BN, DH], gl.float32, mma_kd)
@@ -227,10 +262,13 @@ def attention_bwd_fused_sm90_kernel(
     STAGES: gl.constexpr,
     DS_SLOTS: gl.constexpr,
     DQ_SLOTS: gl.constexpr,
+    DQ_MODE: gl.constexpr,
+    KEYS_FIRST: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """grid (H, n_kb): dk, dv [n_k, H, Dh] FP32 of key block program_id(1), head program_id(0); dq
-    [n_q, H * Dh] FP32 (zeroed) += its tiles in key-block order; turn [H, cdiv(n_q, 64)] int32 (zeroed)."""
+    """grid (n_kb, H) under KEYS_FIRST, else (H, n_kb): dk, dv [n_k, H, Dh] FP32 of one (head, key
+    block); dq [n_q, H * Dh] FP32 (zeroed) += its tiles in key-block order; turn [H, cdiv(n_q, 64)]
+    int32 (zeroed). DQ_MODE: the index of attention_fused.DQ_MODES (0, ordered: the kernel)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     DH: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -255,20 +293,13 @@ def attention_bwd_fused_sm90_kernel(
         mbarrier.init(dq_empty.index(i), count=1)
     io = (lse_ptr, delta_ptr, dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh)
     bufs = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem)
+    descs = (q_desc, do_desc, k_desc, v_desc)
+    ring = (q_bufs, do_bufs, k_smem, v_smem)
     gl.warp_specialize(
         [
-            (_compute, (bufs, (kv_bar, q_full, q_empty, dq_full, dq_empty), io, STAGES)),
-            (
-                _producer,
-                (
-                    (q_desc, do_desc, k_desc, v_desc),
-                    (q_bufs, do_bufs, k_smem, v_smem),
-                    (kv_bar, q_full, q_empty),
-                    n_q,
-                    STAGES,
-                ),
-            ),
-            (_dq_writer, (dq_desc, dq_smem, (dq_full, dq_empty), turn_ptr, n_q)),
+            (_compute, (bufs, (kv_bar, q_full, q_empty, dq_full, dq_empty), io, STAGES, KEYS_FIRST)),
+            (_producer, (descs, ring, (kv_bar, q_full, q_empty), n_q, STAGES, KEYS_FIRST)),
+            (_dq_writer, (dq_desc, dq_smem, (dq_full, dq_empty), turn_ptr, n_q, DQ_MODE, KEYS_FIRST)),
         ],
         [1, 1],
         [24, 24],
@@ -286,14 +317,28 @@ def _dq_desc(dq: Tensor) -> TensorDescriptor:
 
 
 def attention_bwd_fused_sm90(
-    q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
+    q: Tensor,
+    do: Tensor,
+    stats: Sequence[Tensor],
+    delta: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    order: str = "keys_first",
+    dq_mode: str = "ordered",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 (module docstring): bf16 q, dO, k, v with Dh 128, heads
-    side by side, on an sm90 GPU, compiled (not the interpreter).
+    side by side, on an sm90 GPU, compiled (not the interpreter). `order`, one of
+    attention_fused.ORDERS, is the launch order (the same bytes under each); `dq_mode`, one of
+    attention_fused.DQ_MODES, "ordered" or a diagnostic whose dq is not the kernel's.
 
     Raises:
-        ValueError: another dtype, head dim, layout or device.
+        ValueError: another dtype, head dim, layout or device, order or dq_mode.
     """
+    if order not in ORDERS or dq_mode not in DQ_MODES:
+        raise ValueError(
+            f"attention_bwd_fused_sm90 order {order!r}, dq_mode {dq_mode!r}; allowed: {list(ORDERS)}, {list(DQ_MODES)}"
+        )
     q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
     (Q, H, Dh), K = q.shape, k.shape[0]
     if interpreting() or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -307,7 +352,8 @@ def attention_bwd_fused_sm90(
     dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     turn = torch.zeros((H, cdiv(Q, BLOCK_M)), dtype=torch.int32, device=q.device)
-    attention_bwd_fused_sm90_kernel[(H, cdiv(K, BLOCK_N))](
+    grid = (H, cdiv(K, BLOCK_N)) if order == "heads_first" else (cdiv(K, BLOCK_N), H)
+    attention_bwd_fused_sm90_kernel[grid](
         _desc(q.contiguous(), BLOCK_M),
         _desc(do.contiguous(), BLOCK_M),
         _desc(k.contiguous(), BLOCK_N),
@@ -327,6 +373,8 @@ def attention_bwd_fused_sm90(
         STAGES=STAGES,
         DS_SLOTS=DS_SLOTS,
         DQ_SLOTS=DQ_SLOTS,
+        DQ_MODE=DQ_MODES.index(dq_mode),
+        KEYS_FIRST=order == "keys_first",
         num_warps=8,
         maxnreg=MAXNREG,
         enable_fp_fusion=ATTENTION_FP_FUSION,
@@ -343,7 +391,14 @@ def variant() -> Variant:
     types |= {f"{n}_desc": f"tensordesc<bf16[{BLOCK_N},{HEAD_DIM}],{lk!r}>" for n in ("k", "v")}
     types |= {"dq_desc": f"tensordesc<fp32[{BLOCK_M},{HEAD_DIM}],{ldq!r}>", "turn_ptr": "*i32"}
     types |= {n: "*fp32" for n in ("lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr")} | {"qk_scale": "fp32", "scale": "fp32"}
-    const = {"STAGES": STAGES, "DS_SLOTS": DS_SLOTS, "DQ_SLOTS": DQ_SLOTS, "num_warps": 8}
+    const = {
+        "STAGES": STAGES,
+        "DS_SLOTS": DS_SLOTS,
+        "DQ_SLOTS": DQ_SLOTS,
+        "DQ_MODE": 0,
+        "KEYS_FIRST": True,
+        "num_warps": 8,
+    }
     opts = {"num_warps": 8, "num_stages": 1, "maxnreg": MAXNREG, "enable_fp_fusion": ATTENTION_FP_FUSION}
     what = "gluon fused backward, head_dim 128, dq by its own warp"
     return Variant("attention_fused", what, attention_bwd_fused_sm90_kernel, types, const, opts, align_pointers=False)
