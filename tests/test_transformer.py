@@ -242,10 +242,13 @@ def test_model_inputs_follow_the_diffusers_pipeline_layout(keyframe):
     for ours, theirs in ((inputs.token_tags, tags), (inputs.video_indices, vi), (inputs.audio_indices, ai)):
         assert torch.equal(ours, theirs)
     assert torch.equal(inputs.text_indices, ti) and inputs.num_condition_video_rows == ncond
-    ts, idx = fn["build_row_timesteps"](vi, ai, ncond, 0, 7, 0.3, 0.6, 0.999, 1.0)
-    ours_ts, ours_idx = row_timesteps(inputs, 0.3, 0.6)
-    assert_bitwise(ours_ts, ts, "timestep")
-    assert torch.equal(ours_idx, idx)
+    # equal values merge: video and audio alike, a keyframe at video_t >= 0.999, everything clean
+    for video_t, audio_t in ((0.3, 0.6), (0.6, 0.6), (0.9995, 0.2), (0.999, 0.999), (1.0, 1.0)):
+        keyframe_t = max(video_t, 0.999)  # the pipeline's condition timestep, as row_timesteps defaults it
+        ts, idx = fn["build_row_timesteps"](vi, ai, ncond, 0, 7, video_t, audio_t, keyframe_t, 1.0)
+        ours_ts, ours_idx = row_timesteps(inputs, video_t, audio_t)
+        assert_bitwise(ours_ts, ts, f"timestep at {video_t}, {audio_t}")
+        assert torch.equal(ours_idx, idx), (video_t, audio_t)
 
 
 def test_timestep_sinusoid_is_diffusers_up_to_two_ulp():

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from h3lab.batch import MODALITY_AUDIO, MODALITY_TEXT, MODALITY_VIDEO
 from h3lab.config import H3Config
+from h3lab.host import to_device
 from h3lab.model.inputs import ModelInputs
 
 KEYFRAME_NOISE_AUG = 0.999  # diffusers `keyframe_noise_aug`: a conditioning anchor sits at t = 0.999
@@ -41,12 +42,24 @@ def row_timesteps(
     """
     S, nv, na = inputs.num_rows, inputs.num_condition_video_rows, inputs.num_condition_audio_rows
     cond_v = max(float(video_t), KEYFRAME_NOISE_AUG) if condition_video_t is None else condition_video_t
-    rows = torch.full((S,), float(video_t), dtype=torch.float32)
-    rows[inputs.video_indices[:nv].cpu()] = cond_v
-    rows[inputs.audio_indices[na:].cpu()] = float(audio_t)
-    rows[inputs.audio_indices[:na].cpu()] = condition_audio_t
-    timestep, indices = torch.unique(rows, sorted=True, return_inverse=True)
-    return timestep.to(inputs.device), indices.to(inputs.device)
+    # every row starts at video_t (the text rows keep it: ModelInputs holds >= 1), then each group of
+    # rows is set to its value; only the values of non-empty groups occur, so the distinct values and
+    # each group's index are known on the host, from counts alone (no read-back of the indices)
+    values, groups = [float(video_t)], []
+    for value, rows in (
+        (cond_v, inputs.video_indices[:nv]),
+        (float(audio_t), inputs.audio_indices[na:]),
+        (condition_audio_t, inputs.audio_indices[:na]),
+    ):
+        if rows.numel():
+            values.append(float(value))
+            groups.append(rows)
+    timestep, inverse = torch.unique(torch.tensor(values, dtype=torch.float32), sorted=True, return_inverse=True)
+    first, *rest = inverse.tolist()
+    indices = torch.full((S,), first, dtype=torch.int64, device=inputs.device)
+    for k, rows in zip(rest, groups, strict=True):
+        indices.index_fill_(0, rows, k)
+    return to_device(timestep.tolist(), torch.float32, inputs.device), indices
 
 
 def patchify(latents_CFHW: Tensor, patch_size: tuple[int, int, int]) -> Tensor:
