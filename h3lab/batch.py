@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from h3lab.checks import Checks
 from h3lab.config import NUM_MODALITIES, H3Config
 from h3lab.finite import check_counts
+from h3lab.ops.rows import has_duplicate_rows
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -113,18 +115,26 @@ class PackedBatch:
             f"device {h.device} not supported; allowed: {list(SUPPORTED_DEVICES)}",
         )
         rows = 3 * self.temb.shape[0]
-        lo, hi = int(self.adaln_indices.min()), int(self.adaln_indices.max())
-        _expect(
-            lo >= 0 and hi < rows,
-            "adaln_indices",
-            f"values span [{lo}, {hi}]; allowed: [0, {rows - 1}] (3 modalities x {rows // 3} timesteps)",
-        )
+        idx, keys = self.adaln_indices, self.logical_keys
+        c = Checks()  # the two value checks read back with one host sync, then the finiteness
+
+        def span() -> str:
+            lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
+            return f"values span [{lo}, {hi}]; allowed: [0, {rows - 1}] (3 modalities x {rows // 3} timesteps)"
+
+        c.device((idx.min() >= 0) & (idx.max() < rows), "adaln_indices", span)
+        # padding rows (first key < 0) get distinct keys below every active one: only active rows can clash
+        rank = torch.arange(keys.shape[0], device=keys.device)
+        keyed = torch.where(self.active[:, None], keys, torch.stack([-1 - rank, rank], dim=1))
+        c.device(~has_duplicate_rows(keyed), "logical_keys", lambda: self._duplicate_message())
+        c.read()
         self._check_finite()
+
+    def _duplicate_message(self) -> str:
         keys = self.logical_keys[self.active]
-        if keys.shape[0] != torch.unique(keys, dim=0).shape[0]:
-            _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
-            dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
-            raise ValueError(f"logical_keys: duplicate active key {dup}; allowed: each active key once")
+        _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
+        dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
+        return f"duplicate active key {dup}; allowed: each active key once"
 
     def _check_finite(self, fields: tuple[str, ...] = ("hidden_states", "grad_out", "temb", "position_ids")) -> None:
         """NaN or Inf in an input the block reads: refused, with one host sync for all of `fields`

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from h3lab.batch import POSITION_DTYPES
+from h3lab.checks import Checks
 from h3lab.config import NUM_MODALITIES, H3Config
-from h3lab.ops.rows import key_order
+from h3lab.ops.rows import has_duplicate_rows, key_order
 from h3lab.rowplan import host_facts, know_facts
 
 KEY_PARTS = ("video", "audio", "text", "video+audio", "video.generated", "audio.generated")
@@ -51,32 +52,35 @@ class ModelInputs:
     num_condition_audio_rows: int = 0
 
     def __post_init__(self) -> None:
-        """Check the fields in this order; the first that fails raises ValueError naming it."""
-        S = self._check_positions()
-        self._check_streams()
-        self._check_partition(S)
-        self._check_timestep()
-        self._check_row_ints(S)
-        self._check_logical_keys(S)
-        self._check_condition_counts()
-        self._check_one_device()
+        """Check the fields in this order; the first that fails raises ValueError naming it. The
+        checks of values on the device are read back together, with one host sync (h3lab.checks)."""
+        c = Checks()
+        self._check_one_device(c)
+        S = self._check_positions(c)
+        self._check_streams(c)
+        self._check_partition(c, S)
+        self._check_timestep(c)
+        self._check_row_ints(c, S)
+        self._check_logical_keys(c, S)
+        self._check_condition_counts(c)
+        c.read()
 
-    def _check_positions(self) -> int:
+    def _check_positions(self, c: Checks) -> int:
         """position_ids is [S, 3], S >= 1, in a POSITION_DTYPES dtype; returns S."""
         S = self.position_ids.shape[0] if self.position_ids.ndim == 2 else -1
-        _expect(
+        c.host(
             S >= 1 and self.position_ids.shape == (S, 3),
             "position_ids",
             f"shape {list(self.position_ids.shape)}; allowed: [S, 3] with S >= 1",
         )
-        _expect(
+        c.host(
             self.position_ids.dtype in POSITION_DTYPES,
             "position_ids",
             f"dtype {self.position_ids.dtype}; allowed: {list(POSITION_DTYPES)}",
         )
         return S
 
-    def _check_streams(self) -> None:
+    def _check_streams(self, c: Checks) -> None:
         """Each row stream is 2-D, finite, float32 (text also bf16), with one int64 index per row; text has a row."""
         for name, rows_name in (
             ("video_rows", "video_indices"),
@@ -84,87 +88,91 @@ class ModelInputs:
             ("text_rows", "text_indices"),
         ):
             rows, idx = getattr(self, name), getattr(self, rows_name)
-            _expect(rows.ndim == 2, name, f"shape {list(rows.shape)}; allowed: 2-D [rows, channels]")
-            _expect(
+            c.host(rows.ndim == 2, name, f"shape {list(rows.shape)}; allowed: 2-D [rows, channels]")
+            c.host(
                 idx.ndim == 1 and idx.dtype == torch.int64,
                 rows_name,
                 f"{idx.dtype} {list(idx.shape)}; allowed: 1-D int64",
             )
-            _expect(
+            c.host(
                 idx.shape[0] == rows.shape[0],
                 rows_name,
                 f"{idx.shape[0]} indices for {rows.shape[0]} {name}; allowed: one per row",
             )
             allowed = (torch.float32, torch.bfloat16) if name == "text_rows" else (torch.float32,)
-            _expect(rows.dtype in allowed, name, f"dtype {rows.dtype}; allowed: {list(allowed)}")
-            _expect(bool(torch.isfinite(rows).all()), name, "holds inf or NaN; allowed: finite rows")
-        _expect(
+            c.host(rows.dtype in allowed, name, f"dtype {rows.dtype}; allowed: {list(allowed)}")
+            c.device(torch.isfinite(rows).all(), name, lambda: "holds inf or NaN; allowed: finite rows")
+        c.host(
             self.text_rows.shape[0] >= 1,
             "text_rows",
             "0 rows; allowed: at least one text row (the text stream sets the dtype)",
         )
 
-    def _check_partition(self, S: int) -> None:
+    def _check_partition(self, c: Checks, S: int) -> None:
         """The three streams' indices together hold each packed row [0, S) exactly once."""
         every = torch.cat([self.text_indices, self.video_indices, self.audio_indices])
-        _expect(
-            every.numel() == S and torch.equal(every.sort().values, torch.arange(S, device=every.device)),
-            "video_indices/audio_indices/text_indices",
-            f"must partition the {S} packed rows [0, {S}) exactly once; allowed: each row in one stream, once",
-        )
+        name = "video_indices/audio_indices/text_indices"
+        message = f"must partition the {S} packed rows [0, {S}) exactly once; allowed: each row in one stream, once"
+        c.host(every.numel() == S, name, message)
+        c.device((every.sort().values == torch.arange(S, device=every.device)).all(), name, lambda: message)
 
-    def _check_timestep(self) -> None:
+    def _check_timestep(self, c: Checks) -> None:
         """timestep is 1-D float32 [T], T >= 1, its values in [0, 1]."""
         t = self.timestep
-        _expect(
+        c.host(
             t.ndim == 1 and t.shape[0] >= 1 and t.dtype == torch.float32,
             "timestep",
             f"{t.dtype} {list(t.shape)}; allowed: 1-D float32 [T] with T >= 1",
         )
-        if not bool(((t >= 0) & (t <= 1)).all()):  # the values read back only to name them
-            _expect(False, "timestep", f"values {t.tolist()}; allowed: [0, 1] unscaled (t = 1 - sigma)")
+        c.device(
+            ((t >= 0) & (t <= 1)).all(),
+            "timestep",
+            lambda: f"values {t.tolist()}; allowed: [0, 1] unscaled (t = 1 - sigma)",
+        )
 
-    def _check_row_ints(self, S: int) -> None:
+    def _check_row_ints(self, c: Checks, S: int) -> None:
         """timestep_indices and token_tags are int64 [S] within [0, T - 1] and [0, NUM_MODALITIES - 1]."""
         for name, lo, hi in (
             ("timestep_indices", 0, self.timestep.shape[0] - 1),
             ("token_tags", 0, NUM_MODALITIES - 1),
         ):
             x = getattr(self, name)
-            _expect(
-                x.shape == (S,) and x.dtype == torch.int64, name, f"{x.dtype} {list(x.shape)}; allowed: int64 [{S}]"
-            )
-            low, high = torch.stack([x.min(), x.max()]).tolist()  # one read-back, not four
-            _expect(low >= lo and high <= hi, name, f"values span [{low}, {high}]; allowed: [{lo}, {hi}]")
+            c.host(x.shape == (S,) and x.dtype == torch.int64, name, f"{x.dtype} {list(x.shape)}; allowed: int64 [{S}]")
 
-    def _check_logical_keys(self, S: int) -> None:
+            def span(x: Tensor = x, lo: int = lo, hi: int = hi) -> str:
+                low, high = torch.stack([x.min(), x.max()]).tolist()
+                return f"values span [{low}, {high}]; allowed: [{lo}, {hi}]"
+
+            c.device((x.min() >= lo) & (x.max() <= hi), name, span)
+
+    def _check_logical_keys(self, c: Checks, S: int) -> None:
         """logical_keys is int64 [S, 2], unique, its first key >= 0 (no padding)."""
         k = self.logical_keys
-        _expect(
+        c.host(
             k.shape == (S, 2) and k.dtype == torch.int64,
             "logical_keys",
             f"{k.dtype} {list(k.shape)}; allowed: int64 [{S}, 2]",
         )
-        _expect(
-            bool((k[:, 0] >= 0).all()),
+        c.device(
+            (k[:, 0] >= 0).all(),
             "logical_keys",
-            "first key < 0 marks padding; allowed: first keys >= 0 (model inputs carry no padding)",
+            lambda: "first key < 0 marks padding; allowed: first keys >= 0 (model inputs carry no padding)",
         )
-        _expect(torch.unique(k, dim=0).shape[0] == S, "logical_keys", "keys must be unique; allowed: one row per key")
+        c.device(~has_duplicate_rows(k), "logical_keys", lambda: "keys must be unique; allowed: one row per key")
 
-    def _check_condition_counts(self) -> None:
+    def _check_condition_counts(self, c: Checks) -> None:
         """Each conditioning count is an int in [0, that stream's rows]."""
         for name, n in (
             ("num_condition_video_rows", self.video_rows.shape[0]),
             ("num_condition_audio_rows", self.audio_rows.shape[0]),
         ):
             v = getattr(self, name)
-            _expect(isinstance(v, int) and 0 <= v <= n, name, f"{v!r}; allowed: an int in [0, {n}]")
+            c.host(isinstance(v, int) and 0 <= v <= n, name, f"{v!r}; allowed: an int in [0, {n}]")
 
-    def _check_one_device(self) -> None:
-        """Every tensor field lives on one device."""
+    def _check_one_device(self, c: Checks) -> None:
+        """Every tensor field lives on one device (first: the other checks compute on several fields)."""
         devices = {f.device for f in self.tensors().values()}
-        _expect(
+        c.host(
             len(devices) == 1,
             "ModelInputs",
             f"tensors on several devices {sorted(map(str, devices))}; allowed: one device",

@@ -14,12 +14,23 @@ from h3lab.ops.chain import chain_mm
 from h3lab.ops.fixed import round_to
 
 
+def _lexsort(keys_R2: Tensor) -> Tensor:
+    """Indices sorting the rows by (key0, key1) ascending (two stable sorts)."""
+    order = torch.argsort(keys_R2[:, 1], stable=True)
+    return order[torch.argsort(keys_R2[order, 0], stable=True)]
+
+
+def has_duplicate_rows(keys_R2: Tensor) -> Tensor:
+    """0-d bool on the keys' device: whether two rows of `keys_R2` are equal (no host sync)."""
+    s = keys_R2[_lexsort(keys_R2)]
+    return (s[1:] == s[:-1]).all(dim=1).any()
+
+
 def key_order(keys_R2: Tensor) -> Tensor:
     """Indices of the active rows, sorted by (key0, key1) ascending. Raises on duplicate active keys."""
     active = (keys_R2[:, 0] >= 0).nonzero().flatten()
     k = keys_R2[active]
-    order = torch.argsort(k[:, 1], stable=True)
-    order = order[torch.argsort(k[order, 0], stable=True)]
+    order = _lexsort(k)
     sorted_keys = k[order]
     if sorted_keys.shape[0] > 1 and bool((sorted_keys[1:] == sorted_keys[:-1]).all(dim=1).any()):
         i = int((sorted_keys[1:] == sorted_keys[:-1]).all(dim=1).nonzero()[0, 0])
