@@ -11,12 +11,11 @@ import torch
 from torch import Tensor
 
 
-def to_device(values: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """`values` (a list: as a 1-D tensor; a CPU tensor: its shape) in `dtype` on `device`; on CUDA
-    through pinned memory, so the copy waits for neither the host nor the work queued before it (on
-    a CPU: the tensor itself; another device: a plain copy)."""
-    host = values.to(dtype) if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
-    assert host.device.type == "cpu", host.device
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of `values` in `dtype` on `device`; on CUDA through pinned memory, so the copy waits
+    for neither the host nor the work queued before it (on a CPU: the tensor itself; another device:
+    a plain copy)."""
     if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    host = torch.tensor(values, dtype=dtype)
     return host if device.type == "cpu" else host.to(device)

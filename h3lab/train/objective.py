@@ -45,7 +45,6 @@ import torch
 from torch import Tensor
 
 from h3lab.batch import check_seed
-from h3lab.host import to_device
 from h3lab.model.head import ModelOutput
 from h3lab.model.inputs import ModelInputs
 from h3lab.model.packing import row_timesteps
@@ -110,8 +109,8 @@ class FlowObjective:
             sigma = shift * u[i] / (1 + (shift - 1) * u[i])  # float32, as flow_sigmas shifts its grid
             data, nc, order = _generated(inputs, m)
             noise = torch.empty_like(data, dtype=F32)
-            noise[order] = to_device(torch.randn(data.shape, generator=gen, dtype=F32), F32, data.device)  # j-th key
-            s = to_device(sigma, F32, data.device)
+            noise[order] = torch.randn(data.shape, generator=gen, dtype=F32).to(data.device)  # row j: j-th key
+            s = sigma.to(data.device)
             cond = getattr(inputs, f"{m}_rows")[:nc]
             rows[m] = torch.cat([cond, (1 - s) * data + s * noise])
             targets[m] = torch.cat([torch.zeros_like(cond), data - noise])
