@@ -179,12 +179,9 @@ def model_in_dtype(model, dtype: torch.dtype):
     return model
 
 
-# h3lab.bench.host_syncs' sites of ModelInputs' checks that read a value back (finiteness, partition,
-# timestep range, row ints, keys): a fresh check of a request syncs at each of them
-REQUEST_CHECKS = frozenset(
-    f"h3lab/model/inputs.py:{name}"
-    for name in ("_check_streams", "_check_partition", "_check_timestep", "_check_row_ints", "_check_logical_keys")
-)
+# h3lab.bench.host_syncs' site of ModelInputs' checks that read a value back (finiteness, partition,
+# timestep range, row ints, keys): a fresh check of a request reads them together (h3lab.checks)
+REQUEST_CHECKS = frozenset({"h3lab/checks.py:read"})
 
 
 # the CLI: a run's arguments, and the one line a bad value must give
