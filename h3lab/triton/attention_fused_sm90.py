@@ -1,16 +1,14 @@
 """A fused attention backward for Hopper in Gluon, dq added in key-block order by its own warp.
 
 Status: a candidate, timed beside the pinned split backward by h3lab.bench.attention_fused_bwd
-(`--gluon`, record reports/h200/attention-fused-bwd.json); no launcher of h3lab.triton.attention
-calls it: it must run faster than the split before it is pinned (and its dq bits, other than the
-split's, written into the contract). Its bits:
-- dk, dv: the pinned dk/dv kernel's (attention_bwd, BLOCK_M 64 query rows, BLOCK_N 128 keys): per key
-  block, over query blocks ascending, S^T = K Q^T, P^T = exp2(S^T * qk_scale - lse2), dP^T = V dO^T,
-  dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, as one wgmma chain each;
+(`--gluon`; reports/h200/attention-fused-bwd.json); no launcher of h3lab.triton.attention calls it:
+it must beat the split before it is pinned (and its dq bits, not the split's, enter the contract).
+- dk, dv: the pinned dk/dv kernel's bits (attention_bwd, BLOCK_M 64 query rows, BLOCK_N 128 keys):
+  per key block, over query blocks ascending, S^T = K Q^T, P^T = exp2(S^T * qk_scale - lse2),
+  dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, as one wgmma chain each;
 - dq: h3lab.triton.attention_fused's ("ordered"): a query row's dq = ((0 + P_0) + P_1) + ... over key
-  blocks j, P_j = dS_j K_j an FP32 [64, 128] tile, then times scale on the host. Here the adds are TMA
-  reduce-adds (cp.reduce.async.bulk .add.f32), there per-element atomics: the two round alike (the
-  GPU test in tests/test_kernels_attention_fused.py compares the bytes).
+  blocks j, P_j = dS_j K_j an FP32 [64, 128] tile, then times scale on the host; here by TMA
+  reduce-adds (cp.reduce.async.bulk .add.f32), there by atomics: they round alike (its GPU test).
 
 As FlashAttention-3's deterministic backward does (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp,
 `store_dq`), one program per (head, key block) runs
@@ -18,15 +16,13 @@ As FlashAttention-3's deterministic backward does (hopper/mainloop_bwd_sm90_tma_
 - the compute partition (8 warps, two warpgroups over the 128 keys): the five GEMMs per query block,
   writing P_i^j into one of DQ_SLOTS shared-memory slots and going on;
 - a dQ warp: waits until turn[h, i] == j (key blocks 0..j-1 have added), bulk-adds the slot, hands
-  the slot back once the add has read it (`cp.async.bulk.wait_group.read`), and releases turn i
-  only after the add's global writes are done (`cp.async.bulk.wait_group` without `.read`: released
-  after `.read`, FlashAttention issue #2244's dq varied run to run). It releases turn i - 1 after
-  issuing add i, so two adds are in flight.
-The compute warps block only when the dQ warp is DQ_SLOTS tiles behind. Key block j spins until j - 1
-has added, so j - 1 must be resident or done: CUDA dispatches a grid's blocks in launch order in
-practice (not promised; FA3 and the Triton candidate rely on the same). The default launch order is
-keys_first (grid axis 0, CUDA's fastest, is the key block): the programs running at once are one
-head's key blocks, which read the same Q and dO tiles and add into the same dq rows, all within L2;
+  it back once the add has read it (`cp.async.bulk.wait_group.read`), and releases turn i only once
+  the add's global writes are done (`wait_group` without `.read`: FlashAttention issue #2244's dq
+  varied run to run when released after `.read`), after issuing add i + 1: two adds in flight.
+Key block j spins until j - 1 has added, so j - 1 must be resident or done: CUDA dispatches a grid's
+blocks in launch order in practice (not promised; FA3 and the Triton candidate rely on it). Launch
+order keys_first (the default: grid axis 0, CUDA's fastest, is the key block) runs one head's key
+blocks at once, which read the same Q, dO tiles and add into the same dq rows, within L2;
 heads_first spreads them over every head's rows, past L2 (the record times both). Shared memory at
 STAGES 2, DS_SLOTS 1, DQ_SLOTS 2: 213,292 of 232,448 bytes.
 
@@ -41,7 +37,6 @@ import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -55,60 +50,13 @@ from h3lab.triton.attention import LOG2E, _bwd_operands
 from h3lab.triton.attention_fused import DQ_MODES, ORDERS
 from h3lab.triton.attention_fwd_sm90 import MAXNREG, _desc, _smem_layout
 from h3lab.triton.configs import cdiv, interpreting
+from h3lab.triton.sm90_order import bulk_wait, st_release, tma_reduce_add, wait_turn
 from h3lab.triton.variant import ATTENTION_FP_FUSION, Variant
 
 F32 = torch.float32
 BLOCK_M, BLOCK_N, HEAD_DIM = 64, 128, 128  # query rows, keys, head dim: the pinned dk/dv kernel's tile
 STAGES, DS_SLOTS, DQ_SLOTS = 2, 1, 2  # what fits 232,448 bytes of shared memory (module docstring)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.9 renamed it
-
-
-@builtin
-def _tma_reduce_add_36(desc, coord, src, _semantic=None):
-    """Triton 3.6: the Gluon builder has the TMA reduce but no Python name for it (3.8+: async_atomic_add)."""
-    from triton._C.libtriton import ir
-
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
-_tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
-
-
-@gluon.jit
-def _bulk_wait(lane, PENDING: gl.constexpr, READS_ONLY: gl.constexpr):
-    # at most PENDING (0 or 1) bulk groups still pending: with READS_ONLY only their shared-memory
-    # reads done (the slot may be refilled), else their global writes too (the turn may be released:
-    # no .read, FlashAttention issue #2244), then every lane of the warp past it
-    if READS_ONLY:
-        asm: gl.constexpr = "cp.async.bulk.wait_group.read 0; bar.warp.sync -1; mov.u32 $0, 0;"
-    elif PENDING == 0:
-        asm: gl.constexpr = "cp.async.bulk.wait_group 0; fence.proxy.async.global; bar.warp.sync -1; mov.u32 $0, 0;"
-    else:
-        asm: gl.constexpr = "cp.async.bulk.wait_group 1; fence.proxy.async.global; bar.warp.sync -1; mov.u32 $0, 0;"
-    gl.inline_asm_elementwise(asm, "=r,r", [lane], gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _ld_acquire(ptrs):
-    return gl.inline_asm_elementwise(
-        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptrs], gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _st_release(ptrs, values):
-    # every lane stores the same value to the one counter; a store, not an atom: nothing returns
-    gl.inline_asm_elementwise(
-        "st.release.gpu.global.b32 [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptrs, values], gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _wait_turn(turns, j):
-    seen = _ld_acquire(turns)
-    while gl.max(seen, 0) != j:
-        seen = _ld_acquire(turns)
 
 
 @gluon.jit
@@ -161,19 +109,19 @@ def _dq_writer(dq_desc, dq_smem, bars, turn_ptr, n_q, DQ_MODE: gl.constexpr, KEY
     for i in range(n_qb):
         slot = i % SLOTS
         if DQ_MODE == 0:
-            _wait_turn(turns + i, j)
+            wait_turn(turns + i, j)
         mbarrier.wait(dq_full.index(slot), (i // SLOTS) & 1)
         if DQ_MODE != 2:
-            _tma_reduce_add(dq_desc, [i * BM, h * DH], dq_smem.index(slot))
-        _bulk_wait(lane, 0, True)
+            tma_reduce_add(dq_desc, [i * BM, h * DH], dq_smem.index(slot))
+        bulk_wait(lane, 0, True)
         mbarrier.arrive(dq_empty.index(slot), count=1)
         if i > 0:
-            _bulk_wait(lane, 1, False)
+            bulk_wait(lane, 1, False)
             if DQ_MODE == 0:
-                _st_release(turns + i - 1, nxt)
-    _bulk_wait(lane, 0, False)
+                st_release(turns + i - 1, nxt)
+    bulk_wait(lane, 0, False)
     if DQ_MODE == 0:
-        _st_release(turns + n_qb - 1, nxt)
+        st_release(turns + n_qb - 1, nxt)
 
 
 # One function on purpose: a query block's five GEMMs and the softmax between them are one pipeline
@@ -316,6 +264,20 @@ def _dq_desc(dq: Tensor) -> TensorDescriptor:
     return TensorDescriptor(dq, [q, h * dh], [dq.stride(0), 1], [BLOCK_M, dh], layout)
 
 
+def _check_call(q: Tensor, k: Tensor, order: str, dq_mode: str) -> None:
+    if order not in ORDERS or dq_mode not in DQ_MODES:
+        raise ValueError(
+            f"attention_bwd_fused_sm90 order {order!r}, dq_mode {dq_mode!r}; allowed: {list(ORDERS)}, {list(DQ_MODES)}"
+        )
+    if interpreting() or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"attention_bwd_fused_sm90 on {q.device}; allowed: a compiled run on an sm90 GPU")
+    if q.dtype != torch.bfloat16 or q.shape[2] != HEAD_DIM or q.shape[0] == 0 or k.shape[0] == 0:
+        raise ValueError(
+            f"attention_bwd_fused_sm90: {q.dtype} q {tuple(q.shape)}, k {tuple(k.shape)}; allowed: torch.bfloat16, "
+            f"Dh {HEAD_DIM}, Q > 0, K > 0"
+        )
+
+
 def attention_bwd_fused_sm90(
     q: Tensor,
     do: Tensor,
@@ -335,19 +297,9 @@ def attention_bwd_fused_sm90(
     Raises:
         ValueError: another dtype, head dim, layout or device, order or dq_mode.
     """
-    if order not in ORDERS or dq_mode not in DQ_MODES:
-        raise ValueError(
-            f"attention_bwd_fused_sm90 order {order!r}, dq_mode {dq_mode!r}; allowed: {list(ORDERS)}, {list(DQ_MODES)}"
-        )
     q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    _check_call(q, k, order, dq_mode)
     (Q, H, Dh), K = q.shape, k.shape[0]
-    if interpreting() or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise ValueError(f"attention_bwd_fused_sm90 on {q.device}; allowed: a compiled run on an sm90 GPU")
-    if q.dtype != torch.bfloat16 or Dh != HEAD_DIM or Q == 0 or K == 0:
-        raise ValueError(
-            f"attention_bwd_fused_sm90: {q.dtype} q {tuple(q.shape)}, k {tuple(k.shape)}; allowed: torch.bfloat16, "
-            f"Dh {HEAD_DIM}, Q > 0, K > 0"
-        )
     dq = torch.zeros((Q, H, Dh), dtype=F32, device=q.device)
     dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
