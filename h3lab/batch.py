@@ -23,7 +23,7 @@ from torch import Tensor
 from h3lab.checks import Checks
 from h3lab.config import NUM_MODALITIES, H3Config
 from h3lab.finite import check_counts
-from h3lab.ops.rows import has_duplicate_rows
+from h3lab.ops.rows import first_duplicate_row, has_duplicate_rows
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -114,9 +114,14 @@ class PackedBatch:
             "PackedBatch",
             f"device {h.device} not supported; allowed: {list(SUPPORTED_DEVICES)}",
         )
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """adaln_indices within [0, 3T) and the active keys unique, read back together (one host sync),
+        then the finiteness (`_check_finite`): refused in that order."""
         rows = 3 * self.temb.shape[0]
         idx, keys = self.adaln_indices, self.logical_keys
-        c = Checks()  # the two value checks read back with one host sync, then the finiteness
+        c = Checks()
 
         def span() -> str:
             lo, hi = torch.stack([idx.min(), idx.max()]).tolist()
@@ -126,15 +131,14 @@ class PackedBatch:
         # padding rows (first key < 0) get distinct keys below every active one: only active rows can clash
         rank = torch.arange(keys.shape[0], device=keys.device)
         keyed = torch.where(self.active[:, None], keys, torch.stack([-1 - rank, rank], dim=1))
-        c.device(~has_duplicate_rows(keyed), "logical_keys", lambda: self._duplicate_message())
+        c.device(~has_duplicate_rows(keyed), "logical_keys", self._duplicate_message)
         c.read()
         self._check_finite()
 
     def _duplicate_message(self) -> str:
-        keys = self.logical_keys[self.active]
-        _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
-        dup = keys[(counts[inverse] > 1).nonzero()[0, 0]].tolist()
-        return f"duplicate active key {dup}; allowed: each active key once"
+        return (
+            f"duplicate active key {first_duplicate_row(self.logical_keys[self.active])}; allowed: each active key once"
+        )
 
     def _check_finite(self, fields: tuple[str, ...] = ("hidden_states", "grad_out", "temb", "position_ids")) -> None:
         """NaN or Inf in an input the block reads: refused, with one host sync for all of `fields`

@@ -12,8 +12,7 @@ scope is left by another exception (a NaN's later consequence): the first cause 
 other chained to it. Outside a scope every check is immediate. Scopes nest: an inner scope joins
 the outer one. What a deferred check guards is a claim about bits, not memory: a block computing on
 a NaN input reads no index out of range, so deferring a refusal to the end of the call loses
-nothing but the compute spent on a result that is then refused. Other refusals of that kind queue
-the same way (h3lab.ops.fixed.cos_sin's angle range).
+nothing but the compute spent on a result that is then refused.
 """
 
 from __future__ import annotations

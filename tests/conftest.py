@@ -181,7 +181,7 @@ def model_in_dtype(model, dtype: torch.dtype):
 
 # h3lab.bench.host_syncs' site of ModelInputs' checks that read a value back (finiteness, partition,
 # timestep range, row ints, keys): a fresh check of a request reads them together (h3lab.checks)
-REQUEST_CHECKS = frozenset({"h3lab/checks.py:read"})
+REQUEST_CHECKS = frozenset({"h3lab/model/inputs.py:__post_init__"})
 
 
 # the CLI: a run's arguments, and the one line a bad value must give

@@ -284,7 +284,10 @@ def test_timestep_sinusoid_is_diffusers_up_to_two_ulp():
         (lambda i: {"timestep": i.timestep.double()}, r"timestep: torch.float64 \[\d+\]; allowed: 1-D float32"),
         (lambda i: {"token_tags": i.token_tags.int()}, r"token_tags: torch.int32 \[96\]; allowed: int64 \[96\]"),
         (lambda i: {"logical_keys": i.logical_keys[:, :1]}, r"logical_keys: torch.int64 \[96, 1\]; allowed: int64"),
-        (lambda i: {"logical_keys": i.logical_keys * 0}, r"logical_keys: keys must be unique; allowed: one row"),
+        (
+            lambda i: {"logical_keys": i.logical_keys * 0},
+            r"logical_keys: keys must be unique, \[0, 0\] is not; allowed: one row",
+        ),
         (lambda i: {"video_rows": i.video_rows * float("nan")}, r"video_rows: holds inf or NaN; allowed: finite"),
     ],
 )

@@ -20,9 +20,9 @@ _SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_d
 
 def host_syncs(run: Callable[[], object], device: torch.device) -> dict[str, Any]:
     """The host synchronisations `run()` makes: "sites" counts them by the innermost h3lab function on the
-    stack ("h3lab/model/inputs.py:_check_streams"), "total" sums them; on CUDA "cuda_reported" is what
-    torch itself reports (`torch.cuda.set_sync_debug_mode`, no sites: an autograd backward's reports
-    reach the host at its end).
+    stack ("h3lab/model/inputs.py:__post_init__"; h3lab.checks' reads count at their caller), "total"
+    sums them; on CUDA "cuda_reported" is what torch itself reports (`torch.cuda.set_sync_debug_mode`,
+    no sites: an autograd backward's reports reach the host at its end).
 
     Counted on every device alike, as calls that are a host sync on a GPU (a CPU never waits): an op that
     reads a tensor on the host (item, bool, int, float, nonzero, unique, equal, a boolean-mask index:
@@ -43,10 +43,14 @@ def host_syncs(run: Callable[[], object], device: torch.device) -> dict[str, Any
     return out | ({"cuda_reported": reported} if device.type == "cuda" else {})
 
 
+# a reader on its caller's behalf (h3lab.checks reads the caller's queued checks): its caller is the site
+_PASS_THROUGH = frozenset({os.path.join(_PACKAGE, "checks.py")})
+
+
 def _site(frame: Any) -> str:
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith(_PACKAGE + os.sep) and frame.f_code not in _COUNTER_CODE:
+        if path.startswith(_PACKAGE + os.sep) and frame.f_code not in _COUNTER_CODE and path not in _PASS_THROUGH:
             return f"h3lab/{os.path.relpath(path, _PACKAGE)}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "outside h3lab"

@@ -22,7 +22,7 @@ from torch import Tensor
 from h3lab.batch import POSITION_DTYPES
 from h3lab.checks import Checks
 from h3lab.config import NUM_MODALITIES, H3Config
-from h3lab.ops.rows import has_duplicate_rows, key_order
+from h3lab.ops.rows import first_duplicate_row, has_duplicate_rows, key_order
 from h3lab.rowplan import host_facts, know_facts
 
 KEY_PARTS = ("video", "audio", "text", "video+audio", "video.generated", "audio.generated")
@@ -158,7 +158,11 @@ class ModelInputs:
             "logical_keys",
             lambda: "first key < 0 marks padding; allowed: first keys >= 0 (model inputs carry no padding)",
         )
-        c.device(~has_duplicate_rows(k), "logical_keys", lambda: "keys must be unique; allowed: one row per key")
+        c.device(
+            ~has_duplicate_rows(k),
+            "logical_keys",
+            lambda: f"keys must be unique, {first_duplicate_row(k)} is not; allowed: one row per key",
+        )
 
     def _check_condition_counts(self, c: Checks) -> None:
         """Each conditioning count is an int in [0, that stream's rows]."""

@@ -20,8 +20,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from h3lab.finite import check_counts
-
 # ---- rounding to the storage dtype ------------------------------------------------------------
 
 
@@ -169,21 +167,10 @@ def _poly(r2: Tensor, coeffs: list[float]) -> Tensor:
 
 
 def cos_sin(angle: Tensor) -> tuple[Tensor, Tensor]:
-    """(cos, sin) of float32 angles with |angle| < 1e6, in float64 internally, rounded to fp32.
-
-    Raises:
-        ValueError: an angle of 1e6 or more; inside `h3lab.finite.deferred_checks()`, when the scope
-            ends (a larger angle reads no memory out of range: the refusal may wait).
-    """
+    """(cos, sin) of float32 angles with |angle| < 1e6, in float64 internally, rounded to fp32."""
     x = angle.to(torch.float64)
-    if x.numel():
-        peak = x.abs().max()
-
-        def verdict(big: list[int]) -> None:
-            if big[0]:
-                raise ValueError(f"cos_sin: |angle| up to {float(peak):.3g}; allowed below 1e6 rad")
-
-        check_counts((peak >= 1e6).long().reshape(1), verdict)
+    if x.numel() and float(x.abs().max()) >= 1e6:
+        raise ValueError(f"cos_sin: |angle| up to {float(x.abs().max()):.3g}; allowed below 1e6 rad")
     n = torch.round(x * _INV_PIO2)
     r = ((x - n * _PIO2_1) - n * _PIO2_2) - n * _PIO2_3
     r2 = r * r

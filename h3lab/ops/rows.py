@@ -26,6 +26,12 @@ def has_duplicate_rows(keys_R2: Tensor) -> Tensor:
     return (s[1:] == s[:-1]).all(dim=1).any()
 
 
+def first_duplicate_row(keys_R2: Tensor) -> list[int]:
+    """The first row (in ascending key order) that another row of `keys_R2` equals; one must exist."""
+    s = keys_R2[_lexsort(keys_R2)]
+    return s[int((s[1:] == s[:-1]).all(dim=1).nonzero()[0, 0])].tolist()
+
+
 def key_order(keys_R2: Tensor) -> Tensor:
     """Indices of the active rows, sorted by (key0, key1) ascending. Raises on duplicate active keys."""
     active = (keys_R2[:, 0] >= 0).nonzero().flatten()
@@ -33,8 +39,7 @@ def key_order(keys_R2: Tensor) -> Tensor:
     order = _lexsort(k)
     sorted_keys = k[order]
     if sorted_keys.shape[0] > 1 and bool((sorted_keys[1:] == sorted_keys[:-1]).all(dim=1).any()):
-        i = int((sorted_keys[1:] == sorted_keys[:-1]).all(dim=1).nonzero()[0, 0])
-        raise ValueError(f"logical_keys: duplicate active key {sorted_keys[i].tolist()}; allowed: each active key once")
+        raise ValueError(f"logical_keys: duplicate active key {first_duplicate_row(k)}; allowed: each active key once")
     return active[order]
 
 

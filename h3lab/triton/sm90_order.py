@@ -28,9 +28,11 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 @gluon.jit
 def bulk_wait(lane, PENDING: gl.constexpr, READS_ONLY: gl.constexpr):
-    # at most PENDING (0 or 1) bulk groups still pending: with READS_ONLY only their shared-memory
-    # reads done (the slot may be refilled), else their global writes too (the turn may be released:
-    # no .read, FlashAttention issue #2244), then every lane of the warp past it
+    # READS_ONLY: every bulk group's shared-memory reads done (the slot may be refilled); else at most
+    # PENDING (0 or 1) groups still pending, their global writes included (a turn may be released:
+    # no .read, FlashAttention issue #2244); then every lane of the warp past it
+    gl.static_assert(PENDING == 0 or PENDING == 1, "bulk_wait: PENDING 0 or 1")
+    gl.static_assert(PENDING == 0 or not READS_ONLY, "bulk_wait: READS_ONLY waits for every group")
     if READS_ONLY:
         asm: gl.constexpr = "cp.async.bulk.wait_group.read 0; bar.warp.sync -1; mov.u32 $0, 0;"
     elif PENDING == 0:
@@ -57,7 +59,12 @@ def st_release(ptrs, values):
 
 @gluon.jit
 def wait_turn(turns, j):
-    # spin until the counter (every lane reads the same one) holds j
+    # spin until every lane has acquired j from the counter (each reads the same one; it only grows,
+    # and past j only after this program releases), then order the acquire before the async proxy's
+    # bulk adds that follow
     seen = ld_acquire(turns)
-    while gl.max(seen, 0) != j:
+    while gl.min(seen, 0) != j:
         seen = ld_acquire(turns)
+    gl.inline_asm_elementwise(
+        "fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [seen], gl.int32, is_pure=False, pack=1
+    )
