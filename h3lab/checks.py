@@ -33,7 +33,7 @@ class Checks:
         self._queued.append((ok.reshape(()), name, message))
 
     def read(self) -> None:
-        """Read every queued condition with one host sync; refuse at the first False."""
+        """Read every queued condition with one host sync (they live on one device); refuse at the first False."""
         queued, self._queued = self._queued, []
         if not queued:
             return

@@ -132,9 +132,18 @@ def test_the_table_reads_both_record_formats():
     assert got == [1.5, 1.4, 0.7]
     assert pd.isna(v3.loc[16384, "gluon heads-first / split"])
     four = three | {"gluon_over_split": 1.0, "gluon_heads_first_over_split": 1.7, "gluon_no_dq_over_split": 1.05}
-    v4 = table("attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": four}})
-    got = v4.loc[16384, ["gluon / split", "gluon heads-first / split", "gluon no dq adds / split"]].tolist()
-    assert got == [1.0, 1.7, 1.05]
+    v4 = table(
+        "attention_fused", {"format": BENCH_FORMAT, "rows": {"16384": four | {"gluon_unordered_over_split": 1.1}}}
+    )
+    gluon = ["gluon / split", "gluon heads-first / split", "gluon unordered / split", "gluon no dq adds / split"]
+    assert v4.loc[16384, gluon].tolist() == [1.0, 1.7, 1.1, 1.05] and v4.loc[16384, "gluon bitwise"] is None
+    bits = {"dq_vs_fused": True, "dk_vs_split": True, "dv_vs_split": True, "orders_bitwise": True, "calls": 200}
+    ran = {
+        "16384": four | {"gluon": bits | {"repeat_bitwise": True}},
+        "32768": four | {"gluon": bits | {"repeat_bitwise": False}},
+    }
+    v4 = table("attention_fused", {"format": BENCH_FORMAT, "rows": ran})
+    assert v4["gluon bitwise"].tolist() == [True, False]
 
 
 def test_the_bench_refuses_fewer_than_two_repeats(tmp_path, capsys):

@@ -182,7 +182,8 @@ def attention_fused(record: dict) -> pd.DataFrame:
     timed keys first only, as "fused"), their ratios, the fused dk/dv bits against the split ones,
     the fused dq's distance to the split dq, whether it repeats, whether both orders give its bytes;
     from v3 the diagnostics' ratios (dq added without turns, no dq at all; None before) and, where it
-    ran, the Gluon candidate's (from v4 also in the other launch order and without its dq adds)."""
+    ran, the Gluon candidate's (from v4 also in the other launch order, without turns and without its
+    dq adds, and whether its bits held)."""
     v1 = record.get("format", "").endswith("-v1")
     rows = []
     for n, r in record["rows"].items():
@@ -206,7 +207,10 @@ def attention_fused(record: dict) -> pd.DataFrame:
                 "no dq / split": r.get("no_dq_over_split"),
                 "gluon / split": r.get("gluon_over_split"),  # with --gluon only
                 "gluon heads-first / split": r.get("gluon_heads_first_over_split"),  # v4 on
+                "gluon unordered / split": r.get("gluon_unordered_over_split"),  # v4 on
                 "gluon no dq adds / split": r.get("gluon_no_dq_over_split"),  # v4 on
+                # its dq the Triton candidate's, dk and dv the split's, orders alike, every call alike
+                "gluon bitwise": all(v for k, v in r["gluon"].items() if k != "calls") if "gluon" in r else None,
                 "dk, dv bitwise": bool(bits) and all(bits.values()),
                 "dq rel L2 vs split": r.get("dq_rel_l2_vs_split"),
                 "fused repeats bitwise": r.get("fused_repeat_bitwise"),
