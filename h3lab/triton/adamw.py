@@ -30,10 +30,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from h3lab.host import to_device
 from h3lab.ops.adamw import ADAMW_SCALARS, AdamWPiece
 from h3lab.triton import configs
 from h3lab.triton.gemm_host import check_device
-from h3lab.triton.tables import on_device, program_tensor, search_steps
+from h3lab.triton.tables import program_tensor, search_steps
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
@@ -238,7 +239,7 @@ def _launch(
         strides = [g2.stride(0), g2.stride(1), w_store.stride(0), w_store.stride(1)]
         rows.append([*addresses, R, C, *strides, k, tiles_c])
         starts.append(starts[-1] + configs.cdiv(R, cfg["BLOCK"] // tile_c) * tiles_c)
-    table, programs = on_device(rows, s.device), on_device(starts, s.device)
+    table, programs = to_device(rows, torch.int64, s.device), to_device(starts, torch.int64, s.device)
     adamw_kernel[(starts[-1],)](
         table,
         programs,

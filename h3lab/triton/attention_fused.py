@@ -50,6 +50,14 @@ ORDERS = ("heads_first", "keys_first")  # grid axis 0 (CUDA's fastest): heads, o
 DQ_MODES = ("ordered", "unordered", "skipped")
 
 
+def check_modes(who: str, order: str, dq_mode: str) -> None:
+    """ValueError unless `order` is one of ORDERS and `dq_mode` one of DQ_MODES (both fused backwards')."""
+    if order not in ORDERS:
+        raise ValueError(f"{who} order {order!r}; allowed: {list(ORDERS)}")
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"{who} dq_mode {dq_mode!r}; allowed: {list(DQ_MODES)}")
+
+
 # One function on purpose: a jit kernel; dq's ordered adds (a turn counter, acquire/release) sit in the
 # loop that accumulates dk, dv, and its signature is fixed (top-level descriptors, do_not_specialize).
 @triton.jit(do_not_specialize=["n_q", "n_k"])
@@ -144,10 +152,7 @@ def attention_bwd_fused(
     dk, dv are attention_bwd_kv's bytes with the same tile; dq is summed in key-block order. `order`,
     one of ORDERS, is the launch order (the same bytes under each); `dq_mode`, one of DQ_MODES, is
     "ordered" but for the benchmark's diagnostics."""
-    if order not in ORDERS:
-        raise ValueError(f"attention_bwd_fused order {order!r}; allowed: {list(ORDERS)}")
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"attention_bwd_fused dq_mode {dq_mode!r}; allowed: {list(DQ_MODES)}")
+    check_modes("attention_bwd_fused", order, dq_mode)
     unknown = set(config) ^ (CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})
     if unknown:
         allowed = sorted(CONFIG_KEYS["attention_bwd_kv"] - {"TMA"})

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3lab.triton.attention import LOG2E, _bwd_operands
-from h3lab.triton.attention_fused import DQ_MODES, ORDERS
+from h3lab.triton.attention_fused import DQ_MODES, check_modes
 from h3lab.triton.attention_fwd_sm90 import MAXNREG, _desc, _smem_layout
 from h3lab.triton.configs import cdiv, interpreting
 from h3lab.triton.sm90_order import bulk_wait, st_release, tma_reduce_add, wait_turn
@@ -265,10 +265,7 @@ def _dq_desc(dq: Tensor) -> TensorDescriptor:
 
 
 def _check_call(q: Tensor, k: Tensor, order: str, dq_mode: str) -> None:
-    if order not in ORDERS or dq_mode not in DQ_MODES:
-        raise ValueError(
-            f"attention_bwd_fused_sm90 order {order!r}, dq_mode {dq_mode!r}; allowed: {list(ORDERS)}, {list(DQ_MODES)}"
-        )
+    check_modes("attention_bwd_fused_sm90", order, dq_mode)
     if interpreting() or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         raise ValueError(f"attention_bwd_fused_sm90 on {q.device}; allowed: a compiled run on an sm90 GPU")
     if q.dtype != torch.bfloat16 or q.shape[2] != HEAD_DIM or q.shape[0] == 0 or k.shape[0] == 0:

@@ -23,12 +23,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from h3lab.host import to_device
 from h3lab.ops.fixed import pair_sum
 from h3lab.ops.squares import ROW_BLOCK
 from h3lab.triton import configs
 from h3lab.triton.gemm_host import check_device
 from h3lab.triton.norm import _pair_sum
-from h3lab.triton.tables import on_device, program_tensor, search_steps
+from h3lab.triton.tables import program_tensor, search_steps
 from h3lab.triton.variant import Variant, options
 
 F32 = torch.float32
@@ -82,7 +83,7 @@ def _block_sums(xs: list[Tensor], offsets: list[int], out: Tensor, cfg: dict) ->
         nb = _num_blocks(x2)
         rows.append([x2.data_ptr(), x2.numel(), max(x2.shape[1], 1), x2.stride(0), x2.stride(1), nb, off])
         starts.append(starts[-1] + configs.cdiv(nb, bpp))
-    table, programs = on_device(rows, out.device), on_device(starts, out.device)
+    table, programs = to_device(rows, torch.int64, out.device), to_device(starts, torch.int64, out.device)
     dtype = tl.bfloat16 if xs[0].dtype == torch.bfloat16 else tl.float32
     block_squares_kernel[(starts[-1],)](
         table,
@@ -134,7 +135,7 @@ def sums_of_squares(xs: Sequence[Tensor], *, node: str | None = None) -> Tensor:
     where = [0] * len(xs)
     for pos, k in enumerate(order):
         where[k] = pos
-    return torch.cat(sums).index_select(0, on_device(where, device))
+    return torch.cat(sums).index_select(0, to_device(where, torch.int64, device))
 
 
 def variants(node: str) -> list[Variant]:

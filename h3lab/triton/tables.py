@@ -4,12 +4,8 @@ addresses, sizes and strides that one launch reads to reach many tensors, tensor
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
-
-from h3lab.host import to_device
 
 
 @triton.jit
@@ -28,8 +24,3 @@ def program_tensor(starts_ptr, T, SEARCH: tl.constexpr):
 def search_steps(num_tensors: int) -> int:
     """The SEARCH of a launch over `num_tensors` tensors (at least 1)."""
     return max(1, (num_tensors - 1).bit_length())
-
-
-def on_device(values: list, device: torch.device) -> Tensor:
-    """An int64 tensor of `values` on `device`, queued without a host sync (h3lab.host.to_device)."""
-    return to_device(values, torch.int64, device)
