@@ -1,8 +1,9 @@
 """A fused attention backward for Hopper in Gluon, dq added in key-block order by its own warp.
 
 Status: a candidate, timed beside the pinned split backward by h3lab.bench.attention_fused_bwd
-(`--gluon`; reports/h200/attention-fused-bwd.json); no launcher of h3lab.triton.attention calls it:
-it must beat the split before it is pinned (and its dq bits, not the split's, enter the contract).
+(`--gluon`; reports/h200/attention-fused-bwd.json, where it is faster than the split); no launcher
+of h3lab.triton.attention calls it yet: pinned, its dq bits, not the split's, enter the contract,
+and the layouts that split the keys over ranks (CP) need the dq kernel to add in its order too.
 - dk, dv: the pinned dk/dv kernel's bits (attention_bwd, BLOCK_M 64 query rows, BLOCK_N 128 keys):
   per key block, over query blocks ascending, S^T = K Q^T, P^T = exp2(S^T * qk_scale - lse2),
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, as one wgmma chain each;
@@ -12,9 +13,12 @@ it must beat the split before it is pinned (and its dq bits, not the split's, en
 
 As FlashAttention-3's deterministic backward does (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp,
 `store_dq`), one program per (head, key block) runs
-- a producer warp: K_j and V_j once, then Q_i and dO_i of every query block into a STAGES-deep ring;
+- a producer warp: K_j and V_j once, then Q_i, dO_i and their rows' lse and delta (1-D TMA blocks,
+  as FA3 bulk-copies LSE and dPsum) of every query block into a STAGES-deep ring;
 - the compute partition (8 warps, two warpgroups over the 128 keys): the five GEMMs per query block,
-  writing P_i^j into one of DQ_SLOTS shared-memory slots and going on;
+  the statistics read from shared memory (read from global memory in the softmax, their latency
+  showed as the compute warps' largest stall), dQ issued first and P_i^j written into one of
+  DQ_SLOTS shared-memory slots while dV and dK run;
 - a dQ warp: waits until turn[h, i] == j (key blocks 0..j-1 have added), bulk-adds the slot, hands
   it back once the add has read it (`cp.async.bulk.wait_group.read`), and releases turn i only once
   the add's global writes are done (`wait_group` without `.read`: FlashAttention issue #2244's dq
@@ -32,6 +36,7 @@ Launcher: `attention_bwd_fused_sm90`. Dimension legend: Q query rows, K keys, H 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -69,10 +74,11 @@ def _head_and_key_block(KEYS_FIRST: gl.constexpr):
 
 
 @gluon.jit
-def _producer(descs, bufs, bars, n_q, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
-    """One warp: K_j and V_j, then Q_i and dO_i of every query block i into ring slot i % STAGES."""
-    q_desc, do_desc, k_desc, v_desc = descs
-    q_bufs, do_bufs, k_smem, v_smem = bufs
+def _producer(descs, bufs, bars, n_q, n_stat, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
+    """One warp: K_j and V_j, then Q_i, dO_i and their rows' lse and delta (n_stat, a multiple of
+    BLOCK_M, apart per head) of every query block i into ring slot i % STAGES."""
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = descs
+    q_bufs, do_bufs, k_smem, v_smem, lse_bufs, delta_bufs = bufs
     kv_bar, q_full, q_empty = bars
     BM: gl.constexpr = q_desc.block_type.shape[0]
     DH: gl.constexpr = q_desc.block_type.shape[1]
@@ -85,9 +91,11 @@ def _producer(descs, bufs, bars, n_q, STAGES: gl.constexpr, KEYS_FIRST: gl.const
     for i in range(gl.cdiv(n_q, BM)):
         s = i % STAGES
         mbarrier.wait(q_empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        mbarrier.expect(q_full.index(s), 2 * q_desc.block_type.nbytes)
+        mbarrier.expect(q_full.index(s), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
         _tma_load(q_desc, [i * BM, col], q_full.index(s), q_bufs.index(s))
         _tma_load(do_desc, [i * BM, col], q_full.index(s), do_bufs.index(s))
+        _tma_load(lse_desc, [h * n_stat + i * BM], q_full.index(s), lse_bufs.index(s))
+        _tma_load(delta_desc, [h * n_stat + i * BM], q_full.index(s), delta_bufs.index(s))
 
 
 @gluon.jit
@@ -127,15 +135,24 @@ def _dq_writer(dq_desc, dq_smem, bars, turn_ptr, n_q, DQ_MODE: gl.constexpr, KEY
 # One function on purpose: a query block's five GEMMs and the softmax between them are one pipeline
 # of wgmma issues and waits; split, its tokens and accumulators would cross function boundaries.
 @gluon.jit
+def _hand_dq(part, dq_smem, dq_full, dq_empty, i):
+    """Query block i's dq tile into its slot, once the dQ warp has handed the slot back."""
+    slot = i % dq_smem.type.shape[0]
+    mbarrier.wait(dq_empty.index(slot), ((i // dq_smem.type.shape[0]) & 1) ^ 1)
+    dq_smem.index(slot).store(part)
+    fence_async_shared()
+    mbarrier.arrive(dq_full.index(slot), count=1)
+
+
+@gluon.jit
 def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
     """The default partition (8 warps): dk, dv over every query block; each block's dq tile to the dQ warp."""
-    q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem = bufs
+    q_bufs, do_bufs, k_smem, v_smem, lse_bufs, delta_bufs, ds_smem, dq_smem = bufs
     kv_bar, q_full, q_empty, dq_full, dq_empty = bars
-    lse_ptr, delta_ptr, dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh = io
+    dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh = io
     BM: gl.constexpr = q_bufs.type.shape[1]
     DH: gl.constexpr = q_bufs.type.shape[2]
     BN: gl.constexpr = k_smem.type.shape[0]
-    SLOTS: gl.constexpr = dq_smem.type.shape[0]
     mma_kq: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [8, 1], [16, BM, 16])
     mma_kd: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [8, 1], [16, DH, 16])
     mma_qd: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, DH // 2, 16])
@@ -147,7 +164,6 @@ def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
     dv = gl.zeros([BN, DH], gl.float32, mma_kd)
     cols = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_kq))
     key_ok = (j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_kq))) < n_k
-    stat = h.to(gl.int64) * n_q
     mbarrier.wait(kv_bar, 0)
     for i in range(gl.cdiv(n_q, BM)):
         s = i % STAGES
@@ -157,9 +173,9 @@ def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
         q_s, do_s = q_bufs.index(s), do_bufs.index(s)
         s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, is_async=True)
         dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, is_async=True)
-        lse = gl.load(lse_ptr + stat + rows, mask=row_ok, other=0.0)
-        delta = gl.load(delta_ptr + stat + rows, mask=row_ok, other=0.0)
+        lse = lse_bufs.index(s).load(gl.SliceLayout(0, mma_kq))  # rows past Q: padding, masked
         st = warpgroup_mma_wait(1, deps=(s_tok,))
+        delta = delta_bufs.index(s).load(gl.SliceLayout(0, mma_kq))
         p = gl.where(row_ok[None, :], gl.exp2(st * qk_scale - lse[None, :]), 0.0)
         p_op = gl.convert_layout(p.to(gl.bfloat16), operand)
         dpt = warpgroup_mma_wait(0, deps=(dp_tok,))
@@ -168,17 +184,14 @@ def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
         ds_slot.store(ds)
         fence_async_shared()
         ds_op = gl.convert_layout(ds, operand)
-        # dV issued with dQ and dK, after dS: issued right after P it spills inside the loop
-        dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        # dV issued after dS (issued right after P it spills inside the loop); dQ first, so that its
+        # tile is handed over while dV and dK run
         dq_tok = warpgroup_mma(ds_slot.permute((1, 0)), k_smem, zero_q, is_async=True)
+        dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        dv, part = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))
-        slot = i % SLOTS
-        mbarrier.wait(dq_empty.index(slot), ((i // SLOTS) & 1) ^ 1)
-        dq_smem.index(slot).store(part)
-        fence_async_shared()
-        mbarrier.arrive(dq_full.index(slot), count=1)
-        dk = warpgroup_mma_wait(0, deps=(dk_tok,))
+        part = warpgroup_mma_wait(2, deps=(dq_tok,))
+        _hand_dq(part, dq_smem, dq_full, dq_empty, i)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
         mbarrier.arrive(q_empty.index(s), count=1)
     r = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_kd))
     c = gl.arange(0, DH, layout=gl.SliceLayout(0, mma_kd))
@@ -189,20 +202,21 @@ def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
 
 # One function on purpose: a Gluon kernel; its shared memory and barriers are allocated where
 # warp_specialize hands them to the partitions, and its signature is the launcher's.
-@gluon.jit(do_not_specialize=["n_q", "n_k"])
+@gluon.jit(do_not_specialize=["n_q", "n_k", "n_stat"])
 def attention_bwd_fused_sm90_kernel(
     q_desc,
     do_desc,
     k_desc,
     v_desc,
     dq_desc,
-    lse_ptr,
-    delta_ptr,
+    lse_desc,
+    delta_desc,
     dk_ptr,
     dv_ptr,
     turn_ptr,
     n_q,
     n_k,
+    n_stat,
     qk_scale,
     scale,
     stride_gm,
@@ -215,8 +229,9 @@ def attention_bwd_fused_sm90_kernel(
     num_warps: gl.constexpr,
 ):
     """grid (n_kb, H) under KEYS_FIRST, else (H, n_kb): dk, dv [n_k, H, Dh] FP32 of one (head, key
-    block); dq [n_q, H * Dh] FP32 (zeroed) += its tiles in key-block order; turn [H, cdiv(n_q, 64)]
-    int32 (zeroed). DQ_MODE: the index of attention_fused.DQ_MODES (0, ordered: the kernel)."""
+    block); dq [n_q, H * Dh] FP32 (zeroed) += its tiles in key-block order; lse, delta [H * n_stat]
+    FP32 (n_stat: n_q padded to a multiple of 64); turn [H, cdiv(n_q, 64)] int32 (zeroed). DQ_MODE:
+    the index of attention_fused.DQ_MODES (0, ordered: the kernel)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     DH: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -224,6 +239,8 @@ def attention_bwd_fused_sm90_kernel(
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, DH], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, DH], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, DH], v_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.bfloat16)
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [DS_SLOTS, BN, BM], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, BM, DH], dq_desc.layout)
@@ -239,14 +256,14 @@ def attention_bwd_fused_sm90_kernel(
     for i in gl.static_range(DQ_SLOTS):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
-    io = (lse_ptr, delta_ptr, dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh)
-    bufs = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem)
-    descs = (q_desc, do_desc, k_desc, v_desc)
-    ring = (q_bufs, do_bufs, k_smem, v_smem)
+    io = (dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh)
+    ring = (q_bufs, do_bufs, k_smem, v_smem, lse_bufs, delta_bufs)
+    bufs = (q_bufs, do_bufs, k_smem, v_smem, lse_bufs, delta_bufs, ds_smem, dq_smem)
+    descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc)
     gl.warp_specialize(
         [
             (_compute, (bufs, (kv_bar, q_full, q_empty, dq_full, dq_empty), io, STAGES, KEYS_FIRST)),
-            (_producer, (descs, ring, (kv_bar, q_full, q_empty), n_q, STAGES, KEYS_FIRST)),
+            (_producer, (descs, ring, (kv_bar, q_full, q_empty), n_q, n_stat, STAGES, KEYS_FIRST)),
             (_dq_writer, (dq_desc, dq_smem, (dq_full, dq_empty), turn_ptr, n_q, DQ_MODE, KEYS_FIRST)),
         ],
         [1, 1],
@@ -262,6 +279,21 @@ def _dq_desc(dq: Tensor) -> TensorDescriptor:
     q, h, dh = dq.shape
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, dh], gl.float32)
     return TensorDescriptor(dq, [q, h * dh], [dq.stride(0), 1], [BLOCK_M, dh], layout)
+
+
+def _stat_layout() -> Any:
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _stat_desc(stat: Tensor) -> TensorDescriptor:
+    """A FP32 [H, Q] statistic as one row of BLOCK_M blocks, each head's Q rows padded with zeros to
+    a multiple of BLOCK_M (a copy only when Q is not one): every block starts 256-byte aligned inside
+    its head, and no block reads past the row."""
+    q = stat.shape[1]
+    if q % BLOCK_M:
+        stat = torch.nn.functional.pad(stat, (0, cdiv(q, BLOCK_M) * BLOCK_M - q))
+    stat = stat.contiguous()
+    return TensorDescriptor(stat.view(-1), [stat.numel()], [1], [BLOCK_M], _stat_layout())
 
 
 def _check_call(q: Tensor, k: Tensor, order: str, dq_mode: str) -> None:
@@ -308,13 +340,14 @@ def attention_bwd_fused_sm90(
         _desc(k.contiguous(), BLOCK_N),
         _desc(v.contiguous(), BLOCK_N),
         _dq_desc(dq),
-        lse,
-        delta,
+        _stat_desc(lse),
+        _stat_desc(delta),
         dk,
         dv,
         turn,
         Q,
         K,
+        cdiv(Q, BLOCK_M) * BLOCK_M,
         scale * LOG2E,
         scale,
         dk.stride(0),
@@ -339,7 +372,8 @@ def variant() -> Variant:
     types = {f"{n}_desc": f"tensordesc<bf16[{BLOCK_M},{HEAD_DIM}],{lq!r}>" for n in ("q", "do")}
     types |= {f"{n}_desc": f"tensordesc<bf16[{BLOCK_N},{HEAD_DIM}],{lk!r}>" for n in ("k", "v")}
     types |= {"dq_desc": f"tensordesc<fp32[{BLOCK_M},{HEAD_DIM}],{ldq!r}>", "turn_ptr": "*i32"}
-    types |= {n: "*fp32" for n in ("lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr")} | {"qk_scale": "fp32", "scale": "fp32"}
+    types |= {f"{n}_desc": f"tensordesc<fp32[{BLOCK_M}],{_stat_layout()!r}>" for n in ("lse", "delta")}
+    types |= {n: "*fp32" for n in ("dk_ptr", "dv_ptr")} | {"qk_scale": "fp32", "scale": "fp32"}
     const = {
         "STAGES": STAGES,
         "DS_SLOTS": DS_SLOTS,
