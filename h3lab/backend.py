@@ -118,6 +118,11 @@ class Backend(Protocol):
     def attention_bwd_kv(
         self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
     ) -> tuple[Tensor, Tensor]: ...
+    # every query and every key, each in canonical order: (attention_bwd_q's dq, attention_bwd_kv's
+    # dk and dv), their bytes, where a backend has a fused kernel in one launch
+    def attention_bwd(
+        self, q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 class TorchBackend:
@@ -208,6 +213,11 @@ class TorchBackend:
 
     def attention_bwd_kv(self, q, do, stats, delta, k, v, scale):
         return att.attention_bwd_kv(q, do, *stats, delta, k, v, scale)
+
+    def attention_bwd(self, q, do, stats, delta, k, v, scale):
+        # no fused kernel: the two (this backend's subclasses inherit it with their own two)
+        dq = self.attention_bwd_q(q, do, stats, delta, k, v, scale)
+        return dq, *self.attention_bwd_kv(q, do, stats, delta, k, v, scale)
 
 
 class EmulateSM90Backend(TorchBackend):

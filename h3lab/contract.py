@@ -12,7 +12,10 @@
    order (GEMMs: k ascending; dX of fused weights: q,k,v / hidden,gate; rows: ascending
    `logical_keys`, padding dropped) or a balanced pairwise tree over a row-local vector
    (norm sums of squares, softmax denominators). No reduction order depends on the number of
-   rows, on which rows share a call, on the layout or on the physical order of rows.
+   rows, on which rows share a call, on the layout or on the physical order of rows. A backend's
+   kernel may cut a chain into fixed blocks of its axis, each its own chain, whose FP32 partials
+   are then chained in the same order (sm90's attention dq: blocks of 128 keys, kernels/sm90.json);
+   the blocks follow the axis index alone.
 4. Every op computes in FP32 from its stored inputs and rounds once to its output dtype.
 5. Strict mode fails closed: TF32 and reduced-precision reductions off; unsupported dtypes,
    shapes and devices raise `ValueError` instead of falling back.

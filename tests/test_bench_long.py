@@ -90,10 +90,14 @@ def test_attention_long_bound_is_the_backward_rate_that_reaches_0_9():
     rec["sdpa"] = {"best": "cudnn", "best_fwd": "cudnn", "cudnn": {"fwd_ms": 0.9, "fwd_bwd_ms": 3.6}}
     bound = attention_long.summarize(rec)["bound"]
     bwd = flops(rows, keys, heads, attention_long.DH)["bwd"]
-    assert bound["split_bwd_tflops"] == pytest.approx(bwd / 3.5 / 1e9)
-    assert bound["split_bwd_tflops_for_0.9"] == pytest.approx(bwd / (3.6 / 0.9 - 1.1) / 1e9)
+    assert bound["backward"] == "split" and bound["bwd_tflops"] == pytest.approx(bwd / 3.5 / 1e9)
+    assert bound["bwd_tflops_for_0.9"] == pytest.approx(bwd / (3.6 / 0.9 - 1.1) / 1e9)
+    # the fused backward: its own time and its 5 products
+    fused = rec | {"fused_backward": True, "kernels": kernels | {"bwd": {"ms": 2.5}}}
+    bwd5 = flops(rows, keys, heads, attention_long.DH)["bwd_fused"]
+    assert attention_long.summarize(fused)["bound"]["bwd_tflops"] == pytest.approx(bwd5 / 2.5 / 1e9)
     rec["sdpa"]["cudnn"]["fwd_bwd_ms"] = 0.9  # forward + delta alone are over the line: no rate reaches it
-    assert attention_long.summarize(rec)["bound"]["split_bwd_tflops_for_0.9"] is None
+    assert attention_long.summarize(rec)["bound"]["bwd_tflops_for_0.9"] is None
 
 
 def test_block_gpu_arguments():
@@ -115,7 +119,7 @@ def test_attention_long_bench_rows_logic_under_the_interpreter(monkeypatch, chai
     its running sums at other places, so another bit class; the summary picks one that keeps them."""
     from h3lab.triton.attention import config_for
 
-    pinned_keys = config_for("attention_fwd", attention_long.DH, "sm90")["BLOCK_N"]
+    pinned_keys = config_for("attention_fwd", attention_long.DH, "sm100")["BLOCK_N"]
     g = torch.Generator().manual_seed(9)
 
     def make(rows: int, heads: int, seed: int) -> dict[str, torch.Tensor]:  # FP32: the interpreter's honest dtype
@@ -123,7 +127,8 @@ def test_attention_long_bench_rows_logic_under_the_interpreter(monkeypatch, chai
         return {n: torch.randn(r, heads, attention_long.DH, generator=g) for n, r in sizes.items()}
 
     monkeypatch.setattr(attention_long, "make_inputs", make)
-    monkeypatch.setattr(attention_long, "NODE", "sm90")
+    # sm100's pins, the Triton kernels: sm90's dq is the Gluon kernel, which the interpreter cannot run
+    monkeypatch.setattr(attention_long, "NODE", "sm100")
     monkeypatch.setattr(attention_long, "timed", lambda fn: {"ms": 1.0, "reps": 1, "spread_ms": [1.0, 1.0]})
     monkeypatch.setattr(attention_long, "peak_gib", lambda fn: 0.0)
     sdpa = {"cudnn": {"fwd_ms": 0.5, "fwd_bwd_ms": 1.5, "bwd_ms": 1.0}, "best": "cudnn", "best_fwd": "cudnn"}
@@ -132,8 +137,8 @@ def test_attention_long_bench_rows_logic_under_the_interpreter(monkeypatch, chai
     saved = []
     rec = attention_long.bench_rows(200, 2, 0.1, attention_long.VARIANTS, saved.append)
     assert len(saved) == len(attention_long.VARIANTS) + 1  # each variant, then the per-kernel times
-    assert set(rec["kernels"]) == {"fwd", "delta", "bwd_q", "bwd_kv"}
-    assert set(rec["summary"]["bound"]) == {"split_bwd_tflops", "split_bwd_tflops_for_0.9"}
+    assert set(rec["kernels"]) == {"fwd", "delta", "bwd_q", "bwd_kv", "bwd"} and not rec["fused_backward"]
+    assert set(rec["summary"]["bound"]) == {"backward", "bwd_tflops", "bwd_tflops_for_0.9"}
     for name, r in rec["variants"].items():
         assert "error" not in r, (name, r)
         fwd = attention_long.VARIANTS[name]

@@ -290,7 +290,7 @@ def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_r
     b = b.rows(torch.randperm(b.num_rows, generator=torch.Generator().manual_seed(22)))
     uw = unit_weights(synthetic_block(tiny, 0, seed=23))
     step = block_step(uw, b, _Watched(comm, log), backend=_Watched(TorchBackend(), log))
-    assert step.dx is not None and {c.name for c in log} >= {"rms_modulate_bwd", "attention_bwd_kv"}
+    assert step.dx is not None and {c.name for c in log} >= {"rms_modulate_bwd", "attention_bwd"}
 
     def nth(name: str, n: int) -> int:
         return [i for i, c in enumerate(log) if c.name == name][n]
@@ -320,7 +320,9 @@ def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_r
     freed_by(("attention_delta", 0), *to_out, ("gather_seq_rows", 9))
     attention = [("attention_fwd", 0), ("qk_norm_rope_fwd", 0), ("qk_norm_rope_fwd", 1), ("mm", 3), ("mm", 7)]
     freed_by(("qk_norm_rope_bwd", 0), *attention, ("attention_delta", 0))
-    freed_by(("qk_norm_rope_bwd", 1), ("attention_bwd_q", 0))  # the FP32 dq, once its RoPE backward returned
-    freed_by(("unit_reduce", 3), ("mm", 1), ("mm", 2), ("attention_bwd_kv", 0))  # q, k; FP32 dk, dv
+    # the fused backward (no CP: one rank's TP rows are the sequence); its FP32 dq, dk, dv are put back
+    # in the batch's row order (shuffled, padded: copies), so the calls' own outputs go inside B5
+    freed_by(("qk_norm_rope_bwd", 0), ("attention_bwd", 0))
+    freed_by(("unit_reduce", 3), ("mm", 1), ("mm", 2))  # q, k
     qkv = [("qk_norm_rope_bwd", 0, 0), ("qk_norm_rope_bwd", 1, 0), ("unit_reduce", 3), ("rms_modulate_fwd", 0)]
     freed_by(("rms_modulate_bwd", 1), *qkv)  # q, k, v's gradients (not the norm weights' rows), norm1's output

@@ -45,7 +45,7 @@ def test_the_capture_records_every_call_and_its_shards_hold_its_tensors(tmp_path
     record, tensors = tiny_capture
     assert record["golden"]["matches"]  # the recording moved no bit of the torch backend's published block
     methods = [c["method"] for c in record["calls"]]
-    assert methods[0] == "plan_rows" and "plan_rows()" in methods and "attention_bwd_kv" in methods
+    assert methods[0] == "plan_rows" and "plan_rows()" in methods and "attention_bwd" in methods
     files = sm90_capture.save_shards(tmp_path, "capture_tiny", tensors, limit=4 << 20)
     assert len(files) >= 4 and all(f["bytes"] <= (4 << 20) + (1 << 20) for f in files.values())
     loaded = {k: v for name in files for k, v in load_file(str(tmp_path / name)).items()}

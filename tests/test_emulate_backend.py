@@ -91,6 +91,38 @@ def test_a_querys_attention_bits_depend_on_it_and_the_keys_only(monkeypatch):
     assert_bitwise(dq2, dq[rows])
 
 
+def _dq_case(dh: int, K: int):
+    q, k, v = _qkv(70, K, dh)
+    do = values(Stream(22), (70, 2, dh), -3, 1, torch.bfloat16)
+    scale = 1 / math.sqrt(dh)
+    _, o_ref, stats = attention.forward(q, k, v, scale, torch.bfloat16)
+    return q, do, stats, attention.delta(do, o_ref), k, v, scale
+
+
+def test_the_gluon_dq_model_is_row_local(monkeypatch):
+    """Head dim 128 (the Gluon kernel's dq: per 128-key block partials, added in order): a query's dq
+    bits depend on it and the keys alone."""
+    _elementwise_sfu(monkeypatch)
+    q, do, stats, delta, k, v, scale = _dq_case(128, 300)  # key blocks of 128, 128 and a ragged 44
+    dq = attention.bwd_q(q, do, stats, delta, k, v, scale)
+    rows = torch.tensor([0, 33, 69])
+    part = attention.bwd_q(q[rows], do[rows], (stats[0][:, rows],), delta[:, rows], k, v, scale)
+    assert_bitwise(part, dq[rows])
+
+
+@pytest.mark.parametrize("dh", [32, 128])
+def test_the_dq_models_give_the_gradient(dh):
+    """Both dq models (one chain at head dim 32, per-key-block partials at 128) against float64
+    autograd, within what a bf16 dS leaves (its rounding, 2^-9 relative per element, gives ~2e-3 here:
+    5e-3 relative; a dropped or doubled key block would be off by far more)."""
+    q, do, stats, delta, k, v, scale = _dq_case(dh, 300)
+    dq = attention.bwd_q(q, do, stats, delta, k, v, scale)
+    q64 = q.double().requires_grad_()
+    s = torch.einsum("qhd,khd->hqk", q64, k.double()) * scale
+    (want,) = torch.autograd.grad(torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double()), q64, do.double())
+    assert float((dq.double() - want).norm() / want.norm()) < 5e-3
+
+
 def test_a_keys_gradient_bits_depend_on_it_and_the_queries_only(monkeypatch):
     _elementwise_sfu(monkeypatch)
     q, k, v = _qkv(45, 70)  # a ragged query block of 13 (BLOCK_M 32)

@@ -207,3 +207,34 @@ def test_gpu_gluon_fused_backward_gives_the_candidates_bytes(n_q, n_k, heads):
     for _ in range(20):
         for name, a, b in zip(("dq", "dk", "dv"), got, attention_bwd_fused_sm90(*args), strict=True):
             assert_bitwise(a, b, f"Gluon fused {name}, call to call")
+
+
+@gpu
+@pytest.mark.parametrize("n_q, n_k, heads", [(517, 389, 3), (4096, 4032, 8)])
+def test_gpu_pinned_dq_is_the_fused_kernels_for_any_query_set(n_q, n_k, heads):
+    """kernels/sm90.json pins dq at Dh 128 to the Gluon kernel without dk and dv: attention_bwd_q gives
+    the fused attention_bwd's dq bytes, for a slice of the queries too (a CP rank's), and the fused
+    dk, dv are attention_bwd_kv's: the block's fused call (no CP) and its two calls (CP) agree."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the pinned Gluon dq is Hopper-only (sm90)")
+    args, _ = _case(n_q, n_k, heads, 128, "cuda", seed=n_q + 1)
+    dq, dk, dv = att.attention_bwd(*args)
+    assert_bitwise(att.attention_bwd_q(*args), dq, "pinned dq against the fused call's")
+    want_dk, want_dv = att.attention_bwd_kv(*args)
+    assert_bitwise(dk, want_dk, "fused dk against the pinned dk/dv kernel")
+    assert_bitwise(dv, want_dv, "fused dv against the pinned dk/dv kernel")
+    q, do, stats, delta, k, v, scale = args
+    a, b = n_q // 3, n_q - 5
+    part = (q[a:b], do[a:b], (stats[0][:, a:b],), delta[:, a:b], k, v, scale)
+    assert_bitwise(att.attention_bwd_q(*part), dq[a:b], "pinned dq of a query slice")
+
+
+@interp
+def test_interp_pinned_gluon_dq_refuses_the_interpreter():
+    """No other kernel has the Gluon dq's bits, so where it cannot run the launcher raises (never the
+    Triton dq kernel's other order instead)."""
+    args, _ = _case(40, 50, 2, 128, "cpu", seed=2)
+    with pytest.raises(ValueError, match=r"attention_bwd_q IMPL gluon on cpu; allowed: a compiled run on an sm90"):
+        att.attention_bwd_q(*args, node="sm90")
+    with pytest.raises(ValueError, match=r"attention_bwd_q IMPL gluon on cpu"):
+        att.attention_bwd(*args, node="sm90")

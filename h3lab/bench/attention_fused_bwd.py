@@ -1,23 +1,24 @@
-"""The split attention backward (pinned) against a fused one with dq summed in key-block order.
+"""The split attention backward (the Triton kernels) against fused ones with dq summed in key-block order.
 
     python -m h3lab.bench.attention_fused_bwd --out FILE.json [--rows 16384,32768] [--heads 56] [--repeats 200]
 
-Per row count (attention_long's inputs: one packed request, bf16, 56 heads x 128): the pinned
-backward (delta, dq kernel, dk/dv kernel; 7 GEMM-sized products) and h3lab.triton.attention_fused
-(delta, one kernel; 5 products, dq added per key block in order behind a turn counter), both on
-the pinned forward's statistics: median milliseconds (CUDA events, after a warm-up that compiles),
-whether the fused dk, dv bytes equal the pinned ones, dq's relative L2 distance to the pinned dq
-(another summation order, so other bits), and whether `--repeats` fused calls give one set of bytes
-(a turn released before its adds are visible shows here: FlashAttention issue #2244). The fused
-kernel runs in both launch orders (attention_fused.ORDERS): "fused" is heads_first, "keys_first" the
-order that makes a head's key blocks wait in a wavefront; both must give the same bytes. What the
-figure answers: the cost of an ordered dq when the compute warps wait their turn themselves. Two
-diagnostics split that cost (attention_fused.DQ_MODES; their dq is never used): "unordered" adds
-the same partials without turns (in both launch orders), "skipped" (recorded as no_dq) drops dq's
-product and adds. `--gluon` adds h3lab.triton.attention_fused_sm90 (sm90): its bytes against the
-Triton candidate's dq and the split dk, dv, in both launch orders and over `--repeats` calls, its
-time as "gluon" (keys_first, its default) and "gluon_heads_first", and its diagnostics as
-"gluon_unordered" and "gluon_no_dq".
+Per row count (attention_long's inputs: one packed request, bf16, 56 heads x 128): the split
+backward (delta, the Triton dq kernel at SPLIT_DQ, the pinned dk/dv kernel; 7 GEMM-sized products:
+sm90's pin before its dq became the Gluon kernel's, `--gluon`, which kernels/sm90.json pins now) and
+h3lab.triton.attention_fused (delta, one kernel; 5 products, dq added per key block in order behind
+a turn counter), both on the pinned forward's statistics: median milliseconds (CUDA events, after a
+warm-up that compiles), whether the fused dk, dv bytes equal the pinned ones, dq's relative L2
+distance to the pinned dq (another summation order, so other bits), and whether `--repeats` fused
+calls give one set of bytes (a turn released before its adds are visible shows here: FlashAttention
+issue #2244). The fused kernel runs in both launch orders (attention_args.ORDERS): "fused" is
+heads_first, "keys_first" the order that makes a head's key blocks wait in a wavefront; both must
+give the same bytes. What the figure answers: the cost of an ordered dq when the compute warps wait
+their turn themselves. Two diagnostics split that cost (attention_args.DQ_MODES; their dq is never
+used): "unordered" adds the same partials without turns (in both launch orders), "skipped" (recorded
+as no_dq) drops dq's product and adds. `--gluon` adds h3lab.triton.attention_fused_sm90 (sm90): its
+bytes against the Triton candidate's dq and the split dk, dv, in both launch orders and over
+`--repeats` calls, its time as "gluon" (keys_first, its default) and "gluon_heads_first", and its
+diagnostics as "gluon_unordered" and "gluon_no_dq".
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from h3lab.triton.attention_fused import attention_bwd_fused
 
 BENCH_FORMAT = "h3lab-bench-attention-fused-bwd-v4"  # v2: keys_first; v3: diagnostics; v4: Gluon's
 FUSED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # the dk/dv kernel's tile
+SPLIT_DQ = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True}  # the Triton dq kernel
 
 
 def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None, gluon: bool = False) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def bench_rows(rows: int, heads: int, repeats: int = 2, node: str | None = None,
 
     def split() -> tuple:
         delta = att.attention_delta(do, o_ref, node=node)
-        dq = att.attention_bwd_q(q, do, stats, delta, k, v, scale, node=node)
+        dq = att.attention_bwd_q(q, do, stats, delta, k, v, scale, node=node, config=SPLIT_DQ)
         return (dq, *att.attention_bwd_kv(q, do, stats, delta, k, v, scale, node=node))
 
     def fused(order: str = "heads_first", dq_mode: str = "ordered") -> tuple:

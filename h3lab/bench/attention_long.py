@@ -11,15 +11,17 @@ lse, dq, dk, dv), and the relative L2 error against float64 on 256 query rows an
 (every key or query behind them, in FP64 chunks). SDPA runs on the same data, each backend alone
 (cuDNN, flash; memory-efficient up to 16384 rows), forward and forward+backward; `sdpa_best` names
 the fastest and `ratio_*` divide our times by its. Variants: `VARIANTS`, forward configurations
-(the pinned set first); every variant's backward is the pinned split kernels (attention_bwd_q,
-attention_bwd_kv) on its own forward's statistics.
+(the pinned set first); every variant's backward is what the block runs without CP
+(h3lab.triton.attention.attention_bwd: fused on sm90, the two kernels elsewhere) on its own
+forward's statistics.
 
-Where the time goes: `kernels` times each pinned kernel alone (forward, delta, dq, dk/dv) with its
-tensor-core TFLOP/s (h3lab.triton.attention.flops: the split backward does 7 GEMM-sized products,
-a fused one 5), `sdpa.cudnn.kernels_ms` lists cuDNN's own kernels under torch.profiler, and
+Where the time goes: `kernels` times each pinned launcher alone (forward, delta, dq, dk/dv, and the
+whole backward `bwd` as the block calls it) with its tensor-core TFLOP/s (h3lab.triton.attention.flops:
+the split backward does 7 GEMM-sized products, a fused one 5), `sdpa.cudnn.kernels_ms` lists
+cuDNN's own kernels under torch.profiler, and
 `gemm_ceiling_tflops` is a cuBLAS bf16 8192^3 GEMM in the same run: the tensor-core rate a kernel
-with no softmax work can reach. `summary.bound` gives the rate the split backward would need for
-0.9 of SDPA's forward+backward speed.
+with no softmax work can reach. `summary.bound` gives the rate the backward (`bwd`: fused or split)
+would need for 0.9 of SDPA's forward+backward speed.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def gemm_ceiling_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
+def fused_backward() -> bool:
+    """Whether attention_bwd is one fused launch on this node (its pinned dq is the Gluon kernel's)."""
+    return att.config_for("attention_bwd_q", DH, NODE or node_of(torch.device("cuda"))).get("IMPL") == "gluon"
+
+
 def kernel_times(x: dict[str, Tensor], scale: float) -> dict[str, Any]:
     """Each pinned kernel alone: milliseconds (median) and tensor-core TFLOP/s."""
     q, k, v, do = x["q"], x["k"], x["v"], x["do"]
@@ -107,8 +114,10 @@ def kernel_times(x: dict[str, Tensor], scale: float) -> dict[str, Any]:
         "delta": lambda: att.attention_delta(do, o_ref, node=NODE),
         "bwd_q": lambda: att.attention_bwd_q(q, do, stats, delta, k, v, scale, node=NODE),
         "bwd_kv": lambda: att.attention_bwd_kv(q, do, stats, delta, k, v, scale, node=NODE),
+        "bwd": lambda: att.attention_bwd(q, do, stats, delta, k, v, scale, node=NODE),
     }
     fl = att.flops(q.shape[0], k.shape[0], q.shape[1], DH)
+    fl["bwd"] = fl["bwd_fused"] if fused_backward() else fl["bwd"]
     out: dict[str, Any] = {}
     for name, fn in calls.items():
         t = timed(fn)
@@ -150,8 +159,7 @@ def run_variant(x: dict[str, Tensor], fwd_cfg: dict | None, scale: float) -> dic
 
     def backward() -> tuple:
         d = att.attention_delta(do, o_ref, node=NODE)
-        dq = att.attention_bwd_q(q, do, (lse,), d, k, v, scale, node=NODE)
-        return (dq, *att.attention_bwd_kv(q, do, (lse,), d, k, v, scale, node=NODE))
+        return att.attention_bwd(q, do, (lse,), d, k, v, scale, node=NODE)
 
     return {"fwd": fwd, "bwd": backward}
 
@@ -246,6 +254,7 @@ def bench_rows(
     check_keys = torch.randperm(x["k"].shape[0], generator=gen)[:CHECK_ROWS].sort().values.to(dev)
     ref = reference64(x, scale, check_rows, check_keys)
     rec: dict[str, Any] = {"rows": rows, "keys": x["k"].shape[0], "heads": heads, "variants": {}}
+    rec["fused_backward"] = fused_backward()
     pinned_bytes: dict[str, Tensor] | None = None
     for name, fwd_cfg in variants.items():
         r: dict[str, Any] = {"fwd_config": fwd_cfg or "pinned"}
@@ -295,10 +304,13 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
     if "kernels" in rec:  # the backward rate 0.9 of SDPA's speed needs, with the pinned forward and delta
         kt = rec["kernels"]
         left_ms = fb / 0.9 - kt["fwd"]["ms"] - kt["delta"]["ms"]
-        bwd_flops = att.flops(rec["rows"], rec["keys"], rec["heads"], DH)["bwd"]
-        now = bwd_flops / (kt["bwd_q"]["ms"] + kt["bwd_kv"]["ms"]) / 1e9
+        fl = att.flops(rec["rows"], rec["keys"], rec["heads"], DH)
+        fused = rec.get("fused_backward", False)
+        bwd_flops = fl["bwd_fused" if fused else "bwd"]
+        bwd_ms = kt["bwd"]["ms"] if "bwd" in kt else kt["bwd_q"]["ms"] + kt["bwd_kv"]["ms"]
         need = bwd_flops / left_ms / 1e9 if left_ms > 0 else None
-        out["bound"] = {"split_bwd_tflops": now, "split_bwd_tflops_for_0.9": need}
+        out["bound"] = {"backward": "fused" if fused else "split", "bwd_tflops": bwd_flops / bwd_ms / 1e9}
+        out["bound"]["bwd_tflops_for_0.9"] = need
     return out
 
 

@@ -40,6 +40,11 @@ class Sample:
     def __getitem__(self, key: str) -> Any:
         return self.get(self.call[key])
 
+    def part(self, prefix: str) -> Sample:
+        """The sample kept under keys `prefix`.* (a fused call's sample of each of its parts)."""
+        inner = {k[len(prefix) + 1 :]: v for k, v in self.call.items() if k.startswith(f"{prefix}.")}
+        return Sample(self.call | inner, self._tensors, self._weights)
+
     def get(self, value: Any) -> Any:
         if isinstance(value, dict) and "slice" in value:
             return self.get(value["slice"])
@@ -74,8 +79,16 @@ def _attention(be: Backend, s: Sample) -> tuple[Any, Any]:
         return (got[0], got[1], list(got[2])), (o, s["o_ref"], s["stats"])
     if method == "attention_delta":
         return be.attention_delta(s["do"], s["o_ref"]), s["out"]
+    if method == "attention_bwd":  # the fused call: its dq sample and its dk, dv sample
+        (dq, want_dq), (dkv, want_dkv) = (_bwd(be, s.part(p), p) for p in ("dq", "kv"))
+        return (dq, *dkv), (want_dq, *want_dkv)
+    return _bwd(be, s, "dq" if method == "attention_bwd_q" else "kv")
+
+
+def _bwd(be: Backend, s: Sample, part: str) -> tuple[Any, Any]:
+    """attention_bwd_q's ("dq") or attention_bwd_kv's ("kv") sample recomputed."""
     args = (s["q"], s["do"], s["stats"], s["delta"], s["k"], s["v"], s.call["scale"])
-    if method == "attention_bwd_q":
+    if part == "dq":
         return be.attention_bwd_q(*args), s["out"]
     return be.attention_bwd_kv(*args), tuple(s["out"])
 
@@ -111,7 +124,9 @@ def _chains(be: Backend, s: Sample) -> tuple[Any, Any]:
 
 FAMILIES = {
     **dict.fromkeys(("mm", "chain_mm", "mm_few_k", "row_mm", "unit_reduce", "unit_reduce_few_rows"), _gemm),
-    **dict.fromkeys(("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd_kv"), _attention),
+    **dict.fromkeys(
+        ("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd_kv", "attention_bwd"), _attention
+    ),
     **dict.fromkeys(("row_sum", "segment_sum", "chain_sums"), _chains),
 }
 

@@ -167,6 +167,14 @@ def attention_bwd_kv(store, args, kwargs, out) -> dict[str, Any]:
     return sample | {"out": [store.put(_qh(t, rows, heads)) for t in out]}
 
 
+def attention_bwd(store, args, kwargs, out) -> dict[str, Any]:
+    """attention_bwd(q, do, stats, delta, k, v, scale) -> (dq, dk, dv): attention_bwd_q's sample of dq
+    under keys "dq.*" and attention_bwd_kv's of dk, dv under "kv.*" (the fused call gives their bytes)."""
+    dq, dk, dv = out
+    sample = {f"dq.{k}": v for k, v in attention_bwd_q(store, args, kwargs, dq).items()}
+    return sample | {f"kv.{k}": v for k, v in attention_bwd_kv(store, args, kwargs, (dk, dv)).items()}
+
+
 def _rowwise(store, args, kwargs, out, cols: int | None) -> dict[str, Any]:
     """Rows of every tensor whose first extent is the first tensor argument's (R): the rows, and for
     `cols` the columns too of every tensor shaped as that argument; other tensors whole up to 1 MiB."""
@@ -241,6 +249,7 @@ SAMPLERS: dict[str, Callable[..., dict[str, Any]]] = {
     "attention_delta": attention_delta,
     "attention_bwd_q": attention_bwd_q,
     "attention_bwd_kv": attention_bwd_kv,
+    "attention_bwd": attention_bwd,
     "rms_modulate_fwd": row_local,
     "rms_modulate_bwd": row_local,
     "qk_norm_rope_fwd": row_local,

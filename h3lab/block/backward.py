@@ -148,19 +148,30 @@ def _norm2_to_out_backward(
 
 
 def _attention_backward(step: Step, rows: Rows, tape: Tape) -> None:
-    """B5 attention: hands on dq for this rank's queries and dk/dv for its keys over every query."""
+    """B5 attention: hands on dq for this rank's queries and dk/dv for its keys over every query.
+    Where this rank's TP rows are the whole sequence (no CP), one fused call over every query and
+    key in canonical order (be.attention_bwd: the same bytes as the two calls), its rows put back;
+    padding rows get zero gradients (nothing reads them: their rows are dropped before every
+    cross-row sum and zeroed in dx)."""
     be, rs, order = step.be, step.rs, rows.order
     scale = 1.0 / step.config.attention_head_dim**0.5
     qr, kr, v, k_c, v_c, o_ref, stats = tape.take(AttentionSaved)
     (dattn,) = tape.take(ToOutGrads)
     dO = step.heads(dattn)
     delta = be.attention_delta(dO, o_ref)  # [H_local, R_tp]
-    dq = be.attention_bwd_q(qr, dO, stats, delta, k_c, v_c, scale)
     q_c, dO_c = rs.seq_in_order(qr, "cp.gather.q", order), rs.seq_in_order(dO, "cp.gather.dO", order)
     stats_c = [rs.seq_columns_in_order(t, f"cp.gather.stats{i}", order) for i, t in enumerate(stats)]
-    dk, dv = be.attention_bwd_kv(
-        q_c, dO_c, stats_c, rs.seq_columns_in_order(delta, "cp.gather.delta", order), kr, v, scale
-    )
+    delta_c = rs.seq_columns_in_order(delta, "cp.gather.delta", order)
+    R_tp = qr.shape[0]
+    if R_tp == rows.segments.shape[0]:
+        grads = list(be.attention_bwd(q_c, dO_c, stats_c, delta_c, k_c, v_c, scale))
+        for i in range(3):  # one FP32 copy at a time
+            grads[i] = rs.tp_from_order(grads[i], order, R_tp)
+        dq, dk, dv = grads
+        del grads
+    else:
+        dq = be.attention_bwd_q(qr, dO, stats, delta, k_c, v_c, scale)
+        dk, dv = be.attention_bwd_kv(q_c, dO_c, stats_c, delta_c, kr, v, scale)
     tape.put(AttentionGrads(dq, dk, dv))
 
 

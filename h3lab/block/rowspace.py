@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from h3lab import rowplan
 from h3lab.backend import Backend
 from h3lab.comm import BlockComm
 
@@ -47,6 +48,13 @@ class RowSpace:
     def seq_in_order(self, t_tp: Tensor, site: str, order: Tensor) -> Tensor:
         """TP rows -> the sequence's active rows in canonical order (a copy: padding dropped)."""
         return self.seq(t_tp, site)[order]
+
+    def tp_from_order(self, t_c: Tensor, order: Tensor, n_rows: int) -> Tensor:
+        """The inverse of `seq_in_order` where the TP rows are the sequence's (no CP): canonical-order
+        rows back into `n_rows` rows, padding rows zero; `t_c` itself where `order` is arange(n_rows)."""
+        if rowplan.reads_in_place(order.numel(), n_rows, lambda: rowplan.index_facts(order)):
+            return t_c
+        return t_c.new_zeros((n_rows, *t_c.shape[1:])).index_copy_(0, order, t_c)
 
     def seq_columns_in_order(self, t_HR: Tensor, site: str, order: Tensor) -> Tensor:
         """`seq_in_order` of a [H, R_tp] per-(head, row) tensor: [H, R_active]."""

@@ -15,7 +15,9 @@ instructions the compiled PTX holds (Triton 3.6, sm90; python -m h3lab.bench.ptx
 qk_scale = scale * log2(e) and scale are FP32 kernel arguments (the launch rounds them once).
 ex2 (ex2.approx.ftz), div.full and log2 (libdevice) come from h3lab.emulate.sfu. The Gluon
 forward for head_dim 128 (h3lab.triton.attention_fwd_sm90) runs the same operations per row, with
-a score accumulator of +0 instead of none (the same bits: an exact zero sum is +0 either way).
+a score accumulator of +0 instead of none (the same bits: an exact zero sum is +0 either way); its
+fused backward (attention_fused_sm90) gives dq at head_dim 128 as per-key-block partials added in
+order, and dk, dv as the dk/dv kernel does.
 
 Dimension legend: Q queries, K keys, H heads, Dh head_dim; [H, Q, ...] inside, the launchers' layouts outside.
 """
@@ -116,21 +118,44 @@ def _lse(stats, H: int, Q: int) -> Tensor:
 def bwd_q(
     q: Tensor, do: Tensor, stats, delta_HQ: Tensor, k: Tensor, v: Tensor, scale: float, *, model=mma.SM90
 ) -> Tensor:
-    """attention_bwd_q's dq [Q, H, Dh] FP32: key blocks ascending, dq scaled once at the end."""
+    """attention_bwd_q's dq [Q, H, Dh] FP32: key blocks ascending, dq scaled once at the end. Under
+    IMPL gluon (the fused kernel) each key block's dS K is its own chain and the FP32 partials are
+    added in key-block order (`_bwd_q_fused`); else one chain runs through every key block."""
     _check(q, do, k, v)
-    block_n = tiles.attention("attention_bwd_q", q.shape[-1])["BLOCK_N"]
+    cfg = tiles.attention("attention_bwd_q", q.shape[-1])
     qh, doh, kh, vh = (t.transpose(0, 1) for t in (q, do, k, v))
     H, Q, Dh = qh.shape
     neg_lse = -_lse(stats, H, Q).unsqueeze(-1)
     delta_ = _stat(delta_HQ, H, Q).unsqueeze(-1)
+    if cfg.get("IMPL") == "gluon":
+        return _bwd_q_fused((qh, doh, kh, vh), neg_lse, delta_, scale, cfg["BLOCK_N"], model)
     qk_scale = _f32(scale * LOG2E)
     dq = torch.zeros((H, Q, Dh), dtype=F32)
-    for (kb, n), (vb, _) in zip(_blocks(kh, block_n), _blocks(vh, block_n), strict=True):
+    for (kb, n), (vb, _) in zip(_blocks(kh, cfg["BLOCK_N"]), _blocks(vh, cfg["BLOCK_N"]), strict=True):
         p = sfu.ex2_approx_ftz(fma_f32(qk_scale, wgmma.dot(qh, _t(kb), None, model=model), neg_lse))
-        if n < block_n:
+        if n < cfg["BLOCK_N"]:
             p[..., n:] = 0.0
         ds = p * (wgmma.dot(doh, _t(vb), None, model=model) - delta_)
         dq = wgmma.dot(round_to(ds, k.dtype), kb, dq, model=model)
+    return (dq * _f32(scale)).transpose(0, 1)
+
+
+def _bwd_q_fused(qdkv_H: tuple[Tensor, ...], neg_lse: Tensor, delta_: Tensor, scale: float, block_n: int, model):
+    """The Gluon fused kernel's dq (h3lab.triton.attention_fused_sm90) from [H, rows, Dh] q, dO, k, v
+    and [H, Q, 1] -lse2, delta: per key block, S^T = K Q^T and dP^T = V dO^T, P^T = ex2(fma(S^T,
+    qk_scale, -lse2)), dS^T = P^T (dP^T - delta) with padded keys' rows +0, the partial dS K as one
+    fresh chain, added into dq (from +0) in key-block order (TMA reduce-adds: FP32, round to nearest);
+    dq times scale at the end."""
+    qh, doh, kh, vh = qdkv_H
+    H, Q, Dh = qh.shape
+    qk_scale = _f32(scale * LOG2E)
+    neg_lse_t, delta_t = _t(neg_lse), _t(delta_)  # [H, 1, Q]
+    dq = torch.zeros((H, Q, Dh), dtype=F32)
+    for (kb, n), (vb, _) in zip(_blocks(kh, block_n), _blocks(vh, block_n), strict=True):
+        p_t = sfu.ex2_approx_ftz(fma_f32(qk_scale, wgmma.dot(kb, _t(qh), None, model=model), neg_lse_t))
+        ds_t = p_t * (wgmma.dot(vb, _t(doh), None, model=model) - delta_t)  # [H, BLOCK_N, Q]
+        ds_t[:, n:] = 0.0
+        dq = dq + wgmma.dot(_t(round_to(ds_t, kh.dtype)), kb, None, model=model)
     return (dq * _f32(scale)).transpose(0, 1)
 
 

@@ -24,7 +24,10 @@ MODELED_FEW_ROWS = {"max_rows": 16, "BLOCK_K": 32, "max_k": 16}
 MODELED_ATTENTION = {
     "attention_fwd": {32: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4}, 128: {"BLOCK_M": 128, "BLOCK_N": 128}},
     "attention_delta": {32: {"BLOCK_R": 32, "num_warps": 4}, 128: {"BLOCK_R": 64, "num_warps": 4}},
-    "attention_bwd_q": {32: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4}, 128: {"BLOCK_M": 128, "BLOCK_N": 64}},
+    "attention_bwd_q": {
+        32: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4},
+        128: {"IMPL": "gluon", "BLOCK_M": 64, "BLOCK_N": 128},  # dq per key block, then added in order
+    },
     "attention_bwd_kv": {32: {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4}, 128: {"BLOCK_M": 64, "BLOCK_N": 128}},
 }
 

@@ -111,9 +111,9 @@ def _attention_backward(
     dO = heads(be.mm(do, w_out, act))  # [R, H, Dh]
     grads = {"attn.to_out.0.weight": be.row_mm(do, s.attn, order, w_out.dtype)}
     delta = be.attention_delta(dO, s.o_ref)  # [H, R]
-    dq = be.attention_bwd_q(s.qr, dO, s.stats, delta, s.k_c, s.v_c, scale)
     stats_c = [t[:, order] for t in s.stats]
-    dk, dv = be.attention_bwd_kv(s.qr[order], dO[order], stats_c, delta[:, order], s.kr, s.v, scale)
+    grads_c = be.attention_bwd(s.qr[order], dO[order], stats_c, delta[:, order], s.k_c, s.v_c, scale)
+    dq, dk, dv = (g.new_zeros((R, *g.shape[1:])).index_copy_(0, order, g) for g in grads_c)  # padding: 0
     dq, dwq_rows = be.qk_norm_rope_bwd(dq, heads(s.q), p["attn.norm_q.weight"], s.cos, s.sin, eps, act)
     dk, dwk_rows = be.qk_norm_rope_bwd(dk, heads(s.k), p["attn.norm_k.weight"], s.cos, s.sin, eps, act)
     dq, dk, dv = dq.reshape(R, -1), dk.reshape(R, -1), be.round(dv, act).reshape(R, -1)

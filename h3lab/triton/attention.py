@@ -1,4 +1,5 @@
-"""Attention launchers (Backend protocol): forward, delta, dq, dk/dv over keys in canonical order.
+"""Attention launchers (Backend protocol): forward, delta, dq, dk/dv over keys in canonical order, and
+the whole backward of every query and key (`attention_bwd`: one fused Gluon launch on sm90).
 
 Kernels: h3lab.triton.attention_fwd (forward) and h3lab.triton.attention_bwd (delta, dq, dk/dv);
 the forward, dq and dk/dv kernels each come as a pointer kernel and a TMA kernel, the latter used
@@ -24,7 +25,6 @@ small beside fwd+bwd: the kernels' timings are in reports/h200/attention.json).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +32,15 @@ import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from h3lab.triton.attention_args import (
+    F32,
+    LOG2E,
+    bwd_operands,
+    check_inputs,
+    check_scale,
+    lastdim,
+    strides,
+)
 from h3lab.triton.attention_bwd import (
     attention_bwd_kv_kernel,
     attention_bwd_kv_tma_kernel,
@@ -43,20 +52,14 @@ from h3lab.triton.attention_fwd import attention_fwd_kernel, attention_fwd_tma_k
 from h3lab.triton.configs import cdiv, interpreting, node_of, pinned
 from h3lab.triton.variant import ATTENTION_FP_FUSION
 
-F32 = torch.float32
-LOG2E = 1.4426950408889634  # 1 / ln 2; qk_scale = scale * LOG2E is rounded once to FP32 at launch
 KERNELS = ("attention_fwd", "attention_delta", "attention_bwd_q", "attention_bwd_kv")
 # the keys each kernel's configuration may carry (a candidate with another key is refused, not ignored)
 CONFIG_KEYS = {
     "attention_fwd": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "IMPL", "PINGPONG", "GLUON_STAGES"},
     "attention_delta": {"BLOCK_R", "num_warps", "num_stages"},
-    "attention_bwd_q": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
+    "attention_bwd_q": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "IMPL"},
     "attention_bwd_kv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"},
 }
-# tensor-core input dtypes on CUDA; the interpreter computes bf16 wrong (numpy has no bf16 dot), so
-# there FP32 with IEEE dots is the only honest input
-GPU_DTYPES = (torch.bfloat16, torch.float16)
-INTERPRETER_DTYPES = (torch.float32,)
 
 
 def config_for(kernel: str, head_dim: int, node: str) -> dict[str, Any]:
@@ -116,55 +119,27 @@ def _runs_gluon(cfg: Mapping[str, Any], q: Tensor) -> bool:
     return True
 
 
+def _bwd_gluon(cfg: Mapping[str, Any], q: Tensor) -> bool:
+    """Whether dq is the Gluon fused kernel's (h3lab.triton.attention_fused_sm90): "IMPL": "gluon".
+    It has no other kernel with its bits (dq's partials added per key block, not chained), so a call
+    it cannot run raises: the interpreter, a device other than sm90, another tile, dtype or head dim."""
+    impl = cfg.get("IMPL", "triton")
+    if impl not in ("triton", "gluon"):
+        raise ValueError(f"attention_bwd_q IMPL {impl!r}; allowed: 'triton', 'gluon'")
+    if impl == "triton":
+        return False
+    if interpreting() or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"attention_bwd_q IMPL gluon on {q.device}; allowed: a compiled run on an sm90 GPU")
+    got = {"BLOCK_M": cfg.get("BLOCK_M"), "BLOCK_N": cfg.get("BLOCK_N"), "head_dim": q.shape[-1], "dtype": q.dtype}
+    want = {"BLOCK_M": 64, "BLOCK_N": 128, "head_dim": 128, "dtype": torch.bfloat16}
+    if got != want:
+        raise ValueError(f"attention_bwd_q IMPL gluon: {got}; allowed: {want}")
+    return True
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # FP32 operands must not silently become TF32 (10-bit mantissa); bf16/fp16 ignore the flag
     return "ieee" if dtype == F32 else "tf32"
-
-
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        raise ValueError(f"need q [Q, H, Dh], k and v [K, H, Dh]; got {shapes}")
-    if q.shape[1:] != k.shape[1:]:
-        raise ValueError(f"q and k must agree on (H, Dh); got {tuple(q.shape[1:])} and {tuple(k.shape[1:])}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must share a device; got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    allowed = INTERPRETER_DTYPES if interpreting() else GPU_DTYPES
-    if q.dtype not in allowed:
-        where = "under TRITON_INTERPRET=1" if interpreting() else "on CUDA"
-        raise ValueError(f"attention kernels take q/k/v in {list(allowed)} {where}; got {q.dtype}")
-    if k.shape[0] == 0:
-        raise ValueError("attention needs at least one key")
-
-
-def _check_scale(scale: float) -> None:
-    # the forward takes max(q . k) * scale as max(s): exact only for a positive scale
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number (1/sqrt(head_dim)); got {scale}")
-
-
-def _lastdim(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _strides(*ts: Tensor) -> tuple[int, ...]:
-    """The (row, head) strides of each [rows, H, Dh] tensor, one after the other: a kernel's strides tuple."""
-    return tuple(n for t in ts for n in (t.stride(0), t.stride(1)))
-
-
-def _lse(stats: Sequence[Tensor], h: int, n: int) -> Tensor:
-    if len(stats) != 1:
-        raise ValueError(f"stats must be (lse2,) as attention_fwd of this module returns; got {len(stats)} tensors")
-    return _stat(stats[0], h, n)
-
-
-def _stat(t: Tensor, h: int, n: int) -> Tensor:
-    """A per-(head, query) statistic as the contiguous FP32 [H, Q] the kernels index (h * Q + i)."""
-    if t.shape != (h, n) or t.dtype != F32:
-        raise ValueError(f"stats/delta must be FP32 [H, Q] = [{h}, {n}]; got {t.dtype} {tuple(t.shape)}")
-    return t.contiguous()
 
 
 def attention_fwd(
@@ -178,11 +153,11 @@ def attention_fwd(
     config: Mapping[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor, tuple[Tensor]]:
     """(o [Q, H, Dh] out_dtype, o_ref [Q, H, Dh] FP32, (lse2 [H, Q] FP32,)) of softmax(q k^T * scale) v."""
-    _check_inputs(q, k, v)
-    _check_scale(scale)
+    check_inputs(q, k, v)
+    check_scale(scale)
     if out_dtype not in (torch.bfloat16, torch.float16, F32):
         raise ValueError(f"out_dtype {out_dtype} not supported; allowed: torch.bfloat16, torch.float16, torch.float32")
-    q, k, v = _lastdim(q), _lastdim(k), _lastdim(v)
+    q, k, v = lastdim(q), lastdim(k), lastdim(v)
     (Q, H, Dh), K = q.shape, k.shape[0]
     cfg = _launch_cfg("attention_fwd", q, node, config)
     o = torch.empty((Q, H, Dh), dtype=out_dtype, device=q.device)
@@ -259,8 +234,8 @@ def _fwd_pointers(
         Q,
         K,
         qk_scale,
-        _strides(q, k, v),
-        _strides(o, o_ref),
+        strides(q, k, v),
+        strides(o, o_ref),
         HEAD_DIM=q.shape[2],
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
@@ -279,7 +254,7 @@ def attention_delta(
     whose CUDA reduction plan depends on the tensor's shape)."""
     if do.dim() != 3 or do.shape != o_ref.shape:
         raise ValueError(f"need dO and O of one shape [Q, H, Dh]; got {tuple(do.shape)}, {tuple(o_ref.shape)}")
-    do, o_ref = _lastdim(do), _lastdim(o_ref)
+    do, o_ref = lastdim(do), lastdim(o_ref)
     Q, H, Dh = do.shape
     cfg = _launch_cfg("attention_delta", do, node, config)
     delta = torch.empty((H, Q), dtype=F32, device=do.device)
@@ -303,18 +278,6 @@ def attention_delta(
     return delta
 
 
-def _bwd_operands(
-    q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
-) -> tuple[Tensor, ...]:
-    """The backward kernels' checked operands: q, dO, k, v with unit last stride, lse and delta [H, Q]."""
-    _check_inputs(q, k, v)
-    _check_scale(scale)
-    if do.shape != q.shape or do.dtype != q.dtype:
-        raise ValueError(f"dO must match q: {q.dtype} {tuple(q.shape)}; got {do.dtype} {tuple(do.shape)}")
-    Q, H = q.shape[0], q.shape[1]
-    return _lastdim(q), _lastdim(do), _lastdim(k), _lastdim(v), _lse(stats, H, Q), _stat(delta, H, Q)
-
-
 def _bwd_meta(cfg: Mapping[str, Any], head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
     """The backward kernels' compile-time arguments and launch options under `cfg`."""
     meta = {"HEAD_DIM": head_dim, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
@@ -334,10 +297,15 @@ def attention_bwd_q(
     node: str | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> Tensor:
-    """dq [Q, H, Dh] FP32 for these queries over all keys; scaled once, in the kernel epilogue."""
-    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    """dq [Q, H, Dh] FP32 for these queries over all keys; scaled once, on the FP32 sum. Under "IMPL":
+    "gluon" the fused sm90 kernel without dk and dv computes it (`_bwd_gluon`), else the dq kernel."""
+    q, do, k, v, lse, delta = bwd_operands(q, do, stats, delta, k, v, scale)
     (Q, H, Dh), K = q.shape, k.shape[0]
     cfg = _launch_cfg("attention_bwd_q", q, node, config)
+    if _bwd_gluon(cfg, q) and Q:
+        from h3lab.triton.attention_fused_sm90 import attention_bwd_q_sm90  # Gluon (Hopper only)
+
+        return attention_bwd_q_sm90(q, do, (lse,), delta, k, v, scale)
     dq = torch.empty((Q, H, Dh), dtype=F32, device=q.device)
     if Q == 0:
         return dq
@@ -346,11 +314,9 @@ def attention_bwd_q(
     descs = [_row_desc(t, cfg["BLOCK_N"]) for t in (k, v)] if cfg.get("TMA", False) else [None]
     query, scales = (q, do, lse, delta), (scale * LOG2E, scale)
     if all(d is not None for d in descs):
-        attention_bwd_q_tma_kernel[grid](query, *descs, dq, Q, K, *scales, _strides(q, do), _strides(dq), **common)
+        attention_bwd_q_tma_kernel[grid](query, *descs, dq, Q, K, *scales, strides(q, do), strides(dq), **common)
         return dq
-    attention_bwd_q_kernel[grid](
-        query, (k, v), dq, Q, K, *scales, _strides(q, do), _strides(k, v), _strides(dq), **common
-    )
+    attention_bwd_q_kernel[grid](query, (k, v), dq, Q, K, *scales, strides(q, do), strides(k, v), strides(dq), **common)
     return dq
 
 
@@ -367,7 +333,7 @@ def attention_bwd_kv(
     config: Mapping[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """dk, dv [K, H, Dh] FP32 for these keys; q, dO, stats, delta must be every query in canonical order."""
-    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    q, do, k, v, lse, delta = bwd_operands(q, do, stats, delta, k, v, scale)
     (Q, H, Dh), K = q.shape, k.shape[0]
     cfg = _launch_cfg("attention_bwd_kv", q, node, config)
     dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
@@ -377,16 +343,48 @@ def attention_bwd_kv(
     grid = (cdiv(K, cfg["BLOCK_N"]), H)
     common = _bwd_meta(cfg, Dh, q.dtype)
     descs = [_row_desc(t, cfg["BLOCK_M"]) for t in (q, do)] if cfg.get("TMA", False) else [None]
-    keys, grads, scales, kv_strides = (k, v), (dk, dv), (scale * LOG2E, scale), (_strides(k, v), _strides(dk))
+    keys, grads, scales, kv_strides = (k, v), (dk, dv), (scale * LOG2E, scale), (strides(k, v), strides(dk))
     if all(d is not None for d in descs):
         attention_bwd_kv_tma_kernel[grid](*descs, (lse, delta), keys, grads, Q, K, *scales, *kv_strides, **common)
         return dk, dv
     query = (q, do, lse, delta)
-    attention_bwd_kv_kernel[grid](query, keys, grads, Q, K, *scales, _strides(q, do), *kv_strides, **common)
+    attention_bwd_kv_kernel[grid](query, keys, grads, Q, K, *scales, strides(q, do), *kv_strides, **common)
     return dk, dv
 
 
+def attention_bwd(
+    q: Tensor,
+    do: Tensor,
+    stats: Sequence[Tensor],
+    delta: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    *,
+    node: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 of every query and every key, each in canonical order:
+    `attention_bwd_q`'s and `attention_bwd_kv`'s bytes, in one fused launch where dq is the Gluon
+    kernel's (the pinned dk/dv tile is then the fused kernel's, else ValueError), else the two."""
+    node = node or node_of(q.device)
+    cfg_q = config_for("attention_bwd_q", q.shape[-1], node) if q.dim() == 3 else {}
+    if not (cfg_q.get("IMPL") == "gluon" and _bwd_gluon(cfg_q, q) and q.shape[0]):
+        return attention_bwd_q(q, do, stats, delta, k, v, scale, node=node), *attention_bwd_kv(
+            q, do, stats, delta, k, v, scale, node=node
+        )
+    cfg_kv = config_for("attention_bwd_kv", q.shape[-1], node)
+    if (cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]) != (64, 128):
+        raise ValueError(
+            f"attention_bwd on {node}: attention_bwd_kv BLOCK_M, BLOCK_N = {cfg_kv['BLOCK_M']}, {cfg_kv['BLOCK_N']}; "
+            "allowed with attention_bwd_q IMPL gluon: 64, 128 (the fused kernel's dk/dv tile)"
+        )
+    from h3lab.triton.attention_fused_sm90 import attention_bwd_fused_sm90  # Gluon (Hopper only)
+
+    return attention_bwd_fused_sm90(q, do, stats, delta, k, v, scale)
+
+
 def flops(n_q: int, n_k: int, heads: int, head_dim: int) -> dict[str, float]:
-    """Tensor-core FLOPs: fwd 2 GEMMs (QK^T, PV); dq 3 (QK^T, dO V^T, dS K); dk/dv 4 (+ P^T dO, dS^T Q)."""
+    """Tensor-core FLOPs: fwd 2 GEMMs (QK^T, PV); dq 3 (QK^T, dO V^T, dS K); dk/dv 4 (+ P^T dO, dS^T Q);
+    the split backward 7, the fused one 5 (each product once)."""
     gemm = 2.0 * n_q * n_k * heads * head_dim
-    return {"fwd": 2 * gemm, "bwd_q": 3 * gemm, "bwd_kv": 4 * gemm, "bwd": 7 * gemm}
+    return {"fwd": 2 * gemm, "bwd_q": 3 * gemm, "bwd_kv": 4 * gemm, "bwd": 7 * gemm, "bwd_fused": 5 * gemm}

@@ -388,6 +388,10 @@ def variant(kernel: str, cfg: dict[str, Any], head_dim: int, what: str = "", ali
     candidate): the TMA kernel when it says "TMA". `aligned_strides`: strides taken as multiples of 16."""
     if kernel not in KERNELS:
         raise ValueError(f"attention_bwd variant: kernel {kernel!r}; allowed: {sorted(KERNELS)}")
+    if cfg.get("IMPL") == "gluon":  # dq by the Gluon fused kernel without dk, dv (h3lab.triton.attention)
+        from h3lab.triton.attention_fused_sm90 import variant as gluon_variant
+
+        return gluon_variant(dkv=False)
     tma = bool(cfg.get("TMA"))
     fn = KERNELS[kernel][1 if tma else 0]
     query, stats, keys = ("*bf16", "*bf16", "*fp32", "*fp32"), ("*fp32", "*fp32"), ("*bf16", "*bf16")
@@ -406,7 +410,7 @@ def variant(kernel: str, cfg: dict[str, Any], head_dim: int, what: str = "", ali
 
 
 def variants(node: str) -> list[Variant]:
-    """delta, dq and dk/dv at every pinned head dim."""
+    """delta, dq and dk/dv at every pinned head dim (a Gluon dq entry: dq alone and fused)."""
     out = []
     for kernel in ("attention_delta", *KERNELS):
         by_dim = configs.pinned(kernel, node)["by_head_dim"]
@@ -414,6 +418,10 @@ def variants(node: str) -> list[Variant]:
             cfg = by_dim[dh]
             if kernel != "attention_delta":
                 out.append(variant(kernel, cfg, int(dh), f"head_dim {dh}"))
+                if cfg.get("IMPL") == "gluon":  # and with dk, dv: the fused launch (attention.attention_bwd)
+                    from h3lab.triton.attention_fused_sm90 import variant as gluon_variant
+
+                    out.append(gluon_variant(dkv=True))
                 continue
             types = {"do_ptr": "*bf16", "o_ptr": "*fp32", "delta_ptr": "*fp32"}
             const = {"HEAD_DIM": int(dh), "BLOCK_R": cfg["BLOCK_R"]}

@@ -39,23 +39,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from h3lab.triton.attention import CONFIG_KEYS, F32, LOG2E, _bwd_meta, _bwd_operands, _row_desc, _strides
+from h3lab.triton.attention import CONFIG_KEYS, _bwd_meta, _row_desc
+from h3lab.triton.attention_args import DQ_MODES, F32, LOG2E, bwd_operands, check_modes, strides
 from h3lab.triton.attention_bwd import _dkdv_grads, _key_tiles
 from h3lab.triton.configs import cdiv
-
-ORDERS = ("heads_first", "keys_first")  # grid axis 0 (CUDA's fastest): heads, or key blocks (module docstring)
-# what happens to dq's partials: "ordered" is the kernel; "unordered" (atomic adds in whatever order the
-# blocks arrive: other bits run to run) and "skipped" (no dq at all) exist only so that
-# h3lab.bench.attention_fused_bwd can split the time of the turns from the adds' and the products'
-DQ_MODES = ("ordered", "unordered", "skipped")
-
-
-def check_modes(who: str, order: str, dq_mode: str) -> None:
-    """ValueError unless `order` is one of ORDERS and `dq_mode` one of DQ_MODES (both fused backwards')."""
-    if order not in ORDERS:
-        raise ValueError(f"{who} order {order!r}; allowed: {list(ORDERS)}")
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"{who} dq_mode {dq_mode!r}; allowed: {list(DQ_MODES)}")
 
 
 # One function on purpose: a jit kernel; dq's ordered adds (a turn counter, acquire/release) sit in the
@@ -159,7 +146,7 @@ def attention_bwd_fused(
         raise ValueError(
             f"attention_bwd_fused config {dict(config)}: keys {sorted(unknown)} wrong; needs exactly {allowed}"
         )
-    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    q, do, k, v, lse, delta = bwd_operands(q, do, stats, delta, k, v, scale)
     (Q, H, Dh), K = q.shape, k.shape[0]
     descs = [_row_desc(t, config["BLOCK_M"]) for t in (q, do)]
     if Q == 0 or any(d is None for d in descs):
@@ -184,9 +171,9 @@ def attention_bwd_fused(
         K,
         scale * LOG2E,
         scale,
-        _strides(k, v),
-        _strides(dk),
-        _strides(dq),
+        strides(k, v),
+        strides(dk),
+        strides(dq),
         **_bwd_meta(config, Dh, q.dtype),
         HEADS_FIRST=order == "heads_first",
         DQ_MODE=DQ_MODES.index(dq_mode),

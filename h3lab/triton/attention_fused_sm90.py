@@ -1,9 +1,12 @@
+# Whole on purpose: one kernel, its three partitions sharing one shared-memory plan and barrier protocol, and
+# the launchers that build the descriptors its layouts assume.
 """A fused attention backward for Hopper in Gluon, dq added in key-block order by its own warp.
 
-Status: a candidate, timed beside the pinned split backward by h3lab.bench.attention_fused_bwd
-(`--gluon`; reports/h200/attention-fused-bwd.json, where it is faster than the split); no launcher
-of h3lab.triton.attention calls it yet: pinned, its dq bits, not the split's, enter the contract,
-and the layouts that split the keys over ranks (CP) need the dq kernel to add in its order too.
+Pinned (kernels/sm90.json, attention_bwd_q at Dh 128, "IMPL": "gluon"): h3lab.triton.attention's
+`attention_bwd` runs it over every query and key (the block without CP), `attention_bwd_q` runs it
+without dk and dv (`DKV` false) for a CP rank's queries over every key: one kernel, so one set of
+dq bytes under every layout. Timed against the Triton split backward by
+h3lab.bench.attention_fused_bwd (`--gluon`; reports/h200/attention-fused-bwd.json).
 - dk, dv: the pinned dk/dv kernel's bits (attention_bwd, BLOCK_M 64 query rows, BLOCK_N 128 keys):
   per key block, over query blocks ascending, S^T = K Q^T, P^T = exp2(S^T * qk_scale - lse2),
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, as one wgmma chain each;
@@ -51,8 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3lab.triton.attention import LOG2E, _bwd_operands
-from h3lab.triton.attention_fused import DQ_MODES, check_modes
+from h3lab.triton.attention_args import DQ_MODES, LOG2E, bwd_operands, check_modes
 from h3lab.triton.attention_fwd_sm90 import MAXNREG, _desc, _smem_layout
 from h3lab.triton.configs import cdiv, interpreting
 from h3lab.triton.sm90_order import bulk_wait, st_release, tma_reduce_add, wait_turn
@@ -145,8 +147,9 @@ def _hand_dq(part, dq_smem, dq_full, dq_empty, i):
 
 
 @gluon.jit
-def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
-    """The default partition (8 warps): dk, dv over every query block; each block's dq tile to the dQ warp."""
+def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr, DKV: gl.constexpr):
+    """The default partition (8 warps): dk, dv over every query block (DKV; else none: dq alone); each
+    block's dq tile to the dQ warp."""
     q_bufs, do_bufs, k_smem, v_smem, lse_bufs, delta_bufs, ds_smem, dq_smem = bufs
     kv_bar, q_full, q_empty, dq_full, dq_empty = bars
     dk_ptr, dv_ptr, n_q, n_k, qk_scale, scale, stride_gm, stride_gh = io
@@ -177,27 +180,33 @@ def _compute(bufs, bars, io, STAGES: gl.constexpr, KEYS_FIRST: gl.constexpr):
         st = warpgroup_mma_wait(1, deps=(s_tok,))
         delta = delta_bufs.index(s).load(gl.SliceLayout(0, mma_kq))
         p = gl.where(row_ok[None, :], gl.exp2(st * qk_scale - lse[None, :]), 0.0)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), operand)
+        if DKV:
+            p_op = gl.convert_layout(p.to(gl.bfloat16), operand)
         dpt = warpgroup_mma_wait(0, deps=(dp_tok,))
         ds = gl.where(key_ok[:, None], p * (dpt - delta[None, :]), 0.0).to(gl.bfloat16)  # padded keys add nothing
         ds_slot = ds_smem.index(i % ds_smem.type.shape[0])
         ds_slot.store(ds)
         fence_async_shared()
-        ds_op = gl.convert_layout(ds, operand)
         # dV issued after dS (issued right after P it spills inside the loop); dQ first, so that its
         # tile is handed over while dV and dK run
         dq_tok = warpgroup_mma(ds_slot.permute((1, 0)), k_smem, zero_q, is_async=True)
-        dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        part = warpgroup_mma_wait(2, deps=(dq_tok,))
-        _hand_dq(part, dq_smem, dq_full, dq_empty, i)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+        if DKV:
+            ds_op = gl.convert_layout(ds, operand)
+            dv_tok = warpgroup_mma(p_op, do_s, dv, is_async=True)
+            dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+            part = warpgroup_mma_wait(2, deps=(dq_tok,))
+            _hand_dq(part, dq_smem, dq_full, dq_empty, i)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+        else:
+            part = warpgroup_mma_wait(0, deps=(dq_tok,))
+            _hand_dq(part, dq_smem, dq_full, dq_empty, i)
         mbarrier.arrive(q_empty.index(s), count=1)
-    r = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_kd))
-    c = gl.arange(0, DH, layout=gl.SliceLayout(0, mma_kd))
-    off = h.to(gl.int64) * stride_gh + r.to(gl.int64)[:, None] * stride_gm + c[None, :]
-    gl.store(dk_ptr + off, dk * scale, mask=(r < n_k)[:, None])
-    gl.store(dv_ptr + off, dv, mask=(r < n_k)[:, None])
+    if DKV:
+        r = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_kd))
+        c = gl.arange(0, DH, layout=gl.SliceLayout(0, mma_kd))
+        off = h.to(gl.int64) * stride_gh + r.to(gl.int64)[:, None] * stride_gm + c[None, :]
+        gl.store(dk_ptr + off, dk * scale, mask=(r < n_k)[:, None])
+        gl.store(dv_ptr + off, dv, mask=(r < n_k)[:, None])
 
 
 # One function on purpose: a Gluon kernel; its shared memory and barriers are allocated where
@@ -226,12 +235,14 @@ def attention_bwd_fused_sm90_kernel(
     DQ_SLOTS: gl.constexpr,
     DQ_MODE: gl.constexpr,
     KEYS_FIRST: gl.constexpr,
+    DKV: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """grid (n_kb, H) under KEYS_FIRST, else (H, n_kb): dk, dv [n_k, H, Dh] FP32 of one (head, key
     block); dq [n_q, H * Dh] FP32 (zeroed) += its tiles in key-block order; lse, delta [H * n_stat]
     FP32 (n_stat: n_q padded to a multiple of 64); turn [H, cdiv(n_q, 64)] int32 (zeroed). DQ_MODE:
-    the index of attention_fused.DQ_MODES (0, ordered: the kernel)."""
+    the index of attention_args.DQ_MODES (0, ordered: the kernel). DKV false: dq alone (dk, dv are
+    neither computed nor written; dq's bits are the same)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     DH: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -262,7 +273,7 @@ def attention_bwd_fused_sm90_kernel(
     descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc)
     gl.warp_specialize(
         [
-            (_compute, (bufs, (kv_bar, q_full, q_empty, dq_full, dq_empty), io, STAGES, KEYS_FIRST)),
+            (_compute, (bufs, (kv_bar, q_full, q_empty, dq_full, dq_empty), io, STAGES, KEYS_FIRST, DKV)),
             (_producer, (descs, ring, (kv_bar, q_full, q_empty), n_q, n_stat, STAGES, KEYS_FIRST)),
             (_dq_writer, (dq_desc, dq_smem, (dq_full, dq_empty), turn_ptr, n_q, DQ_MODE, KEYS_FIRST)),
         ],
@@ -292,7 +303,6 @@ def _stat_desc(stat: Tensor) -> TensorDescriptor:
     q = stat.shape[1]
     if q % BLOCK_M:
         stat = torch.nn.functional.pad(stat, (0, cdiv(q, BLOCK_M) * BLOCK_M - q))
-    stat = stat.contiguous()
     return TensorDescriptor(stat.view(-1), [stat.numel()], [1], [BLOCK_M], _stat_layout())
 
 
@@ -318,20 +328,45 @@ def attention_bwd_fused_sm90(
     order: str = "keys_first",
     dq_mode: str = "ordered",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 (module docstring): bf16 q, dO, k, v with Dh 128, heads
-    side by side, on an sm90 GPU, compiled (not the interpreter). `order`, one of
-    attention_fused.ORDERS, is the launch order (the same bytes under each); `dq_mode`, one of
-    attention_fused.DQ_MODES, "ordered" or a diagnostic whose dq is not the kernel's.
+    """(dq [Q, H, Dh], dk, dv [K, H, Dh]) FP32 (module docstring): bf16 q, dO, k, v with Dh 128, on an
+    sm90 GPU, compiled (not the interpreter); every query and every key, each in canonical order.
+    `order`, one of attention_args.ORDERS, is the launch order (the same bytes under each);
+    `dq_mode`, one of attention_args.DQ_MODES, "ordered" or a diagnostic whose dq is not the kernel's.
 
     Raises:
         ValueError: another dtype, head dim, layout or device, order or dq_mode.
     """
-    q, do, k, v, lse, delta = _bwd_operands(q, do, stats, delta, k, v, scale)
+    q, do, k, v, lse, delta = bwd_operands(q, do, stats, delta, k, v, scale)
     _check_call(q, k, order, dq_mode)
-    (Q, H, Dh), K = q.shape, k.shape[0]
-    dq = torch.zeros((Q, H, Dh), dtype=F32, device=q.device)
+    K, H, Dh = k.shape
     dk = torch.empty((K, H, Dh), dtype=F32, device=q.device)
     dv = torch.empty((K, H, Dh), dtype=F32, device=q.device)
+    dq = _launch((q, do, lse, delta, k, v), (dk, dv), scale, order, dq_mode)
+    return dq, dk, dv
+
+
+def attention_bwd_q_sm90(
+    q: Tensor, do: Tensor, stats: Sequence[Tensor], delta: Tensor, k: Tensor, v: Tensor, scale: float
+) -> Tensor:
+    """dq [Q, H, Dh] FP32 of these queries over every key (canonical order): the fused kernel without
+    dk and dv, so dq's bytes are `attention_bwd_fused_sm90`'s, whatever queries share the call.
+
+    Raises:
+        ValueError: another dtype, head dim, layout or device.
+    """
+    q, do, k, v, lse, delta = bwd_operands(q, do, stats, delta, k, v, scale)
+    _check_call(q, k, "keys_first", "ordered")
+    return _launch((q, do, lse, delta, k, v), None, scale, "keys_first", "ordered")
+
+
+def _launch(
+    operands: tuple[Tensor, ...], grads: tuple[Tensor, Tensor] | None, scale: float, order: str, dq_mode: str
+) -> Tensor:
+    """One launch on checked operands (q, dO, lse, delta, k, v) into grads (dk, dv; None: dq alone)."""
+    q, do, lse, delta, k, v = operands
+    (Q, H, Dh), K = q.shape, k.shape[0]
+    dq = torch.zeros((Q, H, Dh), dtype=F32, device=q.device)
+    dk, dv = grads if grads is not None else (dq, dq)  # not written without DKV
     turn = torch.zeros((H, cdiv(Q, BLOCK_M)), dtype=torch.int32, device=q.device)
     grid = (H, cdiv(K, BLOCK_N)) if order == "heads_first" else (cdiv(K, BLOCK_N), H)
     attention_bwd_fused_sm90_kernel[grid](
@@ -357,16 +392,17 @@ def attention_bwd_fused_sm90(
         DQ_SLOTS=DQ_SLOTS,
         DQ_MODE=DQ_MODES.index(dq_mode),
         KEYS_FIRST=order == "keys_first",
+        DKV=grads is not None,
         num_warps=8,
         maxnreg=MAXNREG,
         enable_fp_fusion=ATTENTION_FP_FUSION,
     )
-    return dq.mul_(scale), dk, dv
+    return dq.mul_(scale)
 
 
-def variant() -> Variant:
-    """Its one build at the real shapes' argument types (h3lab.bench.compile_pinned.build compiles it;
-    not in any `variants(node)`: nothing pins it)."""
+def variant(dkv: bool = True) -> Variant:
+    """Its build at the real shapes' argument types, with dk and dv (`dkv`) or dq alone (the pinned
+    dq kernel: h3lab.triton.attention_bwd.variants lists both)."""
     lq, lk = _smem_layout(BLOCK_M, HEAD_DIM, torch.bfloat16), _smem_layout(BLOCK_N, HEAD_DIM, torch.bfloat16)
     ldq = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
     types = {f"{n}_desc": f"tensordesc<bf16[{BLOCK_M},{HEAD_DIM}],{lq!r}>" for n in ("q", "do")}
@@ -380,8 +416,17 @@ def variant() -> Variant:
         "DQ_SLOTS": DQ_SLOTS,
         "DQ_MODE": 0,
         "KEYS_FIRST": True,
+        "DKV": dkv,
         "num_warps": 8,
     }
     opts = {"num_warps": 8, "num_stages": 1, "maxnreg": MAXNREG, "enable_fp_fusion": ATTENTION_FP_FUSION}
-    what = "gluon fused backward, head_dim 128, dq by its own warp"
-    return Variant("attention_fused", what, attention_bwd_fused_sm90_kernel, types, const, opts, align_pointers=False)
+    what = "gluon fused backward, head_dim 128, dq by its own warp" + ("" if dkv else ", dq alone")
+    return Variant(
+        "attention_fused" if dkv else "attention_bwd_q",
+        what,
+        attention_bwd_fused_sm90_kernel,
+        types,
+        const,
+        opts,
+        align_pointers=False,
+    )

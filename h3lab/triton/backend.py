@@ -136,3 +136,4 @@ class TritonBackend:
     attention_delta = _on_node(attention.attention_delta)
     attention_bwd_q = _on_node(attention.attention_bwd_q)
     attention_bwd_kv = _on_node(attention.attention_bwd_kv)
+    attention_bwd = _on_node(attention.attention_bwd)

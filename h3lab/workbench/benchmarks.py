@@ -169,8 +169,8 @@ def attention_long(record: dict) -> pd.DataFrame:
                 "fwd TFLOP/s": (kernels.get("fwd") or {}).get("tflops"),
                 "dq TFLOP/s": (kernels.get("bwd_q") or {}).get("tflops"),
                 "dk/dv TFLOP/s": (kernels.get("bwd_kv") or {}).get("tflops"),
-                "bwd TFLOP/s": bound.get("split_bwd_tflops"),
-                "bwd TFLOP/s for 0.9": bound.get("split_bwd_tflops_for_0.9"),
+                "bwd TFLOP/s": bound.get("bwd_tflops", bound.get("split_bwd_tflops")),  # older records: split
+                "bwd TFLOP/s for 0.9": bound.get("bwd_tflops_for_0.9", bound.get("split_bwd_tflops_for_0.9")),
                 "GEMM ceiling TFLOP/s": record.get("gemm_ceiling_tflops"),
             }
         )
