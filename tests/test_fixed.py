@@ -64,6 +64,11 @@ def test_cos_sin_accuracy_and_range_check():
     assert_bitwise(c2, c[17:1017]), assert_bitwise(s2, s[17:1017])
     with pytest.raises(ValueError, match="allowed below 1e6"):
         cos_sin(torch.tensor([2e6]))
+    # a caller's proven bound replaces the read of the angles' maximum: the same bits
+    c3, s3 = cos_sin(ang, max_abs=4096.0)
+    assert_bitwise(c3, c), assert_bitwise(s3, s)
+    with pytest.raises(ValueError, match=r"max_abs=1000000.0; allowed below 1e6"):
+        cos_sin(ang, max_abs=1e6)
 
 
 def test_unit_tree_is_the_contract_expression_and_nests_by_tp():

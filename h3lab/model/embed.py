@@ -55,9 +55,10 @@ def _sinusoid_freqs(half: int, device: torch.device) -> Tensor:
 
 
 def timestep_sinusoid(t_T: Tensor, freq_dim: int) -> Tensor:
-    """[T, Fq] float32 [cos | sin] of t * exp(-ln(1e4) k / (Fq/2)), k = 0..Fq/2-1 (diffusers' Timesteps)."""
+    """[T, Fq] float32 [cos | sin] of t * exp(-ln(1e4) k / (Fq/2)), k = 0..Fq/2-1 (diffusers' Timesteps),
+    for t in [0, 1] as ModelInputs checks it: every angle is within [0, 1], so none is read back."""
     freqs = _sinusoid_freqs(freq_dim // 2, t_T.device)
-    cos, sin = cos_sin(t_T.to(F32)[:, None] * freqs[None, :])
+    cos, sin = cos_sin(t_T.to(F32)[:, None] * freqs[None, :], max_abs=1.0)
     return torch.cat([cos, sin], dim=-1)  # flip_sin_to_cos=True
 
 

@@ -166,10 +166,14 @@ def _poly(r2: Tensor, coeffs: list[float]) -> Tensor:
     return p
 
 
-def cos_sin(angle: Tensor) -> tuple[Tensor, Tensor]:
-    """(cos, sin) of float32 angles with |angle| < 1e6, in float64 internally, rounded to fp32."""
+def cos_sin(angle: Tensor, max_abs: float | None = None) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of float32 angles with |angle| < 1e6, in float64 internally, rounded to fp32.
+    `max_abs`: a bound on |angle| the caller has proven on the host (checked instead of the angles:
+    reading their maximum back is a device sync); None reads it."""
     x = angle.to(torch.float64)
-    if x.numel() and float(x.abs().max()) >= 1e6:
+    if max_abs is not None and not max_abs < 1e6:
+        raise ValueError(f"cos_sin: max_abs={max_abs}; allowed below 1e6 rad")
+    if max_abs is None and x.numel() and float(x.abs().max()) >= 1e6:
         raise ValueError(f"cos_sin: |angle| up to {float(x.abs().max()):.3g}; allowed below 1e6 rad")
     n = torch.round(x * _INV_PIO2)
     r = ((x - n * _PIO2_1) - n * _PIO2_2) - n * _PIO2_3

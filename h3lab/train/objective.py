@@ -110,7 +110,7 @@ class FlowObjective:
             data, nc, order = _generated(inputs, m)
             noise = torch.empty_like(data, dtype=F32)
             noise[order] = torch.randn(data.shape, generator=gen, dtype=F32).to(data.device)  # row j: j-th key
-            s = sigma.to(data.device)
+            s = torch.full((), float(sigma), dtype=F32, device=data.device)  # a fill: no copy, no host sync
             cond = getattr(inputs, f"{m}_rows")[:nc]
             rows[m] = torch.cat([cond, (1 - s) * data + s * noise])
             targets[m] = torch.cat([torch.zeros_like(cond), data - noise])
