@@ -1,4 +1,4 @@
-"""A fused attention backward with dq summed in key-block order: a measured candidate, not the pinned path.
+"""A fused attention backward with dq summed in key-block order, in Triton: a measured candidate.
 
 One program per (key block, head) computes dk, dv with attention_bwd_kv's step (_dkdv_grads: the
 same bits) and, per query block, dq's partial dS @ K over its key block from the same dS. The
@@ -6,8 +6,9 @@ partials of a query block are added into an FP32 dq in ascending key-block order
 per (head, query block) lets key block j add only after key block j - 1 has (acquire / release
 atomics). So a query row's dq = ((0 + P_0) + P_1) + ... over key blocks, an order fixed by the
 key-block index alone: within the h3-parallel-v1 contract (row-local, independent of the query
-split and the row count), but other bits than the pinned split kernels' (which chain dS @ K
-through one accumulator).
+split and the row count), the bits of the pinned sm90 dq (its Gluon form, attention_fused_sm90:
+the GPU tests compare them), other bits than the Triton dq kernel's (which chains dS @ K through
+one accumulator).
 
 It exists to measure what an ordered dq costs when the compute warps wait their turn themselves
 (h3lab.bench.attention_fused_bwd); FlashAttention-3's deterministic backward hands the ordered adds
