@@ -131,6 +131,12 @@ def know_facts(t: Tensor, facts: tuple[int, int, bool]) -> None:
     _KNOWN[key] = (weakref.ref(t, gone), t._version, facts)
 
 
+def known_facts(t: Tensor) -> tuple[int, int, bool] | None:
+    """`index_facts` of `t` where they are known without a host sync (this scope's cache, or
+    `know_facts`), else None: for a fast path that may be skipped, never for a check."""
+    return _known(t) or _peek("facts", (t,), ())
+
+
 def _known(t: Tensor) -> tuple[int, int, bool] | None:
     hit = _KNOWN.get(id(t))
     return hit[2] if hit is not None and hit[0]() is t and hit[1] == t._version else None

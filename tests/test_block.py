@@ -326,3 +326,29 @@ def test_the_backward_frees_each_parts_tensors_when_the_part_reading_them_last_r
     freed_by(("unit_reduce", 3), ("mm", 1), ("mm", 2))  # q, k
     qkv = [("qk_norm_rope_bwd", 0, 0), ("qk_norm_rope_bwd", 1, 0), ("unit_reduce", 3), ("rms_modulate_fwd", 0)]
     freed_by(("rms_modulate_bwd", 1), *qkv)  # q, k, v's gradients (not the norm weights' rows), norm1's output
+
+
+def test_the_fused_attention_gradients_go_back_to_their_rows_without_a_host_read(monkeypatch):
+    """RowSpace.tp_from_order: canonical-order rows into the batch's rows, padding zero, never reading
+    the order back (a sync per block backward); the order's copy is skipped only where its facts are
+    known (an arange), with the same bytes."""
+    from h3lab import rowplan
+    from h3lab.block.rowspace import RowSpace
+
+    def read_back(t):
+        raise AssertionError("tp_from_order read the order back")
+
+    rs, g = RowSpace(LocalComm()), torch.Generator().manual_seed(5)
+    order = torch.randperm(12, generator=g)[:9]  # 3 padding rows
+    t_c = torch.randn(9, 2, 4, generator=g)
+    monkeypatch.setattr(rowplan, "_facts_of", read_back)
+    out = rs.tp_from_order(t_c, order, 12)
+    assert_bitwise(out[order], t_c)
+    padding = torch.ones(12, dtype=torch.bool)
+    padding[order] = False
+    assert padding.sum() == 3 and not out[padding].any()
+    arange = torch.arange(12)
+    full = torch.randn(12, 2, 4, generator=g)
+    assert_bitwise(rs.tp_from_order(full, arange, 12), full)  # facts unknown: a copy, the same bytes
+    rowplan.know_facts(arange, (0, 11, True))
+    assert rs.tp_from_order(full, arange, 12) is full
