@@ -101,7 +101,8 @@ class ModelInputs:
             )
             allowed = (torch.float32, torch.bfloat16) if name == "text_rows" else (torch.float32,)
             c.host(rows.dtype in allowed, name, f"dtype {rows.dtype}; allowed: {list(allowed)}")
-            c.device(torch.isfinite(rows).all(), name, lambda: "holds inf or NaN; allowed: finite rows")
+            finite = lambda rows=rows: torch.isfinite(rows).all()  # noqa: E731
+            c.device_once("finite", (rows,), finite, name, lambda: "holds inf or NaN; allowed: finite rows")
         c.host(
             self.text_rows.shape[0] >= 1,
             "text_rows",
@@ -110,11 +111,16 @@ class ModelInputs:
 
     def _check_partition(self, c: Checks, S: int) -> None:
         """The three streams' indices together hold each packed row [0, S) exactly once."""
-        every = torch.cat([self.text_indices, self.video_indices, self.audio_indices])
+        streams = (self.text_indices, self.video_indices, self.audio_indices)
         name = "video_indices/audio_indices/text_indices"
         message = f"must partition the {S} packed rows [0, {S}) exactly once; allowed: each row in one stream, once"
-        c.host(every.numel() == S, name, message)
-        c.device((every.sort().values == torch.arange(S, device=every.device)).all(), name, lambda: message)
+        c.host(sum(t.numel() for t in streams) == S, name, message)
+
+        def partition() -> Tensor:
+            every = torch.cat(streams)
+            return (every.sort().values == torch.arange(S, device=every.device)).all()
+
+        c.device_once(f"partition of {S}", streams, partition, name, lambda: message)
 
     def _check_timestep(self, c: Checks) -> None:
         """timestep is 1-D float32 [T], T >= 1, its values in [0, 1]."""
@@ -124,8 +130,10 @@ class ModelInputs:
             "timestep",
             f"{t.dtype} {list(t.shape)}; allowed: 1-D float32 [T] with T >= 1",
         )
-        c.device(
-            ((t >= 0) & (t <= 1)).all(),
+        c.device_once(
+            "in [0, 1]",
+            (t,),
+            lambda: ((t >= 0) & (t <= 1)).all(),
             "timestep",
             lambda: f"values {t.tolist()}; allowed: [0, 1] unscaled (t = 1 - sigma)",
         )
@@ -143,7 +151,8 @@ class ModelInputs:
                 low, high = torch.stack([x.min(), x.max()]).tolist()
                 return f"values span [{low}, {high}]; allowed: [{lo}, {hi}]"
 
-            c.device((x.min() >= lo) & (x.max() <= hi), name, span)
+            within = lambda x=x, lo=lo, hi=hi: (x.min() >= lo) & (x.max() <= hi)  # noqa: E731
+            c.device_once(f"in [{lo}, {hi}]", (x,), within, name, span)
 
     def _check_logical_keys(self, c: Checks, S: int) -> None:
         """logical_keys is int64 [S, 2], unique, its first key >= 0 (no padding)."""
@@ -153,13 +162,17 @@ class ModelInputs:
             "logical_keys",
             f"{k.dtype} {list(k.shape)}; allowed: int64 [{S}, 2]",
         )
-        c.device(
-            (k[:, 0] >= 0).all(),
+        c.device_once(
+            "first keys >= 0",
+            (k,),
+            lambda: (k[:, 0] >= 0).all(),
             "logical_keys",
             lambda: "first key < 0 marks padding; allowed: first keys >= 0 (model inputs carry no padding)",
         )
-        c.device(
-            ~has_duplicate_rows(k),
+        c.device_once(
+            "unique",
+            (k,),
+            lambda: ~has_duplicate_rows(k),
             "logical_keys",
             lambda: f"keys must be unique, {first_duplicate_row(k)} is not; allowed: one row per key",
         )
